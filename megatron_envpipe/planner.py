@@ -1,0 +1,437 @@
+"""EnvPipe's planner: initial plan types, reconfiguration policies, termination.
+
+Plan types (envpipe.md §3): ``baseline`` (every unit at f_max), ``uniform``
+(each stage at its energy-valley clock), ``envelope`` (the outer envelope at
+f_max, everything else at the valley clock). Reconfiguration policies (§4):
+``default`` (none), ``greedy`` (raise the first non-max unit from the end of
+the critical path by 3 steps), ``balanced`` (raise every critical unit at the
+path's minimum clock by one step), repeated until the critical path *is* the
+outer envelope.
+
+Unlike Perseus's re-implementation, which loops forever when the last stage
+is not the heaviest, the loop always terminates: offline the simulation is
+deterministic, so an iteration with nothing left to raise is final and we stop
+and say why; online (measured, noisy) the :class:`Reconfigurer` stops after
+``finish_limit`` iterations without progress, as EnvPipe does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .gpu_specs import GpuSpec
+from .plan import FrequencyPlan
+from .profile import Profile
+from .schedule import (
+    Schedule,
+    ScheduleError,
+    Unit,
+    build_schedule,
+    clamp_extra_warmup,
+    one_f_one_b,
+    raw_extra_warmup,
+)
+from .timeline import Dependency, PlanEvaluator, PlanScore, Timeline, outer_envelope
+
+PLAN_TYPES = ("baseline", "uniform", "envelope")
+RECONFIG_POLICIES = ("default", "greedy", "balanced")
+GREEDY_STEP_FACTOR = 3  # EnvPipe: greedy raises 3 steps so it moves as fast as balanced
+DEFAULT_RECONFIG_STEP_MHZ = 30
+DEFAULT_FINISH_LIMIT = 10
+SLOWDOWN_WARNING = 0.01
+
+
+class PlannerError(ValueError):
+    """Planner input that cannot give a plan (wrong names, sizes, budgets)."""
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    plan_type: str = "envelope"
+    scheduling: str = "ours"
+    reconfig: str = "balanced"
+    gpu: GpuSpec | None = None
+    p2p_power_w: float | None = None  # None: the GPU table's value (0 if unknown)
+    reconfig_step_mhz: int | None = None  # None: the GPU table's value (30 MHz)
+    max_inflight: int | tuple[int | None, ...] | None = None  # activation budget per stage
+    extra_warmup: tuple[int, ...] | None = None  # override EnvPipe's r_s (clamped anyway)
+    p2p_latency_s: float = 0.0
+    max_iterations: int = 100_000
+    extra_dependencies: tuple[Dependency, ...] = ()
+
+    def validate(self) -> "PlannerConfig":
+        if self.plan_type not in PLAN_TYPES:
+            raise PlannerError(f"unknown plan type {self.plan_type!r}; choose one of {', '.join(PLAN_TYPES)}")
+        if self.scheduling not in ("1f1b", "ours"):
+            raise PlannerError(f"unknown scheduling {self.scheduling!r}; choose 1f1b or ours")
+        if self.reconfig not in RECONFIG_POLICIES:
+            raise PlannerError(
+                f"unknown reconfiguration policy {self.reconfig!r}; choose one of {', '.join(RECONFIG_POLICIES)}"
+            )
+        if self.reconfig_step_mhz is not None and self.reconfig_step_mhz <= 0:
+            raise PlannerError(f"reconfiguration step must be positive, got {self.reconfig_step_mhz} MHz")
+        if self.p2p_power_w is not None and self.p2p_power_w < 0:
+            raise PlannerError(f"P2P blocking power must be >= 0 W, got {self.p2p_power_w}")
+        if self.max_iterations < 1:
+            raise PlannerError("max_iterations must be >= 1")
+        return self
+
+    @property
+    def effective_p2p_power_w(self) -> float:
+        if self.p2p_power_w is not None:
+            return self.p2p_power_w
+        return self.gpu.p2p_power_w if self.gpu is not None else 0.0
+
+    @property
+    def effective_reconfig_step_mhz(self) -> int:
+        if self.reconfig_step_mhz is not None:
+            return self.reconfig_step_mhz
+        return self.gpu.reconfig_step_mhz if self.gpu is not None else DEFAULT_RECONFIG_STEP_MHZ
+
+
+@dataclass
+class PlanResult:
+    """A plan, how it was found, and how it scores against 1F1B at f_max."""
+
+    config: PlannerConfig
+    plan: FrequencyPlan
+    score: PlanScore
+    timeline: Timeline
+    baseline_plan: FrequencyPlan
+    baseline: PlanScore
+    baseline_timeline: Timeline
+    f_max_mhz: int
+    valley_mhz: tuple[int, ...]
+    candidates_mhz: tuple[int, ...]
+    iterations: int
+    converged: bool
+    stop_reason: str
+    planner_seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.plan.schedule
+
+    @property
+    def energy_saving(self) -> float:
+        return 1.0 - self.score.energy_j / self.baseline.energy_j
+
+    @property
+    def slowdown(self) -> float:
+        return self.score.iteration_time_s / self.baseline.iteration_time_s - 1.0
+
+
+class ClockLadder:
+    """The candidate clocks and how a reconfiguration step moves along them."""
+
+    def __init__(self, candidates_mhz: Sequence[int], step_mhz: int) -> None:
+        if not candidates_mhz:
+            raise PlannerError("no candidate clocks")
+        self.ascending = sorted(set(int(f) for f in candidates_mhz))
+        self.f_max = self.ascending[-1]
+        self.step_mhz = step_mhz
+
+    def raised(self, freq_mhz: int, steps: int = 1) -> int:
+        """The lowest candidate at least ``steps*step`` above ``freq``, capped at f_max."""
+        target = freq_mhz + steps * self.step_mhz
+        if target >= self.f_max:
+            return self.f_max
+        i = bisect.bisect_left(self.ascending, target)
+        return self.ascending[i]
+
+
+class Reconfigurer:
+    """One EnvPipe reconfiguration step per iteration, from a critical path.
+
+    Used offline by :func:`plan_envpipe` (exact simulated path) and online by
+    the executor (path walked from measured receive waits, as EnvPipe does).
+    """
+
+    def __init__(
+        self,
+        plan: FrequencyPlan,
+        policy: str,
+        ladder: ClockLadder,
+        finish_limit: int = DEFAULT_FINISH_LIMIT,
+        threshold_scale: float = 4.0,
+    ) -> None:
+        if policy not in RECONFIG_POLICIES:
+            raise PlannerError(f"unknown reconfiguration policy {policy!r}")
+        self.schedule = plan.schedule
+        self.freqs = [list(row) for row in plan.freqs_mhz]
+        self.policy = policy
+        self.ladder = ladder
+        self.envelope = outer_envelope(plan.schedule)
+        self.finish_limit = finish_limit
+        self.threshold_scale = threshold_scale
+        self.threshold_s: float | None = None
+        self.finish_count = 0
+        self.iterations = 0
+        # "default" never reconfigures: EnvPipe starts it finished.
+        self.finished = policy == "default"
+
+    @property
+    def plan(self) -> FrequencyPlan:
+        return FrequencyPlan(self.schedule, tuple(tuple(r) for r in self.freqs))
+
+    def freqs_flat(self) -> list[int]:
+        return [f for row in self.freqs for f in row]
+
+    def on_envelope(self, path: Sequence[tuple[int, Unit]]) -> bool:
+        return all(node in self.envelope for node in path)
+
+    def apply(self, path: Sequence[tuple[int, Unit]]) -> bool:
+        """Raise clocks on ``path`` (ordered from the end of the iteration backwards).
+
+        Returns whether any clock changed. A path already on the envelope
+        changes nothing.
+        """
+        if self.policy == "default" or self.on_envelope(path):
+            return False
+        pos = {(s, u): i for s, order in enumerate(self.schedule.orders) for i, u in enumerate(order)}
+        f_max = self.ladder.f_max
+        if self.policy == "greedy":
+            for node in path:
+                s, i = node[0], pos[node]
+                if self.freqs[s][i] < f_max:
+                    self.freqs[s][i] = self.ladder.raised(self.freqs[s][i], GREEDY_STEP_FACTOR)
+                    return True
+            return False
+        # balanced
+        f_min = min(self.freqs[s][pos[(s, u)]] for s, u in path)
+        if f_min >= f_max:
+            return False
+        new = self.ladder.raised(f_min)
+        for s, u in path:
+            i = pos[(s, u)]
+            if self.freqs[s][i] == f_min:
+                self.freqs[s][i] = new
+        return True
+
+    def step(self, path: Sequence[tuple[int, Unit]]) -> FrequencyPlan:
+        """Online use: one iteration's critical path in, the next iteration's plan out.
+
+        After ``finish_limit`` iterations in a row without progress (or with the
+        path on the envelope) the reconfigurer is finished and keeps its plan.
+        """
+        if self.finished:
+            return self.plan
+        self.iterations += 1
+        if self.apply(path):
+            self.finish_count = 0
+        else:
+            self.finish_count += 1
+            if self.finish_count > self.finish_limit:
+                self.finished = True
+        return self.plan
+
+    def step_from_measurement(
+        self,
+        recv_wait_s: Sequence[Sequence[float]],
+    ) -> FrequencyPlan:
+        """Online use from measured receive waits per unit (same layout as the schedule)."""
+        return self.step(self.measured_critical_path(recv_wait_s))
+
+    def measured_critical_path(self, recv_wait_s: Sequence[Sequence[float]]) -> list[tuple[int, Unit]]:
+        """EnvPipe's walk (envpipe.md §3.1) over measured receive waits.
+
+        From stage 0's last unit: if the unit waited for its input at least the
+        threshold, jump to the stage that produced it, else step to the previous
+        unit of the same stage. Threshold = scale x the smallest non-zero wait
+        on the last stage, fixed at the first call (EnvPipe's convention).
+        """
+        sched = self.schedule
+        last = sched.num_stages - 1
+        if self.threshold_s is None:
+            nonzero = [w for w in recv_wait_s[last] if w > 0]
+            self.threshold_s = self.threshold_scale * (min(nonzero) if nonzero else 0.0)
+        threshold = self.threshold_s
+        index = [{u: i for i, u in enumerate(order)} for order in sched.orders]
+        s, i = 0, len(sched.orders[0]) - 1
+        path = []
+        for _ in range(sum(len(o) for o in sched.orders) + 1):
+            unit = sched.orders[s][i]
+            path.append((s, unit))
+            if s == 0 and i == 0:
+                break
+            waited = recv_wait_s[s][i] >= threshold and recv_wait_s[s][i] > 0
+            has_cross = (unit.is_forward and s > 0) or (not unit.is_forward and s < last)
+            if (waited or i == 0) and has_cross:
+                s = s - 1 if unit.is_forward else s + 1
+                i = index[s][unit]
+            elif i > 0:
+                i -= 1
+            else:
+                break
+        return path
+
+
+def stage_valley_clocks(
+    profile: Profile, candidates_mhz: Sequence[int], p2p_power_w: float
+) -> tuple[int, ...]:
+    """Per stage, the clock minimising one micro-batch's F+B energy at fixed iteration time.
+
+    Slowing a unit by dt lengthens busy time by dt and shortens idle time by
+    the same dt, so the relevant cost is ``E(f) - P_p2p * t(f)`` — which is what
+    EnvPipe's whole-iteration measurement minimises too. Ties: the faster clock.
+    """
+    valley = []
+    for s in range(profile.num_stages):
+        best = min(
+            candidates_mhz,
+            key=lambda f: (
+                sum(
+                    profile.energy_j(s, ins, f) - p2p_power_w * profile.time_s(s, ins, f)
+                    for ins in ("forward", "backward")
+                ),
+                -f,
+            ),
+        )
+        valley.append(best)
+    return tuple(valley)
+
+
+def planner_candidates(profile: Profile, gpu: GpuSpec | None) -> tuple[int, ...]:
+    """Clocks profiled for every stage and instruction, within the GPU's range."""
+    common = profile.common_frequencies()
+    if not common:
+        raise PlannerError(f"{profile.source}: no clock is profiled for every stage and instruction")
+    return gpu.candidate_clocks(common) if gpu is not None else common
+
+
+def plan_envpipe(
+    profile: Profile,
+    num_microbatches: int,
+    config: PlannerConfig = PlannerConfig(),
+    num_stages: int | None = None,
+) -> PlanResult:
+    """Plan one iteration EnvPipe's way on the simulated timeline."""
+    t0 = time.perf_counter()
+    config.validate()
+    p = profile.num_stages if num_stages is None else num_stages
+    if p != profile.num_stages:
+        raise PlannerError(f"--stages {p} does not match the profile's {profile.num_stages} stages ({profile.source})")
+    if num_microbatches < 1:
+        raise PlannerError(f"need at least one micro-batch, got {num_microbatches}")
+    p2p_power = config.effective_p2p_power_w
+    candidates = planner_candidates(profile, config.gpu)
+    ladder = ClockLadder(candidates, config.effective_reconfig_step_mhz)
+    f_max = ladder.f_max
+    warnings: list[str] = []
+    if config.gpu is not None and f_max < config.gpu.max_clock_mhz:
+        warnings.append(
+            f"the profile stops at {f_max} MHz, below {config.gpu.key}'s maximum {config.gpu.max_clock_mhz} MHz: "
+            f"the baseline runs at {f_max} MHz"
+        )
+    valley = stage_valley_clocks(profile, candidates, p2p_power)
+    inner = valley if config.plan_type != "baseline" else (f_max,) * p
+
+    if config.scheduling == "ours":
+        raw = (
+            list(config.extra_warmup)
+            if config.extra_warmup is not None
+            else raw_extra_warmup(
+                p,
+                [profile.time_s(s, "backward", f_max) for s in range(p)],
+                [profile.time_s(s, "forward", inner[s]) for s in range(p)],
+            )
+        )
+        try:
+            r = clamp_extra_warmup(p, num_microbatches, raw, config.max_inflight)
+        except ScheduleError as exc:
+            raise PlannerError(str(exc)) from None
+        schedule = build_schedule("ours", p, num_microbatches, r)
+    else:
+        schedule = one_f_one_b(p, num_microbatches)
+
+    baseline_schedule = one_f_one_b(p, num_microbatches)
+    baseline_eval = PlanEvaluator(baseline_schedule, profile, p2p_power, config.p2p_latency_s)
+    baseline_plan = FrequencyPlan.constant(baseline_schedule, [f_max] * p)
+    baseline_timeline = baseline_eval.simulate(baseline_plan.flat())
+    baseline_score = baseline_eval.score(baseline_plan.flat(), baseline_timeline)
+
+    evaluator = PlanEvaluator(
+        schedule, profile, p2p_power, config.p2p_latency_s, config.extra_dependencies
+    )
+    plan = initial_plan(schedule, config.plan_type, f_max, inner)
+    reconf = Reconfigurer(plan, config.reconfig, ladder)
+    iterations, converged, reason = 0, False, ""
+    timeline = evaluator.simulate(plan.flat())
+    if config.reconfig == "default":
+        converged = reconf.on_envelope(timeline.critical_units())
+        reason = "no reconfiguration (policy 'default')"
+    else:
+        while True:
+            path = timeline.critical_units()
+            if reconf.on_envelope(path):
+                converged, reason = True, "critical path is the outer envelope"
+                break
+            if iterations >= config.max_iterations:
+                reason = f"stopped after max_iterations={config.max_iterations}"
+                break
+            if not reconf.apply(path):
+                off = [f"S{s} {u}" for s, u in path if (s, u) not in reconf.envelope]
+                reason = (
+                    "stalled: the critical path leaves the outer envelope (at "
+                    + ", ".join(off[:3])
+                    + (" ..." if len(off) > 3 else "")
+                    + ") but every unit on it already runs at f_max; the last stage is not the "
+                    "heaviest, so EnvPipe's stopping rule cannot be met"
+                )
+                break
+            iterations += 1
+            timeline = evaluator.simulate(reconf.freqs_flat())
+        plan = reconf.plan
+    score = evaluator.score(plan.flat(), timeline)
+    result = PlanResult(
+        config=config,
+        plan=plan,
+        score=score,
+        timeline=timeline,
+        baseline_plan=baseline_plan,
+        baseline=baseline_score,
+        baseline_timeline=baseline_timeline,
+        f_max_mhz=f_max,
+        valley_mhz=valley,
+        candidates_mhz=tuple(sorted(candidates, reverse=True)),
+        iterations=iterations,
+        converged=converged,
+        stop_reason=reason,
+        planner_seconds=0.0,
+        warnings=warnings,
+    )
+    if result.slowdown > SLOWDOWN_WARNING:
+        warnings.append(
+            f"this plan is {100 * result.slowdown:.2f}% slower than the baseline (1F1B at {f_max} MHz); "
+            + (
+                "reconfiguration stalled before reaching the envelope"
+                if not converged and config.reconfig != "default"
+                else "try --reconfig balanced or --type optimal"
+                if config.reconfig == "default"
+                else "the envelope itself is slower than the baseline"
+            )
+        )
+    result.planner_seconds = time.perf_counter() - t0
+    return result
+
+
+def initial_plan(schedule: Schedule, plan_type: str, f_max: int, inner_mhz: Sequence[int]) -> FrequencyPlan:
+    """The plan before any reconfiguration (envpipe.md §3)."""
+    if plan_type == "baseline":
+        return FrequencyPlan.constant(schedule, [f_max] * schedule.num_stages)
+    if plan_type == "uniform":
+        return FrequencyPlan.constant(schedule, inner_mhz)
+    if plan_type == "envelope":
+        env = outer_envelope(schedule)
+        return FrequencyPlan(
+            schedule,
+            tuple(
+                tuple(f_max if (s, u) in env else int(inner_mhz[s]) for u in order)
+                for s, order in enumerate(schedule.orders)
+            ),
+        )
+    raise PlannerError(f"unknown plan type {plan_type!r}")
