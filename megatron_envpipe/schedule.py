@@ -76,17 +76,18 @@ class Schedule:
     def num_stages(self) -> int:
         return len(self.orders)
 
-    def warmup_forwards(self, stage: int) -> int:
-        """Forwards before the stage's first backward, minus the steady-state one.
+    def forwards_before_first_backward(self, stage: int) -> int:
+        """``min(M, P-s)`` for 1F1B, ``min(M, P-s+r_s)`` for EnvPipe.
 
-        This is Megatron's ``num_warmup_microbatches``: ``P-s-1`` for 1F1B.
+        (Megatron's ``num_warmup_microbatches`` is this minus one, except when
+        every forward comes first; the order alone cannot tell those apart.)
         """
         count = 0
         for unit in self.orders[stage]:
             if not unit.is_forward:
                 break
             count += 1
-        return min(count, self.num_microbatches) - (1 if count < self.num_microbatches else 0)
+        return count
 
     def peak_inflight(self) -> tuple[int, ...]:
         """Peak number of activations each stage holds (forwards not yet backwarded)."""

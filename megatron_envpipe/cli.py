@@ -1,0 +1,445 @@
+"""The ``envpipe`` command line: plan, show, simulate, schedule, gpus."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from .gpu_specs import GpuSpecError, get_gpu_spec, load_gpu_table
+from .plan import FrequencyPlan, format_envpipe
+from .planner import PLAN_TYPES, RECONFIG_POLICIES, PlannerConfig, PlannerError, PlanResult, plan_envpipe
+from .profile import Profile, ProfileError
+from .resources import shipped_profile, shipped_profiles
+from .schedule import SCHEDULINGS, ScheduleError, build_schedule, clamp_extra_warmup
+from .timeline import PlanEvaluator, Timeline
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """An error for the user: printed as one line, exit status 2."""
+
+
+# -- helpers --------------------------------------------------------------------------
+def _load_profile(name: str, time_scale: float = 1.0, energy_scale: float = 1.0) -> Profile:
+    try:
+        path = shipped_profile(name)
+    except FileNotFoundError as exc:
+        raise CliError(str(exc)) from None
+    profile = Profile.from_csv(path)
+    if time_scale != 1.0 or energy_scale != 1.0:
+        profile = profile.scaled(time_scale, energy_scale)
+    return profile
+
+
+def _write_json_atomic(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _score_dict(score, timeline: Timeline | None = None) -> dict[str, Any]:
+    out = {
+        "iteration_time_s": score.iteration_time_s,
+        "energy_j": score.energy_j,
+        "compute_energy_j": score.compute_energy_j,
+        "blocking_energy_j": score.blocking_energy_j,
+        "stage_busy_s": list(score.busy_s),
+        "stage_energy_j": list(score.stage_energy_j),
+    }
+    return out
+
+
+def _recv_wait_ms(timeline: Timeline) -> list[list[float]]:
+    graph = timeline.graph
+    rows: list[list[float]] = [[] for _ in range(graph.schedule.num_stages)]
+    for v, (s, _) in enumerate(graph.nodes):
+        rows[s].append(1000.0 * timeline.recv_wait_s(v))
+    return rows
+
+
+def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg = result.config
+    plan_dict = _score_dict(result.score)
+    plan_dict.update(
+        {
+            "type": cfg.plan_type,
+            "scheduling": cfg.scheduling,
+            "reconfig": cfg.reconfig,
+            "extra_warmup": list(result.schedule.extra_warmup),
+            "peak_inflight_activations": list(result.schedule.peak_inflight()),
+            "clock_changes_per_stage": list(result.plan.clock_changes()),
+            "frequencies": result.plan.to_dict()["stages"],
+        }
+    )
+    data: dict[str, Any] = {
+        "profile": profile.source,
+        "num_stages": result.schedule.num_stages,
+        "num_microbatches": result.schedule.num_microbatches,
+        "gpu": cfg.gpu.key if cfg.gpu else None,
+        "p2p_power_w": cfg.effective_p2p_power_w,
+        "f_max_mhz": result.f_max_mhz,
+        "valley_mhz": list(result.valley_mhz),
+        "baseline": {
+            **_score_dict(result.baseline),
+            "scheduling": "1f1b",
+            "peak_inflight_activations": list(result.baseline_plan.schedule.peak_inflight()),
+            "frequency_mhz": result.f_max_mhz,
+        },
+        "plan": plan_dict,
+        "energy_saving": result.energy_saving,
+        "slowdown": result.slowdown,
+        "iterations": result.iterations,
+        "converged": result.converged,
+        "stop_reason": result.stop_reason,
+        "planner_seconds": result.planner_seconds,
+        "warnings": list(result.warnings),
+    }
+    if extra:
+        data.update(extra)
+    return data
+
+
+def _print_result(result: PlanResult, profile: Profile, out=sys.stdout) -> None:
+    b, p = result.baseline, result.score
+    cfg = result.config
+    print(f"profile     {profile.source}", file=out)
+    print(
+        f"pipeline    {result.schedule.num_stages} stages x {result.schedule.num_microbatches} micro-batches; "
+        f"plan {cfg.plan_type}/{cfg.scheduling}/{cfg.reconfig}"
+        + (f"; gpu {cfg.gpu.key}" if cfg.gpu else "")
+        + f"; P2P blocking power {cfg.effective_p2p_power_w:g} W",
+        file=out,
+    )
+    print(
+        f"clocks      f_max {result.f_max_mhz} MHz; energy valley per stage {list(result.valley_mhz)} MHz",
+        file=out,
+    )
+    if cfg.scheduling == "ours":
+        print(
+            f"warm-up     extra forwards per stage {list(result.schedule.extra_warmup)}; peak in-flight "
+            f"activations {list(result.schedule.peak_inflight())} (1F1B: "
+            f"{list(result.baseline_plan.schedule.peak_inflight())})",
+            file=out,
+        )
+    print("", file=out)
+    print(f"{'':10}{'iteration time':>16}{'energy':>16}", file=out)
+    print(f"{'baseline':10}{b.iteration_time_s:>14.4f} s{b.energy_j:>14.1f} J   (1F1B, all at f_max)", file=out)
+    print(f"{'plan':10}{p.iteration_time_s:>14.4f} s{p.energy_j:>14.1f} J", file=out)
+    print(
+        f"\nenergy saving {100 * result.energy_saving:.2f} %   slowdown {100 * result.slowdown:.2f} %   "
+        f"({result.iterations} reconfiguration iterations, {result.planner_seconds:.3f} s to plan)",
+        file=out,
+    )
+    print(f"stopped: {result.stop_reason}", file=out)
+    for w in result.warnings:
+        print(f"WARNING: {w}", file=out)
+    print("", file=out)
+    print(
+        format_envpipe(result.plan, _recv_wait_ms(result.timeline), result.timeline.critical_units()),
+        file=out,
+    )
+
+
+# -- subcommands ----------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    profile = _load_profile(args.profile, args.time_scale, args.energy_scale)
+    gpu = get_gpu_spec(args.gpu) if args.gpu else None
+    extra: dict[str, Any] = {}
+    if args.compat == "perseus":
+        if args.type != "envelope" or args.scheduling != "1f1b" or args.reconfig != "balanced":
+            raise CliError(
+                "--compat perseus reproduces Perseus's EnvPipe (envelope, 1f1b, balanced); "
+                "drop --type/--scheduling/--reconfig or set them to those values"
+            )
+        from .compat_perseus import plan_envpipe_perseus
+
+        p2p = args.p2p_power if args.p2p_power is not None else (gpu.p2p_power_w if gpu else 0.0)
+        compat = plan_envpipe_perseus(
+            profile,
+            args.microbatches,
+            p2p_power_w=p2p,
+            p2p_power_scale=args.energy_scale / args.time_scale,
+        )
+        result = compat.result
+        extra["perseus_reported"] = {
+            "iteration_time_s": compat.reported_time_s,
+            "energy_j": compat.reported_energy_j,
+            "iterations": compat.iterations,
+        }
+    else:
+        config = PlannerConfig(
+            plan_type=args.type,
+            scheduling=args.scheduling,
+            reconfig=args.reconfig,
+            gpu=gpu,
+            p2p_power_w=args.p2p_power,
+            reconfig_step_mhz=args.reconfig_step,
+            max_inflight=args.max_inflight,
+            extra_warmup=tuple(args.extra_warmup) if args.extra_warmup else None,
+            p2p_latency_s=args.p2p_latency,
+        )
+        result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
+    if args.stages is not None and args.stages != result.schedule.num_stages:
+        raise CliError(f"--stages {args.stages} does not match the profile's {result.schedule.num_stages} stages")
+    data = result_to_dict(result, profile, extra)
+    if args.out:
+        _write_json_atomic(args.out, data)
+    if args.plot:
+        from .plot import draw_timelines
+
+        draw_timelines(
+            [
+                ("baseline: 1F1B at f_max", result.baseline_plan, result.baseline_timeline),
+                (f"plan: {result.config.plan_type}/{result.config.scheduling}/{result.config.reconfig}",
+                 result.plan, result.timeline),
+            ],
+            args.plot,
+        )
+    if args.json:
+        json.dump(data, sys.stdout, indent=1)
+        print()
+    else:
+        _print_result(result, profile)
+        if "perseus_reported" in extra:
+            rep = extra["perseus_reported"]
+            print(
+                f"\nas Perseus reports it: iteration {rep['iteration_time_s']:.3f} s, "
+                f"energy {rep['energy_j']:.3f} J ({rep['iterations']} iterations)"
+            )
+        if args.out:
+            print(f"\nplan written to {args.out}")
+        if args.plot:
+            print(f"timeline drawn to {args.plot}")
+    return 0
+
+
+def _plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read plan: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    try:
+        body = data["plan"] if "plan" in data else data
+        plan = FrequencyPlan.from_dict(
+            {
+                "stages": body["frequencies"] if "frequencies" in body else body["stages"],
+                "schedule": body.get("scheduling", body.get("schedule", "custom")),
+                "extra_warmup": body.get("extra_warmup", []),
+            }
+        )
+    except (KeyError, TypeError, ScheduleError) as exc:
+        raise CliError(f"{path}: not a plan written by 'envpipe plan --out': {exc}") from None
+    return data, plan
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    data, plan = _plan_from_file(args.plan)
+    if args.json:
+        json.dump(data, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"plan file   {args.plan}")
+    if "baseline" in data and "plan" in data:
+        b, p = data["baseline"], data["plan"]
+        print(f"profile     {data.get('profile')}")
+        print(
+            f"pipeline    {data.get('num_stages')} stages x {data.get('num_microbatches')} micro-batches; "
+            f"plan {p.get('type')}/{p.get('scheduling')}/{p.get('reconfig')}"
+        )
+        print(f"baseline    {b['iteration_time_s']:.4f} s  {b['energy_j']:.1f} J")
+        print(f"plan        {p['iteration_time_s']:.4f} s  {p['energy_j']:.1f} J")
+        print(
+            f"saving      {100 * data['energy_saving']:.2f} %   slowdown {100 * data['slowdown']:.2f} %"
+        )
+        for w in data.get("warnings", []):
+            print(f"WARNING: {w}")
+    print(f"clock changes per stage per iteration {list(plan.clock_changes())}")
+    print(format_envpipe(plan))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    profile = _load_profile(args.profile, args.time_scale, args.energy_scale)
+    gpu = get_gpu_spec(args.gpu) if args.gpu else None
+    p2p = args.p2p_power if args.p2p_power is not None else (gpu.p2p_power_w if gpu else 0.0)
+    if args.plan:
+        _, plan = _plan_from_file(args.plan)
+        schedule = plan.schedule
+    else:
+        if args.microbatches is None:
+            raise CliError("simulate needs --plan PLAN.json, or --microbatches M (with --scheduling/--freq)")
+        p = profile.num_stages
+        r = None
+        if args.scheduling == "ours":
+            if not args.extra_warmup:
+                raise CliError("--scheduling ours needs --extra-warmup r0,r1,...")
+            r = clamp_extra_warmup(p, args.microbatches, args.extra_warmup)
+        schedule = build_schedule(args.scheduling, p, args.microbatches, r)
+        freq = args.freq or profile.max_frequency()
+        plan = FrequencyPlan.constant(schedule, [freq] * p)
+    evaluator = PlanEvaluator(schedule, profile, p2p, args.p2p_latency)
+    timeline = evaluator.simulate(plan.flat())
+    score = evaluator.score(plan.flat(), timeline)
+    crit = timeline.critical_units()
+    data = {
+        "profile": profile.source,
+        "p2p_power_w": p2p,
+        **_score_dict(score),
+        "stage_idle_s": timeline.idle_s(),
+        "peak_inflight_activations": list(schedule.peak_inflight()),
+        "critical_path": [f"S{s} {u}" for s, u in reversed(crit)],
+    }
+    if args.plot:
+        from .plot import draw_timelines
+
+        draw_timelines([(f"simulated {schedule.name}", plan, timeline)], args.plot)
+    if args.json:
+        json.dump(data, sys.stdout, indent=1)
+        print()
+        return 0
+    print(str(schedule))
+    print(f"\niteration time {score.iteration_time_s:.4f} s; energy {score.energy_j:.1f} J "
+          f"(compute {score.compute_energy_j:.1f} J + blocking {score.blocking_energy_j:.1f} J at {p2p:g} W)")
+    for s in range(schedule.num_stages):
+        print(
+            f"  stage {s}: busy {score.busy_s[s]:.4f} s, idle {timeline.idle_s()[s]:.4f} s, "
+            f"energy {score.stage_energy_j[s]:.1f} J, peak in-flight {schedule.peak_inflight()[s]}"
+        )
+    print(f"critical path ({len(crit)} units): " + " -> ".join(data["critical_path"]))
+    print()
+    print(format_envpipe(plan, _recv_wait_ms(timeline), crit))
+    if args.plot:
+        print(f"timeline drawn to {args.plot}")
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    r = None
+    if args.scheduling == "ours":
+        r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages, args.max_inflight)
+    schedule = build_schedule(args.scheduling, args.stages, args.microbatches, r).validate()
+    print(str(schedule))
+    print(f"# peak in-flight activations per stage: {list(schedule.peak_inflight())}")
+    return 0
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    table = load_gpu_table()
+    print(f"{'gpu':9}{'max MHz':>8}{'min MHz':>8}{'step':>6}{'profile':>8}{'reconfig':>9}{'P2P W':>7}  NVML names")
+    for key, spec in sorted(table.items()):
+        print(
+            f"{key:9}{spec.max_clock_mhz:>8}{spec.min_clock_mhz:>8}{spec.clock_step_mhz:>6g}"
+            f"{spec.profile_step_mhz:>8}{spec.reconfig_step_mhz:>9}{spec.p2p_power_w:>7g}  "
+            + ", ".join(spec.nvml_names)
+        )
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_profile_args(p: argparse.ArgumentParser) -> None:
+    names = ", ".join(shipped_profiles())
+    p.add_argument("--profile", required=True, help=f"Perseus-format CSV, or a shipped profile: {names}")
+    p.add_argument("--gpu", help="GPU table entry (configs/gpus.toml): clock steps and P2P power")
+    p.add_argument("--p2p-power", type=float, help="P2P blocking power in W (default: the GPU table's)")
+    p.add_argument("--p2p-latency", type=float, default=0.0, help="latency of each P2P message in s (default 0)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply profile times (Perseus emulation: 10)")
+    p.add_argument("--energy-scale", type=float, default=1.0, help="multiply profile energies (emulation: 80)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="envpipe",
+        description="Energy-saving pipeline schedules and GPU clock plans (EnvPipe) for Megatron-core.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan per-unit SM clocks from a profile and compare with the baseline")
+    _add_profile_args(p)
+    p.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration")
+    p.add_argument("--stages", type=_positive_int, help="pipeline stages (checked against the profile)")
+    p.add_argument("--type", choices=PLAN_TYPES, default="envelope", help="initial plan (default envelope)")
+    p.add_argument("--scheduling", choices=SCHEDULINGS, default="ours", help="unit order (default ours)")
+    p.add_argument("--reconfig", choices=RECONFIG_POLICIES, default="balanced", help="policy (default balanced)")
+    p.add_argument("--reconfig-step", type=_positive_int, help="MHz per reconfiguration step (default: GPU table)")
+    p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage, in micro-batches")
+    p.add_argument("--extra-warmup", type=_int_list, help="override EnvPipe's r_s, e.g. 4,3,1,0 (still clamped)")
+    p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
+    p.add_argument("--out", metavar="PLAN.json", help="write the plan and its scores as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("show", help="print a plan written by 'envpipe plan --out'")
+    p.add_argument("plan", help="PLAN.json")
+    p.add_argument("--json", action="store_true", help="print the stored JSON")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("simulate", help="simulate one iteration of a plan or schedule on a profile")
+    _add_profile_args(p)
+    p.add_argument("--plan", metavar="PLAN.json", help="a plan from 'envpipe plan --out'")
+    p.add_argument("--microbatches", "-m", type=_positive_int, help="micro-batches (without --plan)")
+    p.add_argument("--scheduling", choices=SCHEDULINGS, default="1f1b", help="unit order (without --plan)")
+    p.add_argument("--extra-warmup", type=_int_list, help="r_s for --scheduling ours, e.g. 4,3,1,0")
+    p.add_argument("--freq", type=_positive_int, help="one clock for every unit (default: the profile's max)")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("schedule", help="print a schedule's per-stage unit order")
+    p.add_argument("--stages", type=_positive_int, required=True)
+    p.add_argument("--microbatches", "-m", type=_positive_int, required=True)
+    p.add_argument("--scheduling", choices=SCHEDULINGS, default="1f1b")
+    p.add_argument("--extra-warmup", type=_int_list, help="r_s for ours, e.g. 4,3,1,0 (clamped)")
+    p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage")
+    p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("gpus", help="list the GPU clock table")
+    p.set_defaults(func=cmd_gpus)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CliError, ProfileError, ScheduleError, PlannerError, GpuSpecError) as exc:
+        print(f"envpipe {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # e.g. `envpipe plan ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

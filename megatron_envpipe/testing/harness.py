@@ -1,0 +1,221 @@
+"""Run one training iteration of a pipeline-parallel tiny GPT on CPU ranks over gloo.
+
+``run_pipeline(P, runs)`` spawns ``P`` processes, initialises Megatron's model
+parallel state with ``pipeline_model_parallel_size=P`` and, for every requested
+run, builds the model afresh (identical weights each time), calls a schedule
+function for one iteration and records each rank's losses and parameter
+gradients. Several runs share one spawn because starting ranks (importing
+megatron) dominates the cost. The schedule is Megatron's own 1F1B by default,
+or any picklable callable with the same keyword signature, which is how an
+alternative executor is compared with it bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_envpipe.megatron_compat import check_megatron_installed, cpu_shims
+from megatron_envpipe.testing.tiny_gpt import (
+    TinyGPTSpec,
+    build_config,
+    build_model,
+    forward_step_func,
+    synthetic_batches,
+)
+
+__all__ = [
+    "PipelineRun",
+    "ScheduleFn",
+    "StageResult",
+    "compare_results",
+    "megatron_1f1b",
+    "run_pipeline",
+]
+
+_HOST = "127.0.0.1"
+
+
+class ScheduleFn(Protocol):
+    """Megatron's ``forward_backward_func`` keyword interface; returns forward_data_store."""
+
+    def __call__(self, **kwargs: Any) -> list[Any]: ...
+
+
+def megatron_1f1b(**kwargs: Any) -> list[Any]:
+    """Megatron's non-interleaved 1F1B, looked up when called (in the rank process)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules.forward_backward_pipelining_without_interleaving(**kwargs)
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """One ``forward_backward_func`` call: an iteration over ``num_microbatches``.
+
+    ``schedule=None`` takes whatever ``get_forward_backward_func()`` returns, as
+    megatron.training does. A replacement must be picklable (a module-level
+    function or a ``functools.partial`` of one) because ranks are spawned.
+    """
+
+    num_microbatches: int
+    schedule: ScheduleFn | None = None
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What one rank produced in one run; tensors are detached CPU copies."""
+
+    rank: int
+    # Megatron's forward_data_store: one report dict per micro-batch on the last
+    # stage ({"lm loss": masked loss sum, "num_tokens": ...}), empty elsewhere.
+    losses: list[dict[str, torch.Tensor]]
+    # Every parameter of the stage, by name; None if it received no gradient.
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+def run_pipeline(
+    pipeline_size: int,
+    runs: Sequence[PipelineRun],
+    *,
+    spec: TinyGPTSpec = TinyGPTSpec(),
+    timeout_s: float = 300.0,
+) -> list[list[StageResult]]:
+    """Spawn ``pipeline_size`` gloo ranks, execute ``runs`` in order, return results.
+
+    Result ``[i][r]`` is run ``i`` on rank ``r`` (rank == pipeline stage: TP=DP=1).
+    A rank that raises aborts the whole spawn and re-raises here with its
+    traceback; ranks still alive after ``timeout_s`` (e.g. a P2P deadlock) are
+    killed and ``TimeoutError`` is raised.
+    """
+    if pipeline_size < 2:
+        raise ValueError("pipeline tests need at least 2 stages")
+    check_megatron_installed()
+    runs = list(runs)
+    # The parent owns the rendezvous store: binding port 0 here and handing the
+    # chosen port to the ranks leaves no window for another process to take it.
+    store = dist.TCPStore(_HOST, 0, world_size=pipeline_size + 1, is_master=True,
+                          wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="envpipe-harness-") as tmp:
+        out_dir = Path(tmp)
+        context = mp.start_processes(
+            _rank_main,
+            args=(pipeline_size, store.port, runs, spec, str(out_dir)),
+            nprocs=pipeline_size,
+            join=False,
+            start_method="spawn",
+        )
+        _join(context, timeout_s)
+        per_rank = [
+            torch.load(out_dir / f"rank{rank}.pt", weights_only=False)
+            for rank in range(pipeline_size)
+        ]
+    del store
+    return [[per_rank[rank][i] for rank in range(pipeline_size)] for i in range(len(runs))]
+
+
+def _join(context: mp.ProcessContext, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join()
+            raise TimeoutError(f"pipeline ranks still running after {timeout_s:.0f} s")
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    runs: list[PipelineRun],
+    spec: TinyGPTSpec,
+    out_dir: str,
+) -> None:
+    # P ranks share 2 cores: one intra-op thread each avoids oversubscription and
+    # keeps CPU kernels' reduction order fixed from run to run.
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+    from megatron.core import parallel_state
+
+    store = dist.TCPStore(_HOST, port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+        with cpu_shims("cpu"):
+            results = [_run_once(rank, run, spec, world_size) for run in runs]
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _run_once(rank: int, run: PipelineRun, spec: TinyGPTSpec, pipeline_size: int) -> StageResult:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = build_config(spec, pipeline_size)
+    model = build_model(spec, config)
+    schedule: Callable[..., list[Any]] = run.schedule or get_forward_backward_func()
+    store = schedule(
+        forward_step_func=forward_step_func,
+        data_iterator=synthetic_batches(spec, run.num_microbatches),
+        model=[model],
+        num_microbatches=run.num_microbatches,
+        seq_length=spec.seq_length,
+        micro_batch_size=spec.micro_batch_size,
+        decoder_seq_length=None,
+        forward_only=False,
+    )
+    losses = [{key: value.detach().cpu().clone() for key, value in item.items()} for item in store]
+    grads = {
+        name: None if param.grad is None else param.grad.detach().cpu().clone()
+        for name, param in model.named_parameters()
+    }
+    return StageResult(rank=rank, losses=losses, grads=grads)
+
+
+def compare_results(expected: Sequence[StageResult], actual: Sequence[StageResult]) -> list[str]:
+    """Every bitwise difference between two runs' per-rank results (empty if identical).
+
+    Tensors must match in dtype, shape and every bit (``torch.equal``), so a
+    reordered floating-point reduction shows up as a difference.
+    """
+    problems: list[str] = []
+    if len(expected) != len(actual):
+        return [f"rank count {len(expected)} != {len(actual)}"]
+    for want, got in zip(expected, actual):
+        where = f"rank {want.rank}"
+        if len(want.losses) != len(got.losses):
+            problems.append(f"{where}: {len(want.losses)} loss reports != {len(got.losses)}")
+        for mb, (a, b) in enumerate(zip(want.losses, got.losses)):
+            problems += _diff_tensors(f"{where} micro-batch {mb}", a, b)
+        problems += _diff_tensors(f"{where} grad", want.grads, got.grads)
+    return problems
+
+
+def _diff_tensors(
+    where: str, a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]
+) -> list[str]:
+    if a.keys() != b.keys():
+        return [f"{where}: keys differ: {sorted(a.keys() ^ b.keys())}"]
+    problems = []
+    for key in a:
+        x, y = a[key], b[key]
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                problems.append(f"{where} {key}: one side has no tensor")
+        elif x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            problems.append(f"{where} {key}: differs")
+    return problems

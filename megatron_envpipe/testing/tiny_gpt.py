@@ -1,0 +1,162 @@
+"""A tiny, deterministic Megatron ``GPTModel`` with synthetic data, for pipeline tests.
+
+Everything is fp32 on the CPU with dropout off, so a run is a pure function of
+the spec: two builds with the same spec and pipeline rank have identical
+weights, and the data iterator yields identical micro-batches. Megatron is
+imported inside the builders only, so the spec can be pickled and passed around
+by processes that never import megatron.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+__all__ = [
+    "Batch",
+    "TinyGPTSpec",
+    "build_config",
+    "build_model",
+    "forward_step_func",
+    "loss_func",
+    "synthetic_batches",
+]
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TinyGPTSpec:
+    """Shape of the model and data. Defaults keep one micro-batch to a few ms on CPU."""
+
+    layers_per_stage: int = 2
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    vocab_size: int = 128
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    seed: int = 1234
+    # Fraction of label positions excluded from the loss; non-zero so that the
+    # per-micro-batch token count (Megatron's 3-tuple loss path) actually varies.
+    masked_fraction: float = 0.125
+
+
+def build_config(spec: TinyGPTSpec, pipeline_size: int) -> TransformerConfig:
+    """TransformerConfig with the fields Megatron's pipeline schedules read set explicitly."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.layers_per_stage * pipeline_size,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        pipeline_model_parallel_size=pipeline_size,
+        params_dtype=torch.float32,
+        # Receive buffers of P2PCommunicator are allocated with this dtype.
+        pipeline_dtype=torch.float32,
+        # What megatron.training sets: outputs are pseudo-freed after their send
+        # and backward goes through custom_backward. An executor must cope with it.
+        deallocate_pipeline_outputs=True,
+        # Initialise on CPU with the default generator, independent of device.
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # No DDP wrapper on CPU (its buffers are CUDA-only): nothing to finalize.
+        finalize_model_grads_func=None,
+    )
+
+
+def build_model(spec: TinyGPTSpec, config: TransformerConfig) -> GPTModel:
+    """This rank's pipeline stage of the GPT, with weights fixed by ``spec.seed``.
+
+    Requires ``initialize_model_parallel`` and, on CPU, active ``cpu_shims``.
+    Each stage seeds with ``seed + 100 * stage`` (as megatron.training does) so
+    stages differ from each other but each is reproducible.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_envpipe.megatron_compat import model_parallel_manual_seed
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    model_parallel_manual_seed(spec.seed + 100 * stage)
+    return GPTModel(
+        config=config,
+        # Local spec: plain torch modules, no Transformer Engine or apex.
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        # Untied: tying makes the last stage copy the embedding with
+        # `weight.data.cuda()` plus an all-reduce, which has no CPU path.
+        share_embeddings_and_output_weights=False,
+    )
+
+
+def synthetic_batches(spec: TinyGPTSpec, num_microbatches: int) -> Iterator[Batch]:
+    """Exactly ``num_microbatches`` language-model micro-batches from a seeded generator.
+
+    Every pipeline stage gets its own iterator over the same sequence: the first
+    stage reads tokens, the last reads labels and mask, and any schedule that runs
+    a stage's forwards in micro-batch order sees micro-batch ``i`` on its ``i``-th
+    ``next()``. A schedule that pulls too many micro-batches gets StopIteration.
+    """
+    generator = torch.Generator().manual_seed(spec.seed)
+    shape = (spec.micro_batch_size, spec.seq_length)
+    positions = torch.arange(spec.seq_length).expand(shape)
+    causal = torch.ones(spec.seq_length, spec.seq_length, dtype=torch.bool).triu(1)
+    for _ in range(num_microbatches):
+        sequence = torch.randint(
+            spec.vocab_size, (spec.micro_batch_size, spec.seq_length + 1), generator=generator
+        )
+        keep = torch.rand(shape, generator=generator) >= spec.masked_fraction
+        yield {
+            "tokens": sequence[:, :-1].contiguous(),
+            "labels": sequence[:, 1:].contiguous(),
+            "loss_mask": keep.float(),
+            "position_ids": positions.clone(),
+            # Megatron convention: True marks a position that must not be attended.
+            "attention_mask": causal.view(1, 1, spec.seq_length, spec.seq_length).clone(),
+        }
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked token-loss sum in Megatron's 3-tuple form ``(loss, num_tokens, report)``.
+
+    forward_step divides the returned loss in place by ``num_tokens`` and the
+    micro-batch count, so the reported value is a copy, not a detached view.
+    """
+    mask = loss_mask.reshape(-1)
+    loss = torch.sum(output_tensor.float().reshape(-1) * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": loss.detach().clone(), "num_tokens": num_tokens.clone()}
+
+
+def forward_step_func(
+    data_iterator: Iterator[Batch], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    """Megatron-style forward step: one micro-batch through this stage.
+
+    Non-first stages ignore the tokens (their input arrives via
+    ``set_input_tensor``); non-last stages return hidden states and their loss
+    function is never called.
+    """
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+    )
+    return output, functools.partial(loss_func, batch["loss_mask"])

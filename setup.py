@@ -1,0 +1,43 @@
+"""megatron-envpipe: energy-saving pipeline-parallel training for Megatron-core."""
+
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent
+
+setup(
+    name="megatron-envpipe",
+    version="0.1.0",
+    description="EnvPipe schedules and per-unit GPU clock plans for Megatron-core pipeline parallelism",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    # configs/ and data/ live at the repo root and ship inside the package.
+    packages=["megatron_envpipe", "megatron_envpipe.configs", "megatron_envpipe.data", "megatron_envpipe.testing"],
+    package_dir={
+        "megatron_envpipe": "megatron_envpipe",
+        "megatron_envpipe.configs": "configs",
+        "megatron_envpipe.data": "data",
+    },
+    package_data={
+        "megatron_envpipe.configs": ["*.toml"],
+        "megatron_envpipe.data": ["profiles/*.md", "profiles/*/*.csv"],
+    },
+    # The planning core is pure Python: no runtime dependency at all.
+    install_requires=[],
+    extras_require={
+        "plot": ["matplotlib>=3.7"],
+        # torch is pinned by the caller (CPU build in CI); any >=2.6 works.
+        "megatron": ["torch>=2.6", "megatron-core>=0.16", "sentencepiece>=0.2"],
+        "gpu": ["nvidia-ml-py>=12"],
+        "test": ["pytest>=7", "matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["envpipe=megatron_envpipe.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
