@@ -26,6 +26,15 @@ class CliError(Exception):
 
 
 # -- helpers --------------------------------------------------------------------------
+def _gpu_for(args: argparse.Namespace):
+    """--gpu, or for a shipped profile the GPU it was measured on (``a40/...``)."""
+    if args.gpu:
+        return get_gpu_spec(args.gpu)
+    if args.profile in shipped_profiles():
+        return get_gpu_spec(args.profile.split("/")[0])
+    return None
+
+
 def _load_profile(name: str, time_scale: float = 1.0, energy_scale: float = 1.0) -> Profile:
     try:
         path = shipped_profile(name)
@@ -113,7 +122,8 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
     return data
 
 
-def _print_result(result: PlanResult, profile: Profile, out=sys.stdout) -> None:
+def _print_result(result: PlanResult, profile: Profile, out=None) -> None:
+    out = out or sys.stdout
     b, p = result.baseline, result.score
     cfg = result.config
     print(f"profile     {profile.source}", file=out)
@@ -157,7 +167,7 @@ def _print_result(result: PlanResult, profile: Profile, out=sys.stdout) -> None:
 # -- subcommands ----------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
     profile = _load_profile(args.profile, args.time_scale, args.energy_scale)
-    gpu = get_gpu_spec(args.gpu) if args.gpu else None
+    gpu = _gpu_for(args)
     extra: dict[str, Any] = {}
     if args.compat == "perseus":
         if args.type != "envelope" or args.scheduling != "1f1b" or args.reconfig != "balanced":
@@ -276,7 +286,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     profile = _load_profile(args.profile, args.time_scale, args.energy_scale)
-    gpu = get_gpu_spec(args.gpu) if args.gpu else None
+    gpu = _gpu_for(args)
     p2p = args.p2p_power if args.p2p_power is not None else (gpu.p2p_power_w if gpu else 0.0)
     if args.plan:
         _, plan = _plan_from_file(args.plan)
@@ -372,7 +382,11 @@ def _positive_int(text: str) -> int:
 def _add_profile_args(p: argparse.ArgumentParser) -> None:
     names = ", ".join(shipped_profiles())
     p.add_argument("--profile", required=True, help=f"Perseus-format CSV, or a shipped profile: {names}")
-    p.add_argument("--gpu", help="GPU table entry (configs/gpus.toml): clock steps and P2P power")
+    p.add_argument(
+        "--gpu",
+        help="GPU table entry (configs/gpus.toml): clock range, steps, P2P power "
+        "(default for a shipped profile: the GPU it was measured on)",
+    )
     p.add_argument("--p2p-power", type=float, help="P2P blocking power in W (default: the GPU table's)")
     p.add_argument("--p2p-latency", type=float, default=0.0, help="latency of each P2P message in s (default 0)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply profile times (Perseus emulation: 10)")
