@@ -125,6 +125,29 @@ class PlanResult:
         return self.score.iteration_time_s / self.baseline.iteration_time_s - 1.0
 
 
+@dataclass(frozen=True)
+class UnitTiming:
+    """One unit as measured by the executor (seconds from the iteration's start)."""
+
+    unit: Unit
+    start_s: float
+    end_s: float
+    recv_wait_s: float  # time blocked waiting for this unit's input message
+
+
+@dataclass(frozen=True)
+class IterationMeasurement:
+    """Per stage, its units in execution order, as one training iteration ran them."""
+
+    stages: tuple[tuple[UnitTiming, ...], ...]
+
+    def recv_wait_s(self) -> list[list[float]]:
+        return [[t.recv_wait_s for t in stage] for stage in self.stages]
+
+    def iteration_time_s(self) -> float:
+        return max((t.end_s for stage in self.stages for t in stage), default=0.0)
+
+
 class ClockLadder:
     """The candidate clocks and how a reconfiguration step moves along them."""
 
@@ -229,12 +252,15 @@ class Reconfigurer:
                 self.finished = True
         return self.plan
 
-    def step_from_measurement(
-        self,
-        recv_wait_s: Sequence[Sequence[float]],
-    ) -> FrequencyPlan:
-        """Online use from measured receive waits per unit (same layout as the schedule)."""
-        return self.step(self.measured_critical_path(recv_wait_s))
+    def observe(self, measurement: IterationMeasurement) -> FrequencyPlan:
+        """Online use: the executor's measurement of one iteration in, the next plan out."""
+        for s, (stage, order) in enumerate(zip(measurement.stages, self.schedule.orders)):
+            if tuple(t.unit for t in stage) != order:
+                raise PlannerError(
+                    f"stage {s}: measured units {' '.join(str(t.unit) for t in stage[:6])} ... do not "
+                    f"follow the planned order {' '.join(str(u) for u in order[:6])} ..."
+                )
+        return self.step(self.measured_critical_path(measurement.recv_wait_s()))
 
     def measured_critical_path(self, recv_wait_s: Sequence[Sequence[float]]) -> list[tuple[int, Unit]]:
         """EnvPipe's walk (envpipe.md §3.1) over measured receive waits.

@@ -11,9 +11,11 @@ from megatron_envpipe.planner import (
     PLAN_TYPES,
     RECONFIG_POLICIES,
     ClockLadder,
+    IterationMeasurement,
     PlannerConfig,
     PlannerError,
     Reconfigurer,
+    UnitTiming,
     initial_plan,
     plan_envpipe,
 )
@@ -104,13 +106,22 @@ def test_online_step_from_measurements_and_finish_limit():
     # "Measured" iteration: slow inner units on stage 1 put it on the critical path.
     dur = [3.0 if (s == 1 and u.is_forward and u.microbatch in (1, 2)) else 1.0 for s, u in graph.nodes]
     tl = graph.simulate(dur)
-    waits = [[0.0] * len(o) for o in sched.orders]
-    for v, (s, u) in enumerate(graph.nodes):
-        waits[s][sched.orders[s].index(u)] = tl.recv_wait_s(v)
-    path = rc.measured_critical_path(waits)
+    measurement = IterationMeasurement(
+        tuple(
+            tuple(
+                UnitTiming(u, tl.start_s[graph.node(s, u)], tl.end_s[graph.node(s, u)], tl.recv_wait_s(graph.node(s, u)))
+                for u in order
+            )
+            for s, order in enumerate(sched.orders)
+        )
+    )
+    path = rc.measured_critical_path(measurement.recv_wait_s())
     assert path[0] == (0, B(3)) and path[-1] == (0, F(0))
     assert not rc.on_envelope(path)
-    new = rc.step(path)
+    # With perfect measurements and a near-zero threshold, EnvPipe's walk is the exact path.
+    exact_walker = Reconfigurer(plan, "balanced", ClockLadder(range(900, 1501, 30), 30), threshold_scale=1e-9)
+    assert exact_walker.measured_critical_path(measurement.recv_wait_s()) == tl.critical_units()
+    new = rc.observe(measurement)
     raised = [(s, u) for s, o in enumerate(sched.orders) for u in o if new.freq(s, u) != plan.freq(s, u)]
     assert raised and all(new.freq(s, u) == 930 for s, u in raised)
     # On-envelope (or no-progress) iterations count towards the finish limit.
@@ -129,3 +140,13 @@ def test_greedy_raises_one_unit_by_three_steps():
     path = [(0, B(1)), (0, B(0)), (0, F(1)), (0, F(0))]
     assert rc.apply(path)
     assert rc.plan.freq(0, B(0)) == 990 and rc.plan.freq(0, F(1)) == 900
+
+
+def test_observe_rejects_a_measurement_in_another_order():
+    sched = one_f_one_b(2, 2)
+    rc = Reconfigurer(initial_plan(sched, "envelope", 1500, [900, 900]), "balanced", ClockLadder([900, 1500], 30))
+    wrong = IterationMeasurement(
+        (tuple(UnitTiming(u, 0, 1, 0) for u in reversed(sched.orders[0])), tuple(UnitTiming(u, 0, 1, 0) for u in sched.orders[1]))
+    )
+    with pytest.raises(PlannerError, match="do not follow the planned order"):
+        rc.observe(wrong)
