@@ -400,6 +400,9 @@ def plan_envpipe(
                 reason = f"stopped after max_iterations={config.max_iterations}"
                 break
             if not reconf.apply(path):
+                if all(f == f_max for f in reconf.freqs_flat()):
+                    converged, reason = True, "nothing to reconfigure: every unit runs at f_max"
+                    break
                 off = [f"S{s} {u}" for s, u in path if (s, u) not in reconf.envelope]
                 reason = (
                     "stalled: the critical path leaves the outer envelope (at "

@@ -77,3 +77,14 @@ def test_corrupt_profile_named_in_error(capsys, tmp_path):
     bad.write_text("stage,instruction,frequency,time,energy\n0,forward,1410,x,1\n")
     code, _, err = run(capsys, ["plan", "--profile", str(bad), "-m", "4"])
     assert code == 2 and f"{bad}:2: time 'x' is not a number" in err
+
+
+def test_compare_plans_example_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "compare_plans.py"
+    out = subprocess.run([sys.executable, str(script), "--microbatches", "8"], capture_output=True, text=True, check=True)
+    assert out.stdout.count("\n") == 2 + 18
+    assert "envelope ours  balanced" in out.stdout
