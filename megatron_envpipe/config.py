@@ -1,0 +1,164 @@
+"""EnvPipe's run-time settings, and the ``--envpipe-*`` command-line flags.
+
+``add_envpipe_args(parser)`` adds the flags to any argparse parser (Megatron's
+included); ``EnvPipeConfig.from_args(args)`` turns them into a validated
+config, failing at start-up with one clear message on impossible
+combinations. Pure Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .gpu_specs import GpuSpecError, get_gpu_spec
+from .planner import PLAN_TYPES, RECONFIG_POLICIES
+from .schedule import SCHEDULINGS
+
+
+class EnvPipeConfigError(ValueError):
+    """An impossible or inconsistent EnvPipe setting."""
+
+
+@dataclass(frozen=True)
+class EnvPipeConfig:
+    plan_type: str = "baseline"
+    scheduling: str = "1f1b"
+    reconfig: str = "default"
+    gpu: str | None = None  # GPU table key; None: detect (NVML) or none
+    profile: str | None = None  # Perseus CSV; None: measure at start-up
+    max_inflight: int | None = None  # activation budget per stage for "ours"
+    extra_warmup: tuple[int, ...] | None = None
+    p2p_power_w: float | None = None
+    reconfig_step_mhz: int | None = None
+    finish_limit: int = 10
+    threshold_scale: float = 4.0
+    prefetch: int = 2  # receives posted ahead per channel
+    comm_timeout_s: float = 300.0  # a stuck P2P raises instead of hanging
+    measure_iterations: int = 1  # iterations measured before the plan is fixed (no profile)
+    log_interval: int = 1
+    verbose: bool = False
+
+    def validate(self) -> "EnvPipeConfig":
+        def bad(msg: str) -> None:
+            raise EnvPipeConfigError(msg)
+
+        if self.plan_type not in PLAN_TYPES:
+            bad(f"--envpipe-type {self.plan_type!r}: choose one of {', '.join(PLAN_TYPES)}")
+        if self.scheduling not in SCHEDULINGS:
+            bad(f"--envpipe-scheduling {self.scheduling!r}: choose one of {', '.join(SCHEDULINGS)}")
+        if self.reconfig not in RECONFIG_POLICIES:
+            bad(f"--envpipe-reconfig {self.reconfig!r}: choose one of {', '.join(RECONFIG_POLICIES)}")
+        if self.extra_warmup is not None and self.scheduling != "ours":
+            bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            bad(f"--envpipe-max-inflight must be >= 1, got {self.max_inflight}")
+        if self.gpu is not None and not self.gpu.startswith("simulated"):
+            try:
+                get_gpu_spec(self.gpu)
+            except GpuSpecError as exc:
+                bad(f"--envpipe-gpu: {exc}")
+        if self.profile is not None and not Path(self.profile).is_file():
+            from .resources import shipped_profiles
+
+            if self.profile not in shipped_profiles():
+                bad(f"--envpipe-profile {self.profile}: no such file (give a Perseus-format CSV)")
+        if self.p2p_power_w is not None and self.p2p_power_w < 0:
+            bad("--envpipe-p2p-power must be >= 0 W")
+        if self.reconfig_step_mhz is not None and self.reconfig_step_mhz <= 0:
+            bad("--envpipe-reconfig-step must be > 0 MHz")
+        if self.finish_limit < 0:
+            bad("--envpipe-finish-limit must be >= 0")
+        if self.threshold_scale <= 0:
+            bad("--envpipe-threshold-scale must be > 0")
+        if self.prefetch < 1:
+            bad("--envpipe-prefetch must be >= 1")
+        if self.comm_timeout_s <= 0:
+            bad("--envpipe-comm-timeout must be > 0 seconds")
+        if self.measure_iterations < 1:
+            bad("--envpipe-measure-iterations must be >= 1")
+        if self.log_interval < 1:
+            bad("--envpipe-log-interval must be >= 1")
+        return self
+
+    def validate_with_megatron_args(self, args: Any) -> "EnvPipeConfig":
+        """Checks that need Megatron's own flags (virtual pipelines, PP size)."""
+        self.validate()
+        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+        if vpp is not None and (self.scheduling != "1f1b" or self.plan_type != "baseline"):
+            raise EnvPipeConfigError(
+                "EnvPipe has no interleaved (virtual-pipeline) schedule: drop "
+                "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage, "
+                "or run --envpipe-type baseline --envpipe-scheduling 1f1b"
+            )
+        pp = getattr(args, "pipeline_model_parallel_size", None)
+        if pp is not None and pp < 2 and self.scheduling == "ours":
+            raise EnvPipeConfigError(
+                "--envpipe-scheduling ours needs pipeline parallelism: set --pipeline-model-parallel-size >= 2"
+            )
+        return self
+
+    @property
+    def is_stock(self) -> bool:
+        """baseline + 1f1b + default: exactly what Megatron does on its own."""
+        return self.plan_type == "baseline" and self.scheduling == "1f1b" and self.reconfig == "default"
+
+    @classmethod
+    def from_args(cls, args: Any) -> "EnvPipeConfig":
+        values = {}
+        for f in fields(cls):
+            key = f"envpipe_{f.name}"
+            if hasattr(args, key):
+                values[f.name] = getattr(args, key)
+        if values.get("extra_warmup") is not None:
+            values["extra_warmup"] = tuple(values["extra_warmup"])
+        return cls(**values).validate()
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--envpipe-*`` flags; returns the parser (Megatron's extra_args_provider shape)."""
+    d = EnvPipeConfig()
+    g = parser.add_argument_group("EnvPipe", "energy-saving pipeline schedule and GPU clock plan")
+    g.add_argument("--envpipe-type", dest="envpipe_plan_type", choices=PLAN_TYPES, default=d.plan_type,
+                   help="initial clock plan: all at f_max (baseline), each stage at its energy-valley clock "
+                        "(uniform), or outer envelope at f_max and the rest at the valley (envelope)")
+    g.add_argument("--envpipe-scheduling", dest="envpipe_scheduling", choices=SCHEDULINGS, default=d.scheduling,
+                   help="unit order: Megatron's 1F1B, or EnvPipe's extended warm-up (ours)")
+    g.add_argument("--envpipe-reconfig", dest="envpipe_reconfig", choices=RECONFIG_POLICIES, default=d.reconfig,
+                   help="online reconfiguration from measured critical paths")
+    g.add_argument("--envpipe-gpu", dest="envpipe_gpu", default=d.gpu,
+                   help="GPU table entry (configs/gpus.toml); default: detect through NVML")
+    g.add_argument("--envpipe-profile", dest="envpipe_profile", default=d.profile,
+                   help="Perseus-format time/energy profile CSV; default: measure at start-up")
+    g.add_argument("--envpipe-max-inflight", dest="envpipe_max_inflight", type=int, default=d.max_inflight,
+                   help="activation-memory budget per stage (micro-batch activations) for 'ours'")
+    g.add_argument("--envpipe-extra-warmup", dest="envpipe_extra_warmup", type=_int_list, default=None,
+                   help="override EnvPipe's extra warm-up forwards per stage, e.g. 4,3,1,0 (clamped)")
+    g.add_argument("--envpipe-p2p-power", dest="envpipe_p2p_power_w", type=float, default=d.p2p_power_w,
+                   help="power of a GPU blocked in P2P, W (default: GPU table)")
+    g.add_argument("--envpipe-reconfig-step", dest="envpipe_reconfig_step_mhz", type=int,
+                   default=d.reconfig_step_mhz, help="MHz per reconfiguration step (default: GPU table)")
+    g.add_argument("--envpipe-finish-limit", dest="envpipe_finish_limit", type=int, default=d.finish_limit,
+                   help="stop reconfiguring after this many iterations without progress")
+    g.add_argument("--envpipe-threshold-scale", dest="envpipe_threshold_scale", type=float,
+                   default=d.threshold_scale, help="critical-path receive-wait threshold (x min last-stage wait)")
+    g.add_argument("--envpipe-prefetch", dest="envpipe_prefetch", type=int, default=d.prefetch,
+                   help="receives posted ahead of use per channel")
+    g.add_argument("--envpipe-comm-timeout", dest="envpipe_comm_timeout_s", type=float, default=d.comm_timeout_s,
+                   help="seconds before a stuck P2P transfer raises an error naming stage, instruction, peer")
+    g.add_argument("--envpipe-measure-iterations", dest="envpipe_measure_iterations", type=int,
+                   default=d.measure_iterations, help="iterations timed before planning when no profile is given")
+    g.add_argument("--envpipe-log-interval", dest="envpipe_log_interval", type=int, default=d.log_interval,
+                   help="print the EnvPipe plan/energy line every N iterations")
+    g.add_argument("--envpipe-verbose", dest="envpipe_verbose", action="store_true",
+                   help="print each stage's instruction program")
+    return parser
