@@ -158,11 +158,9 @@ def call_forward_step(
     from megatron.core.pipeline_parallel import schedules
 
     accepted = features().forward_step_params
-    kwargs: dict[str, Any] = {}
-    for name, value in (("cp_group_size", cp_group_size), ("is_last_stage", is_last_stage)):
-        if name in accepted:
-            kwargs[name] = value
-    optional = {
+    required: dict[str, Any] = {"cp_group_size": cp_group_size, "is_last_stage": is_last_stage}
+    kwargs = {name: value for name, value in required.items() if name in accepted}
+    optional: dict[str, Any] = {
         "collect_non_loss_data": collect_non_loss_data,
         "checkpoint_activations_microbatch": checkpoint_activations_microbatch,
         "is_first_microbatch": is_first_microbatch,
@@ -197,15 +195,12 @@ def call_backward_step(
 ) -> Any:
     """Megatron's ``schedules.backward_step`` across the ``model_type`` removal.
 
-    0.16 takes ``model_type`` (``None`` here means ``ModelType.encoder_or_decoder``);
-    0.19 dropped it because only that model type remains supported, so anything
-    else is refused rather than ignored.
+    0.16 requires ``model_type`` (``None`` here means ``ModelType.encoder_or_decoder``);
+    0.19 dropped the parameter. Since 0.16 that enum has no other member, so
+    leaving it out loses nothing. Returns the gradient(s) w.r.t. ``input_tensor``.
     """
-    from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import schedules
 
-    if model_type is None:
-        model_type = ModelType.encoder_or_decoder
     kwargs: dict[str, Any] = {
         "input_tensor": input_tensor,
         "output_tensor": output_tensor,
@@ -213,12 +208,11 @@ def call_backward_step(
         "config": config,
     }
     if features().backward_step_takes_model_type:
+        if model_type is None:
+            from megatron.core.enums import ModelType
+
+            model_type = ModelType.encoder_or_decoder
         kwargs["model_type"] = model_type
-    elif model_type != ModelType.encoder_or_decoder:
-        raise TypeError(
-            f"megatron-core {features().version} backward_step supports only "
-            f"ModelType.encoder_or_decoder, got {model_type!r}"
-        )
     return schedules.backward_step(**kwargs)
 
 
@@ -257,6 +251,9 @@ def _cpu_rng_tracker_class() -> type:
     idle_name = "default-rng"  # base class's name for "no named state active"
 
     class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        # Set by the base class's reset(); declared for type checkers.
+        _current_state_name: str
+
         def add(self, name: str, seed: int) -> None:
             if seed in self.seeds_:
                 raise ValueError(f"seed {seed} already exists")

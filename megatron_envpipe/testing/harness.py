@@ -1,22 +1,26 @@
 """Run one training iteration of a pipeline-parallel tiny GPT on CPU ranks over gloo.
 
-``run_pipeline(P, runs)`` spawns ``P`` processes, initialises Megatron's model
-parallel state with ``pipeline_model_parallel_size=P`` and, for every requested
-run, builds the model afresh (identical weights each time), calls a schedule
-function for one iteration and records each rank's losses and parameter
-gradients. Several runs share one spawn because starting ranks (importing
-megatron) dominates the cost. The schedule is Megatron's own 1F1B by default,
-or any picklable callable with the same keyword signature, which is how an
-alternative executor is compared with it bit for bit.
+``run_pipeline(P, runs)`` starts ``P`` rank processes, initialises Megatron's
+model-parallel state with ``pipeline_model_parallel_size=P`` and, for every
+requested run, builds the model afresh (identical weights each time), calls a
+schedule function for one iteration and records each rank's losses and
+parameter gradients. The schedule is Megatron's own 1F1B by default, or any
+picklable callable with the same keyword signature: that is how an alternative
+executor is compared with it bit for bit.
+
+Starting ranks is dominated by importing torch and megatron (5 s per process,
+several times that when P processes import at once on two cores). Ranks are
+therefore forked from a forkserver that preloads both, paid once per parent
+process, and several runs can share one set of ranks.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +48,16 @@ __all__ = [
 ]
 
 _HOST = "127.0.0.1"
+# Imported once by the forkserver, inherited by every rank it forks. The server
+# forks from a single-threaded state, unlike forking the (threaded) parent.
+_PRELOAD = [
+    "torch",
+    "megatron.core.parallel_state",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    __name__,
+]
 
 
 class ScheduleFn(Protocol):
@@ -65,7 +79,7 @@ class PipelineRun:
 
     ``schedule=None`` takes whatever ``get_forward_backward_func()`` returns, as
     megatron.training does. A replacement must be picklable (a module-level
-    function or a ``functools.partial`` of one) because ranks are spawned.
+    function or a ``functools.partial`` of one): it is sent to the rank processes.
     """
 
     num_microbatches: int
@@ -88,24 +102,27 @@ def run_pipeline(
     pipeline_size: int,
     runs: Sequence[PipelineRun],
     *,
-    spec: TinyGPTSpec = TinyGPTSpec(),
+    spec: TinyGPTSpec | None = None,
     timeout_s: float = 300.0,
 ) -> list[list[StageResult]]:
-    """Spawn ``pipeline_size`` gloo ranks, execute ``runs`` in order, return results.
+    """Start ``pipeline_size`` gloo ranks, execute ``runs`` in order, return results.
 
-    Result ``[i][r]`` is run ``i`` on rank ``r`` (rank == pipeline stage: TP=DP=1).
-    A rank that raises aborts the whole spawn and re-raises here with its
+    ``spec`` defaults to ``TinyGPTSpec()``. Result ``[i][r]`` is run ``i`` on
+    rank ``r`` (rank == pipeline stage: TP=DP=1).
+    A rank that raises aborts all ranks and its error is re-raised here with its
     traceback; ranks still alive after ``timeout_s`` (e.g. a P2P deadlock) are
     killed and ``TimeoutError`` is raised.
     """
     if pipeline_size < 2:
         raise ValueError("pipeline tests need at least 2 stages")
     check_megatron_installed()
+    spec = spec or TinyGPTSpec()
     runs = list(runs)
     # The parent owns the rendezvous store: binding port 0 here and handing the
     # chosen port to the ranks leaves no window for another process to take it.
-    store = dist.TCPStore(_HOST, 0, world_size=pipeline_size + 1, is_master=True,
-                          wait_for_workers=False)
+    store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
+    # Only takes effect if this process has not started its forkserver yet.
+    multiprocessing.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="envpipe-harness-") as tmp:
         out_dir = Path(tmp)
         context = mp.start_processes(
@@ -113,14 +130,13 @@ def run_pipeline(
             args=(pipeline_size, store.port, runs, spec, str(out_dir)),
             nprocs=pipeline_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         _join(context, timeout_s)
         per_rank = [
             torch.load(out_dir / f"rank{rank}.pt", weights_only=False)
             for rank in range(pipeline_size)
         ]
-    del store
     return [[per_rank[rank][i] for rank in range(pipeline_size)] for i in range(len(runs))]
 
 
@@ -144,10 +160,9 @@ def _rank_main(
     spec: TinyGPTSpec,
     out_dir: str,
 ) -> None:
-    # P ranks share 2 cores: one intra-op thread each avoids oversubscription and
-    # keeps CPU kernels' reduction order fixed from run to run.
+    # One intra-op thread per rank: P ranks would oversubscribe a small machine,
+    # and CPU kernels' reduction splits must not depend on its core count.
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
     from megatron.core import parallel_state
 
     store = dist.TCPStore(_HOST, port, is_master=False)
@@ -195,18 +210,18 @@ def compare_results(expected: Sequence[StageResult], actual: Sequence[StageResul
     problems: list[str] = []
     if len(expected) != len(actual):
         return [f"rank count {len(expected)} != {len(actual)}"]
-    for want, got in zip(expected, actual):
+    for want, got in zip(expected, actual, strict=True):
         where = f"rank {want.rank}"
         if len(want.losses) != len(got.losses):
             problems.append(f"{where}: {len(want.losses)} loss reports != {len(got.losses)}")
-        for mb, (a, b) in enumerate(zip(want.losses, got.losses)):
+        for mb, (a, b) in enumerate(zip(want.losses, got.losses, strict=False)):
             problems += _diff_tensors(f"{where} micro-batch {mb}", a, b)
         problems += _diff_tensors(f"{where} grad", want.grads, got.grads)
     return problems
 
 
 def _diff_tensors(
-    where: str, a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]
+    where: str, a: Mapping[str, torch.Tensor | None], b: Mapping[str, torch.Tensor | None]
 ) -> list[str]:
     if a.keys() != b.keys():
         return [f"{where}: keys differ: {sorted(a.keys() ^ b.keys())}"]

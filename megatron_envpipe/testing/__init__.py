@@ -1,0 +1,27 @@
+"""Test support: run Megatron-core pipeline training on CPU ranks over gloo.
+
+``run_pipeline`` drives a tiny deterministic GPT through one training
+iteration per requested run, with Megatron's 1F1B or a replacement schedule,
+and returns every rank's losses and gradients for bitwise comparison. Importing
+this package imports torch but not megatron; ranks import megatron themselves.
+"""
+
+from megatron_envpipe.testing.harness import (
+    PipelineRun,
+    ScheduleFn,
+    StageResult,
+    compare_results,
+    megatron_1f1b,
+    run_pipeline,
+)
+from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec
+
+__all__ = [
+    "PipelineRun",
+    "ScheduleFn",
+    "StageResult",
+    "TinyGPTSpec",
+    "compare_results",
+    "megatron_1f1b",
+    "run_pipeline",
+]
