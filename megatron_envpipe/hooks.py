@@ -25,6 +25,11 @@ class ExecutionHooks:
     def set_frequency(self, freq_mhz: int) -> None:
         """The program asks for this SM clock from the next unit on."""
 
+    def instruction(self, instr: object) -> None:
+        """Every instruction, right before it is dispatched (off by default: see ``wants_instructions``)."""
+
+    wants_instructions = False
+
     def unit_begin(self, unit: Unit) -> None:
         """Right before a unit's compute (after its input arrived)."""
 
@@ -44,6 +49,11 @@ class RecordingHooks(ExecutionHooks):
 
     events: list[str] = field(default_factory=list)
     measurements: list[IterationMeasurement] = field(default_factory=list)
+    instructions: list[str] = field(default_factory=list)
+    wants_instructions: bool = True
+
+    def instruction(self, instr: object) -> None:
+        self.instructions.append(str(instr))
 
     def iteration_begin(self, stage: int, iteration: int) -> None:
         self.events.append(f"begin S{stage} it{iteration}")

@@ -118,6 +118,9 @@ class PlanResult:
 
     @property
     def energy_saving(self) -> float:
+        """Fraction of the baseline's energy saved (0 when the profile has no energy data)."""
+        if self.baseline.energy_j <= 0:
+            return 0.0
         return 1.0 - self.score.energy_j / self.baseline.energy_j
 
     @property

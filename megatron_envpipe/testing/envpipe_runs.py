@@ -1,0 +1,80 @@
+"""Rank-side helpers to run EnvPipe's executor inside the gloo test harness.
+
+``envpipe_schedule(config, record_dir)`` is a picklable stand-in for Megatron's
+schedule function: in each rank it installs EnvPipe (once per config), runs
+the executor, and writes what the stage did to ``record_dir/rank<r>-<n>.json``
+(the instructions it dispatched, the program it was given, the live-tensor
+count after the call) so tests can check it against the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.hooks import RecordingHooks
+
+_installed: dict[str, Any] = {"config": None, "hooks": None, "calls": 0}
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, **kwargs: Any) -> list[Any]:
+    from megatron_envpipe import executor, install
+
+    if _installed["config"] != config:
+        _installed["hooks"] = RecordingHooks()
+        install(config, hooks=_installed["hooks"])
+        _installed["config"] = config
+        _installed["calls"] = 0
+    hooks: RecordingHooks = _installed["hooks"]
+    start = len(hooks.instructions)
+    runtime = executor._State.runtime
+    m, p = kwargs["num_microbatches"], torch.distributed.get_world_size()
+    plan = runtime.prepare(p, m)  # what the executor will be given (prepare is pure)
+    store = executor.envpipe_forward_backward(**kwargs)
+    live = [_live_tensors()]
+    if repeat > 1:
+        # More iterations on the same model, as a training loop would run them.
+        from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec, synthetic_batches
+
+        model = kwargs["model"][0] if isinstance(kwargs["model"], list) else kwargs["model"]
+        for i in range(1, repeat):
+            model.zero_grad(set_to_none=True)
+            again = dict(kwargs, data_iterator=synthetic_batches(TinyGPTSpec(), kwargs["num_microbatches"]))
+            executor.envpipe_forward_backward(**again)
+            live.append(_live_tensors())
+    rank = torch.distributed.get_rank()
+    if record_dir is not None:
+        record = {
+            "executed": hooks.instructions[start:],
+            "planned": [str(i) for i in plan.programs[rank].instructions],
+            "phase": plan.phase,
+            "extra_warmup": list(plan.schedule.extra_warmup),
+            "live_tensors": live,
+        }
+        path = Path(record_dir) / f"rank{rank}-{_installed['calls']}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    _installed["calls"] += 1
+    return store
+
+
+def envpipe_schedule(config: EnvPipeConfig, record_dir: str | None = None, repeat: int = 1) -> Any:
+    """A picklable schedule function running EnvPipe with ``config``.
+
+    ``repeat > 1`` runs that many iterations on the same model (fresh synthetic
+    data, grads zeroed in between) and records the live-tensor count after each.
+    """
+    return functools.partial(_run, config, record_dir, repeat)
