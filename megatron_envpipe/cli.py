@@ -201,6 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             max_inflight=args.max_inflight,
             extra_warmup=tuple(args.extra_warmup) if args.extra_warmup else None,
             p2p_latency_s=args.p2p_latency,
+            comm=args.comm,
         )
         result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
     if args.stages is not None and args.stages != result.schedule.num_stages:
@@ -412,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconfig-step", type=_positive_int, help="MHz per reconfiguration step (default: GPU table)")
     p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage, in micro-batches")
     p.add_argument("--extra-warmup", type=_int_list, help="override EnvPipe's r_s, e.g. 4,3,1,0 (still clamped)")
+    p.add_argument("--comm", choices=("per-direction", "paired"), default="per-direction",
+                   help="communication the plan is scored with: one channel per direction (what the executor "
+                        "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
     p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan and its scores as JSON")
     p.set_defaults(func=cmd_plan)

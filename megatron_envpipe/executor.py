@@ -37,7 +37,11 @@ from .schedule import B, F
 log = logging.getLogger("megatron_envpipe")
 
 
-class CommTimeoutError(RuntimeError):
+class CommError(RuntimeError):
+    """A P2P transfer failed: the peer died, or it did not complete in time."""
+
+
+class CommTimeoutError(CommError):
     """A P2P transfer did not complete within ``--envpipe-comm-timeout``."""
 
 
@@ -431,19 +435,21 @@ class _Iteration:
             self.grads_in[mb] = tensor
 
     def _wait(self, work: Any, instr: ins.Instruction, peer: int | None) -> None:
+        t0 = time.monotonic()
+        limit = self.timeout.total_seconds()
+        where = f"EnvPipe stage {self.stage} (rank {dist.get_rank()}): {instr} with peer rank {peer}"
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as exc:
-            raise CommTimeoutError(
-                f"EnvPipe stage {self.stage} (rank {dist.get_rank()}): {instr} with peer rank {peer} did not "
-                f"complete within {self.timeout.total_seconds():g} s ({exc}). A stage is stuck or has died; "
-                f"raise --envpipe-comm-timeout if a stage is legitimately slow."
-            ) from exc
+            waited = time.monotonic() - t0
+            if waited >= 0.9 * limit or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise CommTimeoutError(
+                    f"{where} did not complete within {limit:g} s: that stage is stuck or has died "
+                    f"(raise --envpipe-comm-timeout if it is legitimately slow). Transport said: {exc}"
+                ) from exc
+            raise CommError(f"{where} failed after {waited:.1f} s: {exc}") from exc
         if ok is False:
-            raise CommTimeoutError(
-                f"EnvPipe stage {self.stage}: {instr} with peer rank {peer} timed out after "
-                f"{self.timeout.total_seconds():g} s"
-            )
+            raise CommTimeoutError(f"{where} did not complete within {limit:g} s")
 
     def _deallocate(self, mb: int) -> None:
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor

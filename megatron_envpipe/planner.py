@@ -61,6 +61,9 @@ class PlannerConfig:
     p2p_latency_s: float = 0.0
     max_iterations: int = 100_000
     extra_dependencies: tuple[Dependency, ...] = ()
+    # "per-direction" (what our executor runs: no extra dependency) or "paired"
+    # (EnvPipe-KISTI / §8.5: an activation is held until a gradient arrives).
+    comm: str = "per-direction"
 
     def validate(self) -> "PlannerConfig":
         if self.plan_type not in PLAN_TYPES:
@@ -77,6 +80,8 @@ class PlannerConfig:
             raise PlannerError(f"P2P blocking power must be >= 0 W, got {self.p2p_power_w}")
         if self.max_iterations < 1:
             raise PlannerError("max_iterations must be >= 1")
+        if self.comm not in ("per-direction", "paired"):
+            raise PlannerError(f"unknown communication model {self.comm!r}; choose per-direction or paired")
         return self
 
     @property
@@ -383,9 +388,12 @@ def plan_envpipe(
     baseline_timeline = baseline_eval.simulate(baseline_plan.flat())
     baseline_score = baseline_eval.score(baseline_plan.flat(), baseline_timeline)
 
-    evaluator = PlanEvaluator(
-        schedule, profile, p2p_power, config.p2p_latency_s, config.extra_dependencies
-    )
+    deps = tuple(config.extra_dependencies)
+    if config.comm == "paired":
+        from .instructions import paired_hold_dependencies
+
+        deps += tuple(paired_hold_dependencies(schedule))
+    evaluator = PlanEvaluator(schedule, profile, p2p_power, config.p2p_latency_s, deps)
     plan = initial_plan(schedule, config.plan_type, f_max, inner)
     reconf = Reconfigurer(plan, config.reconfig, ladder)
     iterations, converged, reason = 0, False, ""

@@ -78,3 +78,30 @@ def test_held_activations_are_freed_over_20_iterations(tmp_path):
         # held activations would add >= M=8 tensors per iteration (>= 150 by the end);
         # a few transient ones (a collective's buffers in flight) are tolerated.
         assert max(live[1:]) - live[1] <= 6, f"rank {rank} leaks tensors: {live}"
+
+
+def test_stuck_transfer_raises_naming_stage_instruction_and_peer():
+    cfg = EnvPipeConfig(comm_timeout_s=2.0)
+    # One healthy iteration, then stage 1 hangs: stage 0 must fail with a clear error, not hang.
+    runs = [PipelineRun(2, envpipe_schedule(cfg)), PipelineRun(2, envpipe_schedule(cfg, stall_rank=1))]
+    with pytest.raises(Exception) as info:
+        run_pipeline(2, runs, timeout_s=120)
+    text = str(info.value)
+    assert "CommTimeoutError" in text and "EnvPipe stage 0" in text
+    assert "RecvGradFinish(0) with peer rank 1 did not complete within 2 s" in text
+    assert "--envpipe-comm-timeout" in text
+
+
+def test_forward_only_falls_back_to_megatron_and_matches(tmp_path):
+    cfg = EnvPipeConfig(plan_type="envelope", scheduling="ours", profile=write_profile(tmp_path / "p.csv", 2))
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    native, ours = run_pipeline(
+        2,
+        [PipelineRun(4, envpipe_schedule(EnvPipeConfig(), forward_only=True)),
+         PipelineRun(4, envpipe_schedule(cfg, str(rec), forward_only=True))],
+        timeout_s=120,
+    )
+    assert not compare_results(native, ours)
+    assert native[1].losses and all(g is None for g in ours[0].grads.values())  # evaluation: no backward
+    assert records(rec, 0, 0)["executed"] == []  # Megatron's own schedule ran, not the program

@@ -29,8 +29,18 @@ def _live_tensors() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
-def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, **kwargs: Any) -> list[Any]:
+def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_rank: int | None = None,
+         force_forward_only: bool = False, **kwargs: Any) -> list[Any]:
     from megatron_envpipe import executor, install
+
+    if stall_rank == torch.distributed.get_rank():
+        # This stage hangs (as a crashed or wedged GPU would) past its peers' timeout.
+        import time
+
+        time.sleep(3 * config.comm_timeout_s)
+        return []
+    if force_forward_only:
+        kwargs["forward_only"] = True
 
     if _installed["config"] != config:
         _installed["hooks"] = RecordingHooks()
@@ -71,10 +81,13 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, **kwarg
     return store
 
 
-def envpipe_schedule(config: EnvPipeConfig, record_dir: str | None = None, repeat: int = 1) -> Any:
+def envpipe_schedule(config: EnvPipeConfig, record_dir: str | None = None, repeat: int = 1,
+                     stall_rank: int | None = None, forward_only: bool = False) -> Any:
     """A picklable schedule function running EnvPipe with ``config``.
 
     ``repeat > 1`` runs that many iterations on the same model (fresh synthetic
     data, grads zeroed in between) and records the live-tensor count after each.
+    ``stall_rank`` makes one rank skip the iteration (to test stuck transfers);
+    ``forward_only`` turns the call into an evaluation step (EnvPipe falls back).
     """
-    return functools.partial(_run, config, record_dir, repeat)
+    return functools.partial(_run, config, record_dir, repeat, stall_rank, forward_only)
