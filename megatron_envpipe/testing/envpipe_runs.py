@@ -91,3 +91,36 @@ def envpipe_schedule(config: EnvPipeConfig, record_dir: str | None = None, repea
     ``forward_only`` turns the call into an evaluation step (EnvPipe falls back).
     """
     return functools.partial(_run, config, record_dir, repeat, stall_rank, forward_only)
+
+
+def _bench(config: EnvPipeConfig, iterations: int, out_path: str, **kwargs: Any) -> list[Any]:
+    """Alternate Megatron's schedule and EnvPipe's executor on one model; time each."""
+    import time
+
+    from megatron_envpipe import executor, install
+    from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec, synthetic_batches
+
+    install(config)
+    native = executor._State.original
+    model = kwargs["model"][0] if isinstance(kwargs["model"], list) else kwargs["model"]
+    m = kwargs["num_microbatches"]
+    times: dict[str, list[float]] = {"native": [], "envpipe": []}
+    store: list[Any] = []
+    for i in range(iterations + 2):  # the first two rounds warm up (allocator, group creation)
+        for name, fn in (("native", native), ("envpipe", executor.envpipe_forward_backward)):
+            model.zero_grad(set_to_none=True)
+            args = dict(kwargs, data_iterator=synthetic_batches(TinyGPTSpec(), m))
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            store = fn(**args)
+            torch.distributed.barrier()
+            if i >= 2:
+                times[name].append(time.perf_counter() - t0)
+    if torch.distributed.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(times))
+    return store
+
+
+def bench_schedule(config: EnvPipeConfig, iterations: int, out_path: str) -> Any:
+    """A picklable schedule function that benchmarks the executor against Megatron's."""
+    return functools.partial(_bench, config, iterations, out_path)
