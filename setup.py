@@ -23,7 +23,7 @@ setup(
     },
     package_data={
         "megatron_envpipe.configs": ["*.toml"],
-        "megatron_envpipe.data": ["profiles/*.md", "profiles/*/*.csv"],
+        "megatron_envpipe.data": ["profiles/*.md", "profiles/*/*.csv", "corpus/*.txt", "corpus/*.md"],
     },
     # The planning core is pure Python: no runtime dependency at all.
     install_requires=[],
