@@ -27,7 +27,9 @@ class EnvPipeConfig:
     plan_type: str = "baseline"
     scheduling: str = "1f1b"
     reconfig: str = "default"
-    gpu: str | None = None  # GPU table key; None: detect (NVML) or none
+    # "auto" (NVML when this rank drives a CUDA device, else none), "none", "nvml",
+    # "simulated:<profile>" (a GPU model on CPU), or a GPU table key (NVML + that table).
+    gpu: str | None = None
     profile: str | None = None  # Perseus CSV; None: measure at start-up
     max_inflight: int | None = None  # activation budget per stage for "ours"
     extra_warmup: tuple[int, ...] | None = None
@@ -37,7 +39,12 @@ class EnvPipeConfig:
     threshold_scale: float = 4.0
     prefetch: int = 2  # receives posted ahead per channel
     comm_timeout_s: float = 300.0  # a stuck P2P raises instead of hanging
-    measure_iterations: int = 1  # iterations measured before the plan is fixed (no profile)
+    measure_iterations: int = 1  # iterations measured before the plan is fixed (no profile, no clock control)
+    on_no_permission: str = "fail"  # or "monitor": measure energy, never touch clocks
+    profile_step_mhz: int | None = None  # start-up profiler clock spacing (default: GPU table)
+    profile_iterations: int = 2  # profiled iterations per clock
+    profile_cache: str | None = None  # cache dir ("off" disables); default ~/.cache/megatron-envpipe
+    sim_time_scale: float = 0.02  # simulated GPU: wall seconds per simulated second
     log_interval: int = 1
     verbose: bool = False
 
@@ -55,11 +62,20 @@ class EnvPipeConfig:
             bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours")
         if self.max_inflight is not None and self.max_inflight < 1:
             bad(f"--envpipe-max-inflight must be >= 1, got {self.max_inflight}")
-        if self.gpu is not None and not self.gpu.startswith("simulated"):
-            try:
-                get_gpu_spec(self.gpu)
-            except GpuSpecError as exc:
-                bad(f"--envpipe-gpu: {exc}")
+        if self.gpu is not None and self.gpu not in ("auto", "none", "nvml"):
+            if self.gpu.startswith("simulated"):
+                _, _, source = self.gpu.partition(":")
+                if not source:
+                    bad("--envpipe-gpu simulated needs a profile: simulated:<profile.csv or a40/gpt3-175b>")
+                from .resources import shipped_profiles
+
+                if source not in shipped_profiles() and not Path(source).is_file():
+                    bad(f"--envpipe-gpu {self.gpu}: no such profile (give a Perseus-format CSV or a shipped name)")
+            else:
+                try:
+                    get_gpu_spec(self.gpu)
+                except GpuSpecError as exc:
+                    bad(f"--envpipe-gpu: {exc}; or use auto, none, nvml, simulated:<profile>")
         if self.profile is not None and not Path(self.profile).is_file():
             from .resources import shipped_profiles
 
@@ -81,6 +97,14 @@ class EnvPipeConfig:
             bad("--envpipe-measure-iterations must be >= 1")
         if self.log_interval < 1:
             bad("--envpipe-log-interval must be >= 1")
+        if self.on_no_permission not in ("fail", "monitor"):
+            bad("--envpipe-on-no-permission must be fail or monitor")
+        if self.profile_step_mhz is not None and self.profile_step_mhz <= 0:
+            bad("--envpipe-profile-step must be > 0 MHz")
+        if self.profile_iterations < 1:
+            bad("--envpipe-profile-iterations must be >= 1")
+        if not 0 < self.sim_time_scale <= 10:
+            bad("--envpipe-sim-time-scale must be in (0, 10]")
         return self
 
     def validate_with_megatron_args(self, args: Any) -> "EnvPipeConfig":
@@ -136,7 +160,9 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--envpipe-reconfig", dest="envpipe_reconfig", choices=RECONFIG_POLICIES, default=d.reconfig,
                    help="online reconfiguration from measured critical paths")
     g.add_argument("--envpipe-gpu", dest="envpipe_gpu", default=d.gpu,
-                   help="GPU table entry (configs/gpus.toml); default: detect through NVML")
+                   help="auto (default: NVML on CUDA devices, else none), none, nvml, "
+                        "simulated:<profile> (a GPU model on CPU driven by a profile), or a GPU table "
+                        "entry of configs/gpus.toml (NVML with that table's steps and P2P power)")
     g.add_argument("--envpipe-profile", dest="envpipe_profile", default=d.profile,
                    help="Perseus-format time/energy profile CSV; default: measure at start-up")
     g.add_argument("--envpipe-max-inflight", dest="envpipe_max_inflight", type=int, default=d.max_inflight,
@@ -157,6 +183,17 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="seconds before a stuck P2P transfer raises an error naming stage, instruction, peer")
     g.add_argument("--envpipe-measure-iterations", dest="envpipe_measure_iterations", type=int,
                    default=d.measure_iterations, help="iterations timed before planning when no profile is given")
+    g.add_argument("--envpipe-on-no-permission", dest="envpipe_on_no_permission", choices=("fail", "monitor"),
+                   default=d.on_no_permission,
+                   help="without permission to lock clocks: fail at start-up (default) or only measure energy")
+    g.add_argument("--envpipe-profile-step", dest="envpipe_profile_step_mhz", type=int, default=None,
+                   help="start-up profiler: MHz between profiled clocks (default: GPU table, 90)")
+    g.add_argument("--envpipe-profile-iterations", dest="envpipe_profile_iterations", type=int,
+                   default=d.profile_iterations, help="start-up profiler: iterations per clock")
+    g.add_argument("--envpipe-profile-cache", dest="envpipe_profile_cache", default=None,
+                   help="profile cache directory, or 'off' (default ~/.cache/megatron-envpipe/profiles)")
+    g.add_argument("--envpipe-sim-time-scale", dest="envpipe_sim_time_scale", type=float, default=d.sim_time_scale,
+                   help="simulated GPU: wall seconds per simulated second (default 0.02)")
     g.add_argument("--envpipe-log-interval", dest="envpipe_log_interval", type=int, default=d.log_interval,
                    help="print the EnvPipe plan/energy line every N iterations")
     g.add_argument("--envpipe-verbose", dest="envpipe_verbose", action="store_true",

@@ -240,6 +240,24 @@ class Profile:
             source=f"{self.source} (time x{time_scale:g}, energy x{energy_scale:g})",
         )
 
+    def for_pipeline(self, num_stages: int) -> "Profile":
+        """This profile reduced to ``num_stages`` stages: the first ``P-1`` and the last.
+
+        For emulating a shorter pipeline with a longer pipeline's profile: the
+        last stage (LM head, often the heaviest or lightest) keeps its own rows.
+        """
+        if num_stages == self.num_stages:
+            return self
+        if not 1 <= num_stages <= self.num_stages:
+            raise ProfileError(
+                f"{self.source}: cannot emulate {num_stages} stages with a {self.num_stages}-stage profile"
+            )
+        keep = list(range(num_stages - 1)) + [self.num_stages - 1]
+        return Profile(
+            {(new, ins): self._sorted[(old, ins)] for new, old in enumerate(keep) for ins in INSTRUCTIONS},
+            source=f"{self.source} (stages {keep})",
+        )
+
     def restricted(self, frequencies: Iterable[int]) -> "Profile":
         """A copy keeping only the given clocks (e.g. a GPU table's candidates)."""
         keep = set(frequencies)

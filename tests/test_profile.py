@@ -112,3 +112,13 @@ def test_scaled(tmp_path):
     assert prof.energy_j(1, "backward", 1200) == pytest.approx(51.0 * 80)
     with pytest.raises(ProfileError, match="positive"):
         prof.scaled(0, 1)
+
+
+def test_for_pipeline_keeps_the_last_stage(gpt3_profile):
+    four = gpt3_profile.for_pipeline(4)
+    assert four.num_stages == 4
+    assert four.points(3, "backward") == gpt3_profile.points(7, "backward")
+    assert four.points(1, "forward") == gpt3_profile.points(1, "forward")
+    assert gpt3_profile.for_pipeline(8) is gpt3_profile
+    with pytest.raises(ProfileError, match="cannot emulate 9 stages"):
+        gpt3_profile.for_pipeline(9)

@@ -1,0 +1,94 @@
+"""One small interface over a GPU's clocks and energy counter (Zeus-style).
+
+Backends: ``nvml`` (real GPUs, through ``nvidia-ml-py``), ``simulated`` (a
+GPU model driven by a time/energy profile, so the whole profile -> plan ->
+execute -> measure loop runs on CPU; its numbers are labelled simulated), and
+``none`` (monitors nothing, changes nothing). Pure Python; backends import
+their own dependencies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+class GpuError(RuntimeError):
+    """A GPU operation failed; the message says what and, where possible, how to fix it."""
+
+
+class GpuPermissionError(GpuError):
+    """Locking clocks needs root or CAP_SYS_ADMIN."""
+
+
+class GpuNotSupportedError(GpuError):
+    """The device or driver does not support the operation (e.g. energy counter before Volta)."""
+
+
+PERMISSION_HINT = (
+    "locking GPU clocks needs root or the CAP_SYS_ADMIN capability: run the job as root, "
+    "start the container with --cap-add SYS_ADMIN, or ask your admin; to train without "
+    "changing clocks (measuring energy only) pass --envpipe-on-no-permission monitor"
+)
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    name: str
+    uuid: str
+    pci_bus_id: str
+    driver_version: str
+    backend: str
+    simulated: bool = False
+
+    def label(self) -> str:
+        return f"{self.name} ({self.uuid}{', simulated' if self.simulated else ''})"
+
+
+class GpuDevice(ABC):
+    """The GPU this process trains on."""
+
+    backend: ClassVar[str]
+    simulated: ClassVar[bool] = False
+
+    @abstractmethod
+    def info(self) -> GpuInfo: ...
+
+    @abstractmethod
+    def supported_clocks_mhz(self) -> tuple[int, ...]:
+        """Supported SM clocks at the highest memory clock, fastest first."""
+
+    @abstractmethod
+    def can_set_clocks(self) -> bool:
+        """Whether :meth:`set_locked_clocks` will be permitted (checked without changing anything)."""
+
+    @abstractmethod
+    def set_locked_clocks(self, freq_mhz: int) -> None:
+        """Lock the SM clock to ``freq_mhz`` (min = max). Raises GpuPermissionError."""
+
+    @abstractmethod
+    def reset_locked_clocks(self) -> None:
+        """Undo any lock: the driver's default clock management again."""
+
+    @abstractmethod
+    def locked_clock_mhz(self) -> int | None:
+        """The clock this object last locked, or None when unlocked."""
+
+    @abstractmethod
+    def energy_mj(self) -> float:
+        """Cumulative energy counter in millijoules (monotonic; NVML updates it every ~10 ms)."""
+
+    @abstractmethod
+    def power_w(self) -> float:
+        """Current power draw in watts."""
+
+    def unit_begin(self, stage: int, kind: str) -> None:
+        """A forward (``F``) or backward (``B``) unit starts. Real GPUs ignore this;
+        the simulated GPU uses it to model the unit's time and energy."""
+
+    def unit_end(self, stage: int, kind: str) -> None:
+        """The unit's compute was issued (host side)."""
+
+    def close(self) -> None:
+        """Release the device handle (does not reset clocks: the clock guard does)."""
