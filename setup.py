@@ -15,7 +15,13 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     # configs/ and data/ live at the repo root and ship inside the package.
-    packages=["megatron_envpipe", "megatron_envpipe.configs", "megatron_envpipe.data", "megatron_envpipe.testing"],
+    packages=[
+        "megatron_envpipe",
+        "megatron_envpipe.gpu",
+        "megatron_envpipe.testing",
+        "megatron_envpipe.configs",
+        "megatron_envpipe.data",
+    ],
     package_dir={
         "megatron_envpipe": "megatron_envpipe",
         "megatron_envpipe.configs": "configs",

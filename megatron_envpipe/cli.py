@@ -370,6 +370,27 @@ def cmd_programs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reset_clocks(args: argparse.Namespace) -> int:
+    """Repair GPUs a crashed run (SIGKILL, node failure) left with locked clocks."""
+    from .gpu.base import GpuError, GpuPermissionError
+    from .gpu.safety import reset_all_gpus, reset_clocks_from_state
+
+    try:
+        if args.all:
+            lines = reset_all_gpus(args.state_dir)
+        else:
+            lines = reset_clocks_from_state(args.state_dir, force=args.force)
+    except GpuPermissionError as exc:
+        print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
+        return 3
+    except GpuError as exc:
+        print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
+        return 2
+    for line in lines or ["nothing to reset: no GPU clocks were left locked by megatron-envpipe on this host"]:
+        print(line)
+    return 0
+
+
 def cmd_gpus(args: argparse.Namespace) -> int:
     table = load_gpu_table()
     print(f"{'gpu':9}{'max MHz':>8}{'min MHz':>8}{'step':>6}{'profile':>8}{'reconfig':>9}{'P2P W':>7}  NVML names")
@@ -471,6 +492,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-stream", action="store_true",
                    help="check against one shared stream per stage pair instead (shows why we avoid it)")
     p.set_defaults(func=cmd_programs)
+
+    p = sub.add_parser("reset-clocks", help="reset GPU clocks a crashed run left locked (needs root or CAP_SYS_ADMIN)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="where runs record locked clocks (default $ENVPIPE_STATE_DIR or /var/tmp/megatron-envpipe/locked-clocks)")
+    p.add_argument("--force", action="store_true", help="also reset GPUs whose locking process is still running")
+    p.add_argument("--all", action="store_true", help="reset every GPU on this node through NVML, state files or not")
+    p.set_defaults(func=cmd_reset_clocks)
 
     p = sub.add_parser("gpus", help="list the GPU clock table")
     p.set_defaults(func=cmd_gpus)

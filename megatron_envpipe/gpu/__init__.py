@@ -1,0 +1,81 @@
+"""GPU devices: clocks and energy through NVML, a simulated GPU, or none.
+
+``open_gpu(spec, local_rank, stage=...)`` picks the backend the way
+``--envpipe-gpu`` names it: ``auto`` (NVML for this rank's CUDA device when
+there is one, else none), ``nvml``, ``none``, ``simulated:<profile>`` (a GPU
+model on CPU driven by a Perseus-format profile; its numbers are labelled
+simulated), or a GPU-table key (NVML, with that table's steps and P2P power).
+"""
+
+from __future__ import annotations
+
+from .base import (
+    PERMISSION_HINT,
+    GpuDevice,
+    GpuError,
+    GpuInfo,
+    GpuNotSupportedError,
+    GpuPermissionError,
+)
+
+__all__ = [
+    "PERMISSION_HINT",
+    "GpuDevice",
+    "GpuError",
+    "GpuInfo",
+    "GpuNotSupportedError",
+    "GpuPermissionError",
+    "open_gpu",
+]
+
+
+def open_gpu(
+    spec: str = "auto",
+    local_rank: int | None = None,
+    *,
+    stage: int = 0,
+    num_stages: int | None = None,
+    time_scale: float = 1.0,
+    p2p_power_w: float | None = None,
+    cuda: bool = True,
+) -> GpuDevice:
+    """The device this rank trains on, per ``--envpipe-gpu``.
+
+    ``cuda`` says whether the rank actually drives a CUDA device (a CPU run
+    under ``auto`` gets no GPU control rather than some other process's GPU).
+    For ``simulated:<profile>``, ``stage``/``num_stages`` choose the profile rows
+    (a longer profile emulates a shorter pipeline: first P-1 stages and the last).
+    """
+    from .none import NoGpu
+
+    spec = spec or "auto"
+    if spec == "none":
+        return NoGpu()
+    if spec.startswith("simulated"):
+        from ..gpu_specs import get_gpu_spec
+        from ..profile import Profile
+        from ..resources import shipped_profile
+        from .simulated import SimulatedGpu
+
+        source = spec.partition(":")[2]
+        profile = Profile.from_csv(shipped_profile(source))
+        if num_stages is not None:
+            profile = profile.for_pipeline(num_stages)
+        if p2p_power_w is None:
+            gpu_key = source.split("/")[0] if "/" in source and not source.endswith(".csv") else None
+            try:
+                p2p_power_w = get_gpu_spec(gpu_key).p2p_power_w if gpu_key else 0.0
+            except Exception:  # noqa: BLE001 - a custom profile: no table entry
+                p2p_power_w = 0.0
+        return SimulatedGpu(profile, stage, time_scale=time_scale, p2p_power_w=p2p_power_w,
+                            name=f"Simulated GPU ({source})")
+    if spec == "auto" and not cuda:
+        return NoGpu("no GPU control: this rank runs on the CPU")
+    from .nvml import NvmlGpu
+
+    try:
+        return NvmlGpu.for_torch_device(local_rank)
+    except GpuNotSupportedError as exc:  # no driver, no nvidia-ml-py, or a MIG slice
+        if spec == "auto":
+            return NoGpu(f"no GPU control: {exc}")
+        raise
