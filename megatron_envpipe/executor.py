@@ -50,6 +50,8 @@ class _State:
 
     runtime: EnvPipeRuntime | None = None
     hooks: ExecutionHooks = ExecutionHooks()
+    user_hooks: bool = False  # hooks given to install(): no device of our own
+    device_ready: bool = False
     original: Callable[..., Any] | None = None
     warned: set[str] = set()
     channels: dict[tuple[int, ...], "_Channels"] = {}
@@ -140,26 +142,40 @@ class _Channels:
 
 
 class _Clock:
-    """Marks on the compute stream: CUDA events on GPU, wall clock on CPU."""
+    """Marks of unit boundaries.
 
-    def __init__(self, device: torch.device) -> None:
+    CUDA: events on the compute stream (no synchronization), except in
+    profiling iterations, where each mark synchronizes and reads the host clock
+    so that windows line up with the energy monitor's samples. CPU: the host
+    clock. Host marks are absolute ``time.perf_counter()`` values.
+    """
+
+    def __init__(self, device: torch.device, host_sync: bool = False) -> None:
         self.cuda = device.type == "cuda"
+        self.host = not self.cuda or host_sync
         self.marks: list[Any] = []
 
     def mark(self) -> int:
-        if self.cuda:
+        if not self.host:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append(event)
         else:
+            if self.cuda:
+                torch.cuda.synchronize()
             self.marks.append(time.perf_counter())
         return len(self.marks) - 1
+
+    @property
+    def origin(self) -> float | None:
+        """Absolute host time of the first mark (host marks only)."""
+        return self.marks[0] if self.host and self.marks else None
 
     def seconds(self) -> list[float]:
         """Every mark relative to the first one (synchronizes once on GPU)."""
         if not self.marks:
             return []
-        if self.cuda:
+        if not self.host:
             self.marks[-1].synchronize()
             first = self.marks[0]
             return [first.elapsed_time(e) / 1000.0 for e in self.marks]
@@ -285,6 +301,8 @@ class _Iteration:
 
     def run(self) -> list[Any]:
         config = self.config
+        if not _State.device_ready:
+            _setup_device(self)
         plan = self.runtime.prepare(self.num_stages, self.m)
         program = plan.programs[self.stage].instructions
         embedding_module = None
@@ -296,7 +314,7 @@ class _Iteration:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         self._disable_grad_sync()
         self.hooks.iteration_begin(self.stage, self.runtime.iteration)
-        clock = _Clock(self.device) if plan.measure else None
+        clock = _Clock(self.device, host_sync=plan.profiling) if plan.measure else None
         order = plan.schedule.orders[self.stage]
         marks: list[tuple[int, int, int]] = []  # per unit: (wait begin, compute begin, compute end)
         wait_mark = None
@@ -364,6 +382,7 @@ class _Iteration:
             config.timers("forward-backward").stop()
         measurement = None
         gathered = None
+        samples = None
         if clock is not None:
             t = clock.seconds()
             measurement = IterationMeasurement(
@@ -371,8 +390,19 @@ class _Iteration:
             )
             gathered = [None] * self.num_stages
             dist.all_gather_object(gathered, measurement, group=self.pp_group)
+            gathered = _agree(self, gathered)
         self.hooks.iteration_end(measurement)
-        self.runtime.finish(self.num_stages, self.m, gathered)
+        if plan.profiling and clock is not None:
+            o = clock.origin
+            windows = [(u.kind, o + t[c0], o + t[c1]) for u, (w, c0, c1) in zip(order, marks)]
+            blocking = [(o + t[w], o + t[c0]) for (w, c0, c1) in marks if c0 != w and t[c0] > t[w]]
+            mine = self.hooks.stage_samples(windows, blocking)
+            samples = [None] * self.num_stages
+            dist.all_gather_object(samples, mine, group=self.pp_group)
+            samples = _agree(self, samples)
+        iteration = self.runtime.iteration
+        self.runtime.finish(self.num_stages, self.m, gathered, samples)
+        _report_energy(self, iteration)
         return self.forward_data_store
 
     # -- units ---------------------------------------------------------------------------
@@ -495,3 +525,154 @@ def _single(value: Any) -> torch.Tensor:
             raise ValueError(f"EnvPipe supports one tensor per P2P message, got {len(value)}")
         return value[0]
     return value
+
+
+def _setup_device(it: "_Iteration") -> None:
+    """First iteration: open this rank's GPU, check permissions, agree on facts.
+
+    Runs on every rank of the pipeline at the same point, so the facts (clock
+    list, control, energy) are gathered and combined identically everywhere.
+    """
+    from .gpu import PERMISSION_HINT, GpuPermissionError, open_gpu
+    from .gpu_hooks import GpuHooks
+    from .runtime import DeviceFacts
+
+    runtime, cfg = it.runtime, it.runtime.config
+    mine: dict[str, Any]
+    if _State.user_hooks:
+        mine = {"backend": "none", "name": "none", "driver": "", "clocks": (), "control": False,
+                "energy": False, "simulated": False}
+    else:
+        cuda = it.device.type == "cuda"
+        device = open_gpu(cfg.gpu or "auto", torch.cuda.current_device() if cuda else None,
+                          stage=it.stage, num_stages=it.num_stages, time_scale=cfg.sim_time_scale,
+                          p2p_power_w=cfg.p2p_power_w, cuda=cuda)
+        info = device.info()
+        wants_control = cfg.plan_type != "baseline"
+        control = wants_control and device.can_set_clocks()
+        if wants_control and not control and device.backend != "none":
+            reason = getattr(device, "permission_reason", lambda: "")()
+            if cfg.on_no_permission == "fail":
+                raise GpuPermissionError(f"EnvPipe stage {it.stage}: {info.label()}: {reason} {PERMISSION_HINT}".strip())
+            log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only "
+                        "(--envpipe-on-no-permission monitor)", it.stage, info.label(), reason)
+        if wants_control and device.backend == "none":
+            log.warning("EnvPipe: no GPU clock control (%s): the schedule is EnvPipe's, clocks stay as they are",
+                        info.name)
+        hooks = GpuHooks(device, control=control, cuda=cuda, time_scale=cfg.sim_time_scale if device.simulated else 1.0)
+        old, _State.hooks = _State.hooks, hooks
+        it.hooks = hooks
+        old.close()
+        mine = {"backend": device.backend, "name": info.name, "driver": info.driver_version,
+                "clocks": tuple(device.supported_clocks_mhz()), "control": control,
+                "energy": device.backend != "none", "simulated": device.simulated}
+    everyone: list[Any] = [None] * it.num_stages
+    dist.all_gather_object(everyone, mine, group=it.pp_group)
+    everyone = _agree(it, everyone)
+    common = set(everyone[0]["clocks"])
+    for other in everyone[1:]:
+        common &= set(other["clocks"])
+    facts = DeviceFacts(
+        backend=everyone[0]["backend"], name=everyone[0]["name"], driver_version=everyone[0]["driver"],
+        clocks_mhz=tuple(sorted(common, reverse=True)),
+        control=all(e["control"] for e in everyone) and bool(common),
+        energy=all(e["energy"] for e in everyone), simulated=any(e["simulated"] for e in everyone),
+    )
+    runtime.attach_device(facts, _cache_key(it, facts))
+    _State.device_ready = True
+
+
+def _cache_key(it: "_Iteration", facts: Any) -> dict[str, Any]:
+    """What a stage profile depends on: architecture, layout, batch shape, GPU and driver."""
+    c = it.config
+    model = {name: getattr(c, name, None) for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "recompute_granularity", "recompute_method", "num_moe_experts")}
+    model["class"] = type(it.model).__name__
+    return {
+        "model": model,
+        "tensor_parallel": it.pgc.tp.size() if getattr(it.pgc, "tp", None) is not None else 1,
+        "pipeline_parallel": it.num_stages,
+        "context_parallel": it.cp_size,
+        "micro_batch_size": it.send_shape[1],
+        "seq_length": it.send_shape[0],
+        "dtype": str(it.dtype),
+        "gpu_name": facts.name,
+        "driver_version": facts.driver_version,
+        "clocks": list(facts.clocks_mhz),
+    }
+
+
+def _report_energy(it: "_Iteration", iteration: int) -> None:
+    """Every log interval: the pipeline's energy, average power per stage, saving."""
+    runtime = it.runtime
+    if runtime.device is None or not runtime.device.energy:
+        return
+    if (iteration + 1) % runtime.config.log_interval:
+        return
+    mine = _stage_energy(it, getattr(it.hooks, "last_energy", None))
+    everyone: list[Any] = [None] * it.num_stages
+    dist.all_gather_object(everyone, mine, group=it.pp_group)
+    if any(e is None for e in everyone):
+        return
+    report = runtime.report_energy(iteration + 1, everyone)
+    if report is None or dist.get_rank() != 0:
+        return
+    log.info("%s", report.line())
+    writer = _tensorboard_writer()
+    if writer is not None:
+        writer.add_scalar("envpipe/iteration-energy-J", report.energy_j, iteration + 1)
+        writer.add_scalar("envpipe/iteration-time-s", report.time_s, iteration + 1)
+        if report.saving is not None:
+            writer.add_scalar("envpipe/energy-saving", report.saving, iteration + 1)
+        for s, p in enumerate(report.stage_power_w):
+            writer.add_scalar(f"envpipe/stage{s}-power-W", p, iteration + 1)
+
+
+def _tensorboard_writer() -> Any:
+    """Megatron's TensorBoard writer when megatron.training set one up."""
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer
+    except Exception:  # noqa: BLE001 - no megatron.training here
+        return None
+    try:
+        return get_tensorboard_writer()
+    except Exception:  # noqa: BLE001 - not initialised
+        return None
+
+
+def _model_parallel_groups(it: "_Iteration") -> list[Any]:
+    groups = []
+    for name in ("tp", "cp"):
+        g = getattr(it.pgc, name, None)
+        if g is not None and g.size() > 1:
+            groups.append(g)
+    return groups
+
+
+def _agree(it: "_Iteration", value: Any) -> Any:
+    """Make every TP/CP rank of a stage use the first one's data.
+
+    Tensor-parallel peers must run the same schedule and clocks, or their
+    collectives inside forward/backward would hang; feeding identical data to
+    the deterministic planner guarantees it.
+    """
+    for group in _model_parallel_groups(it):
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        value = box[0]
+    return value
+
+
+def _stage_energy(it: "_Iteration", mine: Any) -> Any:
+    """A stage's energy is that of all its GPUs: sum over its TP/CP ranks."""
+    from dataclasses import replace
+
+    for group in _model_parallel_groups(it):
+        parts: list[Any] = [None] * group.size()
+        dist.all_gather_object(parts, mine, group=group)
+        if any(p is None for p in parts):
+            return None
+        mine = replace(parts[0], energy_j=sum(p.energy_j for p in parts),
+                       start_s=min(p.start_s for p in parts), end_s=max(p.end_s for p in parts))
+    return mine

@@ -52,6 +52,8 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
     executor._State.original = _saved["schedule"]
     executor._State.runtime = EnvPipeRuntime(config)
     executor._State.hooks = hooks or ExecutionHooks()
+    executor._State.user_hooks = hooks is not None
+    executor._State.device_ready = False
     executor._State.warned = set()
     if old_hooks is not executor._State.hooks:
         old_hooks.close()
@@ -77,6 +79,8 @@ def uninstall() -> None:
     executor._State.hooks.close()
     executor._State.runtime = None
     executor._State.hooks = ExecutionHooks()
+    executor._State.user_hooks = False
+    executor._State.device_ready = False
     executor._State.original = None
     executor._State.channels = {}
 

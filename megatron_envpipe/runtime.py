@@ -2,28 +2,30 @@
 
 One :class:`EnvPipeRuntime` per process holds EnvPipe's phases (envpipe.md §1):
 
-1. **measure** (only without a profile): run Megatron's 1F1B for
-   ``measure_iterations`` iterations and time every unit;
-2. **plan**: from the given profile, or from the measured per-stage forward and
-   backward times (one clock: nothing to lower without clock control), build
-   the schedule (``ours``: extra warm-up ``r_s``) and the clock plan;
+1. **profile** (clock control, no profile given, none cached): real training
+   iterations sweep the SM clock in lockstep on every stage (1F1B order) and
+   measure each stage's forward and backward time and energy per micro-batch
+   and the P2P-blocking power, until energy rises below the valley; the
+   profile is cached for the next run;
+   **measure** (no clock control, no profile): time 1F1B units at the one clock;
+2. **plan**: the schedule (``ours``: extra warm-up ``r_s``) and the clock plan;
 3. **reconfigure** (``greedy``/``balanced``): after each iteration, walk the
    measured critical path and raise clocks, until the finish limit;
 4. **steady**: keep the plan.
 
 Decisions are made from data every stage of the pipeline has gathered, so all
 stages compute the same plan with no extra broadcast. Pure Python: the
-executor supplies the gathering.
+executor supplies the data.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 from .config import EnvPipeConfig
-from .gpu_specs import GpuSpec, get_gpu_spec
+from .gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name
 from .instructions import StageProgram, build_programs
 from .plan import FrequencyPlan, format_envpipe
 from .planner import (
@@ -32,7 +34,6 @@ from .planner import (
     PlannerConfig,
     PlanResult,
     Reconfigurer,
-    UnitTiming,
     plan_envpipe,
     planner_candidates,
 )
@@ -55,19 +56,84 @@ class IterationPlan:
     programs: tuple[StageProgram, ...]
     measure: bool  # time every unit and hand the measurement back
     phase: str
+    profiling: bool = False  # attribute energy to every unit (sweep iteration)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the executor learned about the pipeline's GPUs at the first iteration."""
+
+    backend: str  # nvml | simulated | none
+    name: str
+    driver_version: str
+    clocks_mhz: tuple[int, ...]  # supported by every stage, fastest first
+    control: bool  # clocks can be locked on every stage
+    energy: bool  # energy is measured
+    simulated: bool = False
+
+
+@dataclass
+class EnergyReport:
+    """One logged iteration's energy, summed over the pipeline."""
+
+    iteration: int
+    time_s: float
+    energy_j: float
+    stage_power_w: tuple[float, ...]
+    predicted_baseline_j: float | None
+    simulated: bool
+
+    @property
+    def saving(self) -> float | None:
+        if not self.predicted_baseline_j:
+            return None
+        return 1.0 - self.energy_j / self.predicted_baseline_j
+
+    def line(self) -> str:
+        label = " (simulated)" if self.simulated else ""
+        parts = [
+            f"EnvPipe energy{label} | iteration {self.iteration} | {self.energy_j:.1f} J over the pipeline "
+            f"in {self.time_s:.3f} s",
+            "avg power per stage [" + ", ".join(f"{p:.0f}" for p in self.stage_power_w) + "] W",
+        ]
+        if self.saving is not None:
+            parts.append(f"saving {100 * self.saving:.2f}% vs the baseline plan's {self.predicted_baseline_j:.1f} J")
+        return " | ".join(parts)
 
 
 class EnvPipeRuntime:
     def __init__(self, config: EnvPipeConfig, gpu: GpuSpec | None = None) -> None:
         self.config = config.validate()
-        self.gpu = gpu if gpu is not None else (get_gpu_spec(config.gpu) if config.gpu and not config.gpu.startswith("simulated") else None)
+        self.gpu = gpu if gpu is not None else _table_spec(config.gpu)
         self.profile: Profile | None = (
             Profile.from_csv(shipped_profile(config.profile)) if config.profile else None
         )
+        self.profile_p2p_power_w: float | None = None
+        self.device: DeviceFacts | None = None
+        self.cache_key: Mapping[str, Any] | None = None
         self.iteration = 0
         self._by_m: dict[tuple[int, int], _PlanState] = {}
         self._measured: dict[tuple[int, int], list[IterationMeasurement]] = {}
+        self._sweep = None
+        self._sweep_clock: int | None = None
         self.last_result: PlanResult | None = None
+        self.energy_log: list[EnergyReport] = []
+
+    # -- facts from the executor ---------------------------------------------------------
+    def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None) -> None:
+        """Called once, with facts every stage agrees on, before the first prepare()."""
+        self.device = facts
+        self.cache_key = cache_key
+        if self.gpu is None and facts.backend == "nvml":
+            self.gpu = spec_for_nvml_name(facts.name)
+        if self.profile is None and facts.control and not self.config.is_stock:
+            cached = self._cache_lookup()
+            if cached is not None:
+                self.profile = cached
+
+    @property
+    def profiling(self) -> bool:
+        return self._sweep is not None and not self._sweep.done
 
     # -- per iteration ------------------------------------------------------------------
     def prepare(self, num_stages: int, num_microbatches: int) -> IterationPlan:
@@ -75,12 +141,18 @@ class EnvPipeRuntime:
         state = self._by_m.get(key)
         if state is None:
             if self.profile is None and not self.config.is_stock:
-                done = len(self._measured.get(key, []))
-                if done < self.config.measure_iterations:
-                    sched = one_f_one_b(num_stages, num_microbatches)
-                    plan = FrequencyPlan.constant(sched, [self._nominal_clock()] * num_stages)
-                    return IterationPlan(sched, plan, tuple(build_programs(sched, plan, self.config.prefetch)),
-                                         True, f"measure {done + 1}/{self.config.measure_iterations}")
+                if self.device is not None and self.device.control:
+                    sweep = self._sweep_for()
+                    if not sweep.done:
+                        f = sweep.next_clock()
+                        self._sweep_clock = f
+                        return self._uniform(num_stages, num_microbatches, f, measure=True, profiling=True,
+                                             phase=f"profile {f} MHz (iteration {sweep.iterations_used + 1})")
+                else:
+                    done = len(self._measured.get(key, []))
+                    if done < self.config.measure_iterations:
+                        return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=True,
+                                             phase=f"measure {done + 1}/{self.config.measure_iterations}")
             state = self._make_state(num_stages, num_microbatches)
             self._by_m[key] = state
         rc = state.reconfigurer
@@ -89,9 +161,27 @@ class EnvPipeRuntime:
         programs = state.programs_for(plan, self.config.prefetch)
         return IterationPlan(state.schedule, plan, programs, measure, "reconfigure" if measure else "steady")
 
-    def finish(self, num_stages: int, num_microbatches: int, measurements: Sequence[IterationMeasurement] | None) -> None:
-        """After an iteration: ``measurements`` of every stage (same on all stages), if measured."""
+    def _uniform(self, p: int, m: int, freq: int, *, measure: bool, phase: str, profiling: bool = False) -> IterationPlan:
+        sched = one_f_one_b(p, m)
+        plan = FrequencyPlan.constant(sched, [freq] * p)
+        return IterationPlan(sched, plan, tuple(build_programs(sched, plan, self.config.prefetch)),
+                             measure, phase, profiling)
+
+    def finish(
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        measurements: Sequence[IterationMeasurement] | None,
+        samples: Sequence[Any] | None = None,
+    ) -> None:
+        """After an iteration: every stage's measurement (identical on all stages), if measured,
+        and in profiling iterations every stage's energy samples."""
         self.iteration += 1
+        if samples is not None and self._sweep is not None and not self._sweep.done:
+            self._sweep.record(self._sweep_clock, samples)
+            if self._sweep.done:
+                self._finish_sweep()
+            return
         if measurements is None:
             return
         key = (num_stages, num_microbatches)
@@ -106,11 +196,78 @@ class EnvPipeRuntime:
             if after != before:
                 log.info("EnvPipe reconfiguration step %d changed the plan", state.reconfigurer.iterations)
             if state.reconfigurer.finished:
-                log.info("EnvPipe reconfiguration finished after %d iterations", state.reconfigurer.iterations)
+                log.info("EnvPipe reconfiguration finished after %d iterations:\n%s",
+                         state.reconfigurer.iterations, format_envpipe(state.reconfigurer.plan))
+
+    def report_energy(self, iteration: int, stage_energy: Sequence[Any]) -> EnergyReport | None:
+        """Per-stage :class:`~megatron_envpipe.energy.IterationEnergy` of one iteration -> a report."""
+        if not stage_energy or self.device is None or not self.device.energy:
+            return None
+        scale = self.config.sim_time_scale if self.device.simulated else 1.0
+        time_s = max(e.time_s for e in stage_energy) / scale
+        energy = sum(e.energy_j for e in stage_energy)
+        power = tuple(e.energy_j / (e.time_s / scale) if e.time_s > 0 else 0.0 for e in stage_energy)
+        predicted = self.last_result.baseline.energy_j if self.last_result is not None else None
+        report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated)
+        self.energy_log.append(report)
+        return report
 
     # -- planning -----------------------------------------------------------------------
     def _nominal_clock(self) -> int:
+        if self.device is not None and self.device.clocks_mhz:
+            return self.device.clocks_mhz[0]
         return self.gpu.max_clock_mhz if self.gpu is not None else NOMINAL_CLOCK_MHZ
+
+    def _sweep_for(self):
+        if self._sweep is None:
+            from .profiler import ClockSweep, sweep_candidates
+
+            step = self.config.profile_step_mhz or (self.gpu.profile_step_mhz if self.gpu else 90)
+            candidates = sweep_candidates(self.device.clocks_mhz, step)
+            self._sweep = ClockSweep(candidates, iterations_per_clock=self.config.profile_iterations,
+                                     p2p_power_w=self.config.p2p_power_w)
+            log.info("EnvPipe profiler: sweeping %d clocks %s MHz, %d iteration(s) each, from %s",
+                     len(candidates), list(candidates), self.config.profile_iterations, self.device.name)
+        return self._sweep
+
+    def _finish_sweep(self) -> None:
+        sweep = self._sweep
+        self.profile = sweep.profile()
+        self.profile_p2p_power_w = sweep.p2p_power_w()
+        log.info("EnvPipe profiler: %s", sweep.summary())
+        self._cache_store(sweep)
+
+    def _cache(self):
+        if self.config.profile_cache == "off" or self.cache_key is None:
+            return None
+        from .profile_cache import ProfileCache
+
+        return ProfileCache(self.config.profile_cache) if self.config.profile_cache else ProfileCache()
+
+    def _cache_lookup(self) -> Profile | None:
+        cache = self._cache()
+        if cache is None:
+            return None
+        profile = cache.load(self.cache_key)
+        if profile is not None:
+            meta = cache.meta(self.cache_key) or {}
+            self.profile_p2p_power_w = meta.get("p2p_power_w")
+            log.info("EnvPipe profiler: reusing the cached profile %s", cache.describe(self.cache_key))
+        return profile
+
+    def _cache_store(self, sweep) -> None:
+        cache = self._cache()
+        if cache is None:
+            return
+        try:
+            path = cache.store(self.cache_key, self.profile, {
+                "iterations_used": sweep.iterations_used,
+                "p2p_power_w": self.profile_p2p_power_w,
+                "device": self.device.name if self.device else None,
+            })
+            log.info("EnvPipe profiler: profile cached at %s", path)
+        except OSError as exc:  # a read-only home must not stop training
+            log.warning("EnvPipe profiler: could not cache the profile: %s", exc)
 
     def _profile_for(self, num_stages: int, num_microbatches: int) -> Profile:
         if self.profile is not None:
@@ -121,21 +278,23 @@ class EnvPipeRuntime:
                 )
             return self.profile
         runs = self._measured.get((num_stages, num_microbatches), [])
+        clock = self._nominal_clock()
         if not runs:  # stock run without a profile: a one-clock profile of unit times 1 s
-            points = {(s, i): [ProfilePoint(self._nominal_clock(), 1.0, 0.0)] for s in range(num_stages) for i in ("forward", "backward")}
+            points = {(s, i): [ProfilePoint(clock, 1.0, 0.0)] for s in range(num_stages) for i in ("forward", "backward")}
             return Profile(points, source="<uniform>")
         points = {}
         for s in range(num_stages):
             for kind, ins in (("F", "forward"), ("B", "backward")):
                 times = [t.end_s - t.start_s for run in runs for t in run.stages[s] if t.unit.kind == kind]
                 mean = sum(times) / len(times)
-                # Energy is unknown without a GPU backend: time only.
-                points[(s, ins)] = [ProfilePoint(self._nominal_clock(), max(mean, 1e-9), 0.0)]
-        return Profile(points, source=f"<measured over {len(runs)} iteration(s)>")
+                # Energy is unknown without clock control: time only.
+                points[(s, ins)] = [ProfilePoint(clock, max(mean, 1e-9), 0.0)]
+        return Profile(points, source=f"<measured at one clock over {len(runs)} iteration(s): no clock control>")
 
     def _make_state(self, num_stages: int, num_microbatches: int) -> "_PlanState":
         cfg = self.config
         profile = self._profile_for(num_stages, num_microbatches)
+        p2p = cfg.p2p_power_w if cfg.p2p_power_w is not None else self.profile_p2p_power_w
         pcfg = PlannerConfig(
             plan_type=cfg.plan_type,
             scheduling=cfg.scheduling,
@@ -143,36 +302,52 @@ class EnvPipeRuntime:
             # correcting from measurements.
             reconfig=cfg.reconfig,
             gpu=self.gpu,
-            p2p_power_w=cfg.p2p_power_w,
+            p2p_power_w=p2p,
             reconfig_step_mhz=cfg.reconfig_step_mhz,
             max_inflight=cfg.max_inflight,
             extra_warmup=cfg.extra_warmup,
         )
+        if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
+            pcfg = PlannerConfig(**{**pcfg.__dict__, "gpu": None})  # profile from another ladder: trust it
         result = plan_envpipe(profile, num_microbatches, pcfg)
         self.last_result = result
         log.info(
             "EnvPipe plan %s/%s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, "
-            "peak in-flight activations %s, predicted saving %.2f%% at %.2f%% slowdown (%s)",
+            "peak in-flight activations %s, predicted energy saving %.2f%%, iteration time %+.2f%% (%s)",
             cfg.plan_type, cfg.scheduling, cfg.reconfig, num_stages, num_microbatches, profile.source,
             list(result.schedule.extra_warmup), list(result.schedule.peak_inflight()),
             100 * result.energy_saving, 100 * result.slowdown, result.stop_reason,
         )
         log.info("EnvPipe plan:\n%s", format_envpipe(result.plan))
         rc = None
-        if cfg.reconfig != "default" and len(profile.common_frequencies()) > 1:
-            candidates = planner_candidates(profile, self.gpu)
+        control = self.device is None or self.device.control
+        if cfg.reconfig != "default" and len(profile.common_frequencies()) > 1 and control:
+            candidates = planner_candidates(profile, pcfg.gpu)
             step = pcfg.effective_reconfig_step_mhz
             rc = Reconfigurer(result.plan, cfg.reconfig, ClockLadder(candidates, step),
                               finish_limit=cfg.finish_limit, threshold_scale=cfg.threshold_scale)
         return _PlanState(result.schedule, result.plan, rc)
 
 
+def _table_spec(key: str | None) -> GpuSpec | None:
+    if not key or key in ("auto", "none", "nvml"):
+        return None
+    if key.startswith("simulated"):
+        source = key.partition(":")[2]
+        head = source.split("/")[0] if "/" in source and not source.endswith(".csv") else None
+        try:
+            return get_gpu_spec(head) if head else None
+        except Exception:  # noqa: BLE001 - not a table key: no spec
+            return None
+    return get_gpu_spec(key)
+
+
+@dataclass
 class _PlanState:
-    def __init__(self, schedule: Schedule, plan: FrequencyPlan, reconfigurer: Reconfigurer | None) -> None:
-        self.schedule = schedule
-        self.plan = plan
-        self.reconfigurer = reconfigurer
-        self._programs: dict[FrequencyPlan, tuple[StageProgram, ...]] = {}
+    schedule: Schedule
+    plan: FrequencyPlan
+    reconfigurer: Reconfigurer | None
+    _programs: dict = field(default_factory=dict)
 
     def programs_for(self, plan: FrequencyPlan, prefetch: int) -> tuple[StageProgram, ...]:
         progs = self._programs.get(plan)
@@ -180,13 +355,3 @@ class _PlanState:
             progs = tuple(build_programs(self.schedule, plan, prefetch))
             self._programs = {plan: progs}  # keep only the current plan's programs
         return progs
-
-
-def measurement_from_records(
-    order: Sequence, records: Sequence[tuple[float, float, float]]
-) -> IterationMeasurement:
-    """One stage's measurement from (start, end, recv_wait) per unit, in order."""
-    return IterationMeasurement((tuple(UnitTiming(u, a, b, w) for u, (a, b, w) in zip(order, records)),))
-
-
-GatherFn = Callable[[IterationMeasurement], list[IterationMeasurement]]

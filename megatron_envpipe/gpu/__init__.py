@@ -67,8 +67,11 @@ def open_gpu(
                 p2p_power_w = get_gpu_spec(gpu_key).p2p_power_w if gpu_key else 0.0
             except Exception:  # noqa: BLE001 - a custom profile: no table entry
                 p2p_power_w = 0.0
+        import time
+
+        # perf_counter: the executor's and the energy monitor's clock.
         return SimulatedGpu(profile, stage, time_scale=time_scale, p2p_power_w=p2p_power_w,
-                            name=f"Simulated GPU ({source})")
+                            name=f"Simulated GPU ({source})", clock=time.perf_counter)
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")
     from .nvml import NvmlGpu

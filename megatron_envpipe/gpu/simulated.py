@@ -89,6 +89,7 @@ class SimulatedGpu(GpuDevice):
         self._ref_wall_s = clock()
         self._unit: _OpenUnit | None = None
         self._last_window: tuple[str, float, float] | None = None
+        self.overrun_units = 0  # units whose host work took longer than the model
         digest = hashlib.sha1(f"{profile.source}|{stage}".encode()).hexdigest()[:12]
         self._info = GpuInfo(
             name=self._name,
@@ -163,6 +164,10 @@ class SimulatedGpu(GpuDevice):
             if unit is None or unit.kind != kind:
                 open_ = unit.kind if unit else "none"
                 raise GpuError(f"{self._name}: unit_end({kind!r}) without a matching unit_begin (open: {open_})")
+        if self._clock() > unit.end_wall_s:
+            # The host's own work outlasted the model: this unit's wall time no longer
+            # reflects the clock (raise time_scale if this is common).
+            self.overrun_units += 1
         self._sleep_until(unit.end_wall_s)
         with self._lock:
             self._advance(self._clock())
