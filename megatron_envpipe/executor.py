@@ -533,7 +533,7 @@ def _setup_device(it: "_Iteration") -> None:
     Runs on every rank of the pipeline at the same point, so the facts (clock
     list, control, energy) are gathered and combined identically everywhere.
     """
-    from .gpu import PERMISSION_HINT, GpuPermissionError, open_gpu
+    from .gpu import open_gpu
     from .gpu_hooks import GpuHooks
     from .runtime import DeviceFacts
 
@@ -548,17 +548,7 @@ def _setup_device(it: "_Iteration") -> None:
                           stage=it.stage, num_stages=it.num_stages, time_scale=cfg.sim_time_scale,
                           p2p_power_w=cfg.p2p_power_w, cuda=cuda)
         info = device.info()
-        wants_control = cfg.plan_type != "baseline"
-        control = wants_control and device.can_set_clocks()
-        if wants_control and not control and device.backend != "none":
-            reason = getattr(device, "permission_reason", lambda: "")()
-            if cfg.on_no_permission == "fail":
-                raise GpuPermissionError(f"EnvPipe stage {it.stage}: {info.label()}: {reason} {PERMISSION_HINT}".strip())
-            log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only "
-                        "(--envpipe-on-no-permission monitor)", it.stage, info.label(), reason)
-        if wants_control and device.backend == "none":
-            log.warning("EnvPipe: no GPU clock control (%s): the schedule is EnvPipe's, clocks stay as they are",
-                        info.name)
+        control = clock_control(device, cfg, it.stage)
         hooks = GpuHooks(device, control=control, cuda=cuda, time_scale=cfg.sim_time_scale if device.simulated else 1.0)
         old, _State.hooks = _State.hooks, hooks
         it.hooks = hooks
@@ -580,6 +570,31 @@ def _setup_device(it: "_Iteration") -> None:
     )
     runtime.attach_device(facts, _cache_key(it, facts))
     _State.device_ready = True
+
+
+def clock_control(device: Any, cfg: Any, stage: int) -> bool:
+    """Whether this rank will lock clocks; fails fast without permission (unless monitoring).
+
+    Only plans that lower clocks need control: ``baseline`` runs at the driver's
+    default clocks and needs no privilege.
+    """
+    from .gpu import PERMISSION_HINT, GpuPermissionError
+
+    info = device.info()
+    if cfg.plan_type == "baseline":
+        return False
+    if device.backend == "none":
+        log.warning("EnvPipe: no GPU clock control (%s): the schedule is EnvPipe's, clocks stay as they are",
+                    info.name)
+        return False
+    if device.can_set_clocks():
+        return True
+    reason = getattr(device, "permission_reason", lambda: "")()
+    if cfg.on_no_permission == "fail":
+        raise GpuPermissionError(f"EnvPipe stage {stage}: {info.label()}: {reason} {PERMISSION_HINT}".strip())
+    log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only "
+                "(--envpipe-on-no-permission monitor)", stage, info.label(), reason)
+    return False
 
 
 def _cache_key(it: "_Iteration", facts: Any) -> dict[str, Any]:
@@ -616,7 +631,8 @@ def _report_energy(it: "_Iteration", iteration: int) -> None:
     if any(e is None for e in everyone):
         return
     report = runtime.report_energy(iteration + 1, everyone)
-    if report is None or dist.get_rank() != 0:
+    # Megatron prints training progress on the last rank (print_rank_last).
+    if report is None or dist.get_rank() != dist.get_world_size() - 1:
         return
     log.info("%s", report.line())
     writer = _tensorboard_writer()

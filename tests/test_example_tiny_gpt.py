@@ -202,14 +202,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _run_example(envpipe_flags: list[str], cache: Path, out: Path) -> tuple[dict, str]:
+def _run_example(envpipe_flags: list[str], cache: Path, out: Path, iters: int = ITERS) -> tuple[dict, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
         str(EXAMPLE), "--pipeline-model-parallel-size", str(NPROC), "--device", "cpu",
-        "--train-iters", str(ITERS), "--cache-dir", str(cache), "--losses-out", str(out),
+        "--train-iters", str(iters), "--cache-dir", str(cache), "--losses-out", str(out),
         *envpipe_flags,
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -235,3 +235,25 @@ def test_envpipe_schedule_trains_bitwise_like_megatron_1f1b(tmp_path: Path) -> N
     assert baseline["tokens"] == envpipe["tokens"]
     # Exact: same floats, bit for bit (JSON round-trips Python floats exactly).
     assert [x.hex() for x in envpipe["losses"]] == [x.hex() for x in baseline["losses"]]
+
+
+def test_simulated_gpu_profiles_plans_trains_and_reports_energy(tmp_path: Path) -> None:
+    """Issue 4's loop on CPU: start-up profiler on the simulated GPU, plan, train, energy log."""
+    cache = tmp_path / "cache"
+    iters = 9  # 1 warm-up + 4 swept clocks (300 MHz apart, 1 iteration each), then 4 planned
+    flags = ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced",
+             "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.1",
+             "--envpipe-profile-step", "300", "--envpipe-profile-iterations", "1",
+             "--envpipe-profile-cache", str(tmp_path / "profiles"), "--envpipe-log-interval", "1"]
+    simulated, log = _run_example(flags, cache, tmp_path / "sim.json", iters)
+    assert "EnvPipe profiler: start-up profiler" in log and "profile cached at" in log
+    assert "EnvPipe plan envelope/ours/balanced for 4 stages x 8 micro-batches from <start-up profiler" in log
+    energy_lines = [line for line in log.splitlines() if "EnvPipe energy (simulated)" in line]
+    assert energy_lines and all("W | saving" in line for line in energy_lines[-2:])
+    # Same math: the simulated GPU changes clocks and timing, never the losses.
+    baseline, _ = _run_example(["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b"], cache,
+                               tmp_path / "base.json", iters)
+    assert [x.hex() for x in simulated["losses"]] == [x.hex() for x in baseline["losses"]]
+    # The next run reuses the cached profile: no profiling iterations.
+    _, again = _run_example(flags, cache, tmp_path / "again.json", 2)
+    assert "reusing the cached profile" in again and "start-up profiler:" not in again.split("reusing")[0]
