@@ -55,6 +55,7 @@ class _State:
     original: Callable[..., Any] | None = None
     warned: set[str] = set()
     channels: dict[tuple[int, ...], "_Channels"] = {}
+    shown_program: Any = None  # the program last printed by --envpipe-verbose
 
 
 def _fallback(reason: str, kwargs: dict[str, Any]) -> list[Any]:
@@ -305,6 +306,9 @@ class _Iteration:
             _setup_device(self)
         plan = self.runtime.prepare(self.num_stages, self.m)
         program = plan.programs[self.stage].instructions
+        if self.runtime.config.verbose and _State.shown_program != program:
+            _State.shown_program = program
+            log.info("EnvPipe stage %d program (%s):\n%s", self.stage, plan.phase, plan.programs[self.stage])
         embedding_module = None
         if config.finalize_model_grads_func is not None:
             from megatron.core.pipeline_parallel.schedules import clear_embedding_activation_buffer
