@@ -391,6 +391,15 @@ def cmd_reset_clocks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoError, run_demo
+
+    try:
+        return run_demo(args.out, args.config, args.gpu)
+    except DemoError as exc:
+        raise CliError(str(exc)) from None
+
+
 def cmd_gpus(args: argparse.Namespace) -> int:
     table = load_gpu_table()
     print(f"{'gpu':9}{'max MHz':>8}{'min MHz':>8}{'step':>6}{'profile':>8}{'reconfig':>9}{'P2P W':>7}  NVML names")
@@ -499,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="also reset GPUs whose locking process is still running")
     p.add_argument("--all", action="store_true", help="reset every GPU on this node through NVML, state files or not")
     p.set_defaults(func=cmd_reset_clocks)
+
+    p = sub.add_parser("demo", help="train a tiny GPT pipeline with and without EnvPipe and show the saving")
+    p.add_argument("--out", default="out/demo", help="where logs, timeline.png and summary.json go")
+    p.add_argument("--config", help="a demo config (default configs/demo.toml)")
+    p.add_argument("--gpu", help="device backend (default: NVML with >= 2 GPUs, else simulated:<profile>)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("gpus", help="list the GPU clock table")
     p.set_defaults(func=cmd_gpus)

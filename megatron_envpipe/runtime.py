@@ -117,6 +117,7 @@ class EnvPipeRuntime:
         self._sweep = None
         self._sweep_clock: int | None = None
         self.last_result: PlanResult | None = None
+        self.planned_at: int | None = None  # iteration count when the plan took over
         self.energy_log: list[EnergyReport] = []
 
     # -- facts from the executor ---------------------------------------------------------
@@ -311,6 +312,7 @@ class EnvPipeRuntime:
             pcfg = PlannerConfig(**{**pcfg.__dict__, "gpu": None})  # profile from another ladder: trust it
         result = plan_envpipe(profile, num_microbatches, pcfg)
         self.last_result = result
+        self.planned_at = self.iteration
         log.info(
             "EnvPipe plan %s/%s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, "
             "peak in-flight activations %s, predicted energy saving %.2f%%, iteration time %+.2f%% (%s)",

@@ -336,7 +336,8 @@ def _envpipe_summary() -> dict[str, Any]:
     runtime = executor._State.runtime
     if runtime is None:
         return {}
-    out: dict[str, Any] = {"energy": [dict(asdict(r), saving=r.saving) for r in runtime.energy_log]}
+    out: dict[str, Any] = {"energy": [dict(asdict(r), saving=r.saving) for r in runtime.energy_log],
+                           "planned_at_iteration": runtime.planned_at}
     if runtime.device is not None:
         out["device"] = asdict(runtime.device)
     result = runtime.last_result
