@@ -14,12 +14,14 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_without_megatron_training_it_says_why_in_one_line():
-    import importlib.util
-
-    if importlib.util.find_spec("megatron.training") is not None:
+    try:
+        import megatron.training  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent (0.16) or not importable on 3.11 (0.19): our case
+        pass
+    else:
         import pytest
 
-        pytest.skip("megatron.training is importable here: the success path applies")
+        pytest.skip("megatron.training imports here: the success path applies instead")
     for cmd in (["-m", "megatron_envpipe.pretrain_gpt", "--help"], ["examples/pretrain_gpt.py", "--help"]):
         proc = run(*cmd)
         assert proc.returncode == 2
