@@ -27,6 +27,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -88,31 +89,61 @@ def _envpipe_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_STRAY_PERCENT = re.compile(r"(?<!%)%(?![(%])")
+
+
+def _escape_help(parser: argparse.ArgumentParser) -> None:
+    """Escape stray ``%`` in help texts when help is printed, so ``--help`` works.
+
+    argparse %-formats every help string; Megatron-LM core_v0.19.0's own
+    ``--moe-paged-stash-buffer-size-factor-cuda`` help says "10%)" and makes
+    its ``pretrain_gpt.py --help`` crash. Megatron adds some arguments after
+    the extra-args provider ran, so this acts at formatting time. Only help
+    text is touched.
+    """
+    original = parser.format_help
+
+    def format_help() -> str:
+        for action in parser._actions:
+            if action.help and "%" in action.help:
+                action.help = _STRAY_PERCENT.sub("%%", action.help)
+        return original()
+
+    parser.format_help = format_help  # type: ignore[method-assign]
+
+
 def _chain(first: Callable | None, second: Callable) -> Callable:
+    """Megatron's provider, then ours (once per parser), then the --help fix."""
+
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if first is not None:
             parser = first(parser) or parser
-        return second(parser) or parser
+        if "--envpipe-type" not in parser._option_string_actions:
+            parser = second(parser) or parser
+            _escape_help(parser)
+        return parser
 
     return provider
 
 
 def _teach_megatron_parser(add_args: Callable[[argparse.ArgumentParser], argparse.ArgumentParser]) -> None:
-    """Make Megatron's strict parser accept ``--envpipe-*``, for either API generation."""
+    """Make Megatron's strict parser accept ``--envpipe-*``, for either API generation.
+
+    ``arguments.parse_args`` is what every parse goes through at call time:
+    ``parse_and_validate_args`` (>= 0.18), the in-process-restart pre-parse,
+    and ``initialize_megatron``; up to 0.17, ``pretrain(extra_args_provider=...)``
+    is wrapped too, for releases whose initialize bound ``parse_args`` at import.
+    """
     import megatron.training as mtraining
     from megatron.training import arguments as marguments
 
-    if hasattr(marguments, "parse_and_validate_args"):  # >= 0.18: parsing precedes pretrain()
-        original = marguments.parse_and_validate_args
+    original_parse = marguments.parse_args
 
-        @functools.wraps(original)
-        def parse_and_validate_args(*args: Any, **kwargs: Any) -> Any:
-            kwargs["extra_args_provider"] = _chain(kwargs.get("extra_args_provider"), add_args)
-            return original(*args, **kwargs)
+    @functools.wraps(original_parse)
+    def parse_args(extra_args_provider: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+        return original_parse(_chain(extra_args_provider, add_args), *args, **kwargs)
 
-        marguments.parse_and_validate_args = parse_and_validate_args
-        if hasattr(mtraining, "parse_and_validate_args"):
-            mtraining.parse_and_validate_args = parse_and_validate_args
+    marguments.parse_args = parse_args
     original_pretrain = mtraining.pretrain
     if "extra_args_provider" in inspect.signature(original_pretrain).parameters:  # <= 0.17
 
