@@ -11,7 +11,7 @@ MCORE_SPEC=${MCORE_SPEC:-megatron-core==0.16.1}
 if [ -n "$TORCH_SPEC" ]; then
     "$PY" -m pip install --quiet "$TORCH_SPEC"
 fi
-"$PY" -m pip install --quiet "$MCORE_SPEC" sentencepiece nvidia-ml-py
+"$PY" -m pip install --quiet "$MCORE_SPEC" sentencepiece nvidia-ml-py highspy
 "$PY" -m pip install --quiet -e '.[test,plot]'
 "$PY" - <<'PY'
 import megatron_envpipe, torch, megatron.core

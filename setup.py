@@ -38,7 +38,9 @@ setup(
         # torch is pinned by the caller (CPU build in CI); any >=2.6 works.
         "megatron": ["torch>=2.6", "megatron-core>=0.16", "sentencepiece>=0.2"],
         "gpu": ["nvidia-ml-py>=12"],
-        "test": ["pytest>=7", "matplotlib>=3.7"],
+        # --type optimal: the time-cost LP (HiGHS; scipy's linprog is the fallback).
+        "optimal": ["numpy", "highspy>=1.7"],
+        "test": ["pytest>=7", "matplotlib>=3.7", "numpy", "highspy>=1.7"],
     },
     entry_points={"console_scripts": ["envpipe=megatron_envpipe.cli:main"]},
     classifiers=[

@@ -36,7 +36,7 @@ from .schedule import (
 )
 from .timeline import Dependency, PlanEvaluator, PlanScore, Timeline, outer_envelope
 
-PLAN_TYPES = ("baseline", "uniform", "envelope")
+PLAN_TYPES = ("baseline", "uniform", "envelope", "optimal")  # optimal: see optimal.py
 RECONFIG_POLICIES = ("default", "greedy", "balanced")
 GREEDY_STEP_FACTOR = 3  # EnvPipe: greedy raises 3 steps so it moves as fast as balanced
 DEFAULT_RECONFIG_STEP_MHZ = 30
@@ -64,6 +64,10 @@ class PlannerConfig:
     # "per-direction" (what our executor runs: no extra dependency) or "paired"
     # (EnvPipe-KISTI / §8.5: an activation is held until a gradient arrives).
     comm: str = "per-direction"
+    # plan_type "optimal": deadline = (1 + max_slowdown) x 1F1B at f_max, or target_time_s
+    # (energy then counted until the target: faster plans block at P2P power).
+    max_slowdown: float = 0.0
+    target_time_s: float | None = None
 
     def validate(self) -> "PlannerConfig":
         if self.plan_type not in PLAN_TYPES:
@@ -82,6 +86,12 @@ class PlannerConfig:
             raise PlannerError("max_iterations must be >= 1")
         if self.comm not in ("per-direction", "paired"):
             raise PlannerError(f"unknown communication model {self.comm!r}; choose per-direction or paired")
+        if not self.max_slowdown >= 0:
+            raise PlannerError(f"max_slowdown must be >= 0 (a fraction: 0.05 = 5 %), got {self.max_slowdown}")
+        if self.target_time_s is not None and not self.target_time_s > 0:
+            raise PlannerError(f"target iteration time must be > 0 s, got {self.target_time_s}")
+        if self.plan_type != "optimal" and (self.max_slowdown or self.target_time_s is not None):
+            raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
         return self
 
     @property
@@ -116,6 +126,9 @@ class PlanResult:
     stop_reason: str
     planner_seconds: float
     warnings: list[str] = field(default_factory=list)
+    deadline_s: float | None = None  # plan type "optimal": the iteration time it had to meet
+    lower_bound_j: float | None = None  # "optimal": no plan meeting the deadline uses less
+    details: dict = field(default_factory=dict)
 
     @property
     def schedule(self) -> Schedule:
@@ -343,9 +356,13 @@ def plan_envpipe(
     config: PlannerConfig = PlannerConfig(),
     num_stages: int | None = None,
 ) -> PlanResult:
-    """Plan one iteration EnvPipe's way on the simulated timeline."""
+    """Plan one iteration EnvPipe's way on the simulated timeline (``optimal``: see optimal.py)."""
     t0 = time.perf_counter()
     config.validate()
+    if config.plan_type == "optimal":
+        from .optimal import plan_optimal
+
+        return plan_optimal(profile, num_microbatches, config, num_stages)
     p = profile.num_stages if num_stages is None else num_stages
     if p != profile.num_stages:
         raise PlannerError(f"--stages {p} does not match the profile's {profile.num_stages} stages ({profile.source})")
