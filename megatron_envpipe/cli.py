@@ -1,4 +1,4 @@
-"""The ``envpipe`` command line: plan, show, simulate, schedule, gpus."""
+"""The ``envpipe`` command line: plan, frontier, show, simulate, schedule, gpus."""
 
 from __future__ import annotations
 
@@ -117,6 +117,10 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
         "planner_seconds": result.planner_seconds,
         "warnings": list(result.warnings),
     }
+    if result.deadline_s is not None:  # plan type "optimal"
+        data["deadline_s"] = result.deadline_s
+        data["lower_bound_j"] = result.lower_bound_j
+        data["optimal"] = dict(result.details)
     if extra:
         data.update(extra)
     return data
@@ -155,6 +159,14 @@ def _print_result(result: PlanResult, profile: Profile, out=None) -> None:
         file=out,
     )
     print(f"stopped: {result.stop_reason}", file=out)
+    if result.deadline_s is not None:
+        d = result.details
+        print(f"optimal     deadline {result.deadline_s:.4f} s; LP lower bound {result.lower_bound_j:.1f} J; "
+              f"peak in-flight activations {list(result.schedule.peak_inflight())}", file=out)
+        if d.get("padded_to_deadline"):
+            print(f"at target   {d['energy_at_deadline_j']:.1f} J vs the baseline's {d['baseline_energy_at_deadline_j']:.1f} J "
+                  f"(both blocking until {result.deadline_s:.4f} s): saving {100 * d['energy_saving_at_deadline']:.2f} %",
+                  file=out)
     for w in result.warnings:
         print(f"WARNING: {w}", file=out)
     print("", file=out)
@@ -202,6 +214,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             extra_warmup=tuple(args.extra_warmup) if args.extra_warmup else None,
             p2p_latency_s=args.p2p_latency,
             comm=args.comm,
+            max_slowdown=args.max_slowdown,
+            target_time_s=args.target_time,
         )
         result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
     if args.stages is not None and args.stages != result.schedule.num_stages:
@@ -257,6 +271,86 @@ def _plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:
     except (KeyError, TypeError, ScheduleError) as exc:
         raise CliError(f"{path}: not a plan written by 'envpipe plan --out': {exc}") from None
     return data, plan
+
+
+def cmd_frontier(args: argparse.Namespace) -> int:
+    from .frontier import compute_frontier
+
+    profile = _load_profile(args.profile, args.time_scale, args.energy_scale)
+    gpu = _gpu_for(args)
+    config = PlannerConfig(
+        plan_type="optimal",
+        scheduling=args.scheduling,
+        reconfig="default",
+        gpu=gpu,
+        p2p_power_w=args.p2p_power,
+        max_inflight=args.max_inflight,
+        extra_warmup=tuple(args.extra_warmup) if args.extra_warmup else None,
+        p2p_latency_s=args.p2p_latency,
+        comm=args.comm,
+    )
+    fr = compute_frontier(profile, args.microbatches, config, points=args.points, num_stages=args.stages)
+    picked = fr.pick(args.target_time) if args.target_time is not None else None
+    if args.csv:
+        fr.to_csv(args.csv)
+    if args.plot:
+        envpipe = plan_envpipe(profile, args.microbatches,
+                               PlannerConfig("envelope", args.scheduling, "balanced", gpu=gpu, p2p_power_w=args.p2p_power,
+                                             max_inflight=args.max_inflight, p2p_latency_s=args.p2p_latency))
+        fr.plot(args.plot, args.target_time,
+                others=[(f"EnvPipe envelope+balanced ({args.scheduling})", envpipe.score.iteration_time_s,
+                         envpipe.score.energy_j)])
+    data: dict[str, Any] = {
+        "profile": profile.source,
+        "num_stages": fr.num_stages,
+        "num_microbatches": fr.schedule.num_microbatches,
+        "scheduling": fr.schedule.name,
+        "extra_warmup": list(fr.schedule.extra_warmup),
+        "peak_inflight_activations": list(fr.schedule.peak_inflight()),
+        "p2p_power_w": fr.p2p_power_w,
+        "baseline": {"iteration_time_s": fr.baseline.iteration_time_s, "energy_j": fr.baseline.energy_j},
+        "fastest_s": fr.fastest_s,
+        "valley_s": fr.valley_s,
+        "points": [
+            {"time_s": pt.time_s, "energy_j": pt.energy_j, "saving": pt.saving, "slowdown": pt.slowdown}
+            for pt in fr.points
+        ],
+        "planner_seconds": fr.planner_seconds,
+        "warnings": fr.warnings,
+    }
+    if picked is not None:
+        pt, e_at, base_at = picked
+        data["target"] = {
+            "time_s": args.target_time, "plan_time_s": pt.time_s, "energy_at_target_j": e_at,
+            "baseline_energy_at_target_j": base_at, "saving_at_target": 1.0 - e_at / base_at,
+            "frequencies": pt.plan.to_dict()["stages"],
+        }
+    if args.json:
+        json.dump(data, sys.stdout, indent=1)
+        print()
+        return 0
+    b = fr.baseline
+    print(f"profile     {profile.source}")
+    print(f"pipeline    {fr.num_stages} stages x {fr.schedule.num_microbatches} micro-batches; schedule {fr.schedule.name}"
+          + (f", extra warm-up {list(fr.schedule.extra_warmup)}" if fr.schedule.name == "ours" else "")
+          + f"; peak in-flight activations {list(fr.schedule.peak_inflight())}; P2P {fr.p2p_power_w:g} W")
+    print(f"baseline    {b.iteration_time_s:.4f} s  {b.energy_j:.1f} J   (1F1B, all at f_max)")
+    print(f"frontier    {len(fr.points)} plans from {fr.fastest_s:.4f} s (fastest) to {fr.valley_s:.4f} s "
+          f"(energy valley), {fr.planner_seconds:.2f} s to compute\n")
+    print(f"{'time s':>10}{'energy J':>12}{'saving':>9}{'slowdown':>10}")
+    for pt in fr.points:
+        print(f"{pt.time_s:>10.4f}{pt.energy_j:>12.1f}{100 * pt.saving:>8.2f}%{100 * pt.slowdown:>9.2f}%")
+    if picked is not None:
+        pt, e_at, base_at = picked
+        print(f"\ntarget {args.target_time:.4f} s: run the {pt.time_s:.4f} s plan; {e_at:.1f} J vs the baseline's "
+              f"{base_at:.1f} J (both blocking until the target): saving {100 * (1 - e_at / base_at):.2f} %")
+    for w in fr.warnings:
+        print(f"WARNING: {w}")
+    if args.csv:
+        print(f"\nfrontier written to {args.csv}")
+    if args.plot:
+        print(f"frontier drawn to {args.plot}")
+    return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -430,6 +524,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """``0.05`` or ``5%`` -> 0.05 (>= 0)."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.05 or a percentage like 5%, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _add_profile_args(p: argparse.ArgumentParser) -> None:
     names = ", ".join(shipped_profiles())
     p.add_argument("--profile", required=True, help=f"Perseus-format CSV, or a shipped profile: {names}")
@@ -466,9 +581,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm", choices=("per-direction", "paired"), default="per-direction",
                    help="communication the plan is scored with: one channel per direction (what the executor "
                         "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
+    p.add_argument("--max-slowdown", type=_fraction, default=0.0,
+                   help="--type optimal: allowed iteration-time increase over the baseline, e.g. 0.05 or 5%% (default 0)")
+    p.add_argument("--target-time", type=_positive_float, metavar="S",
+                   help="--type optimal: plan for iterations lasting S seconds anyway (e.g. a straggler's pace); "
+                        "energy is counted until then")
     p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan and its scores as JSON")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("frontier", help="the iteration-time vs energy Pareto frontier of optimal plans")
+    _add_profile_args(p)
+    p.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration")
+    p.add_argument("--stages", type=_positive_int, help="pipeline stages (checked against the profile)")
+    p.add_argument("--scheduling", choices=SCHEDULINGS, default="ours", help="unit order (default ours)")
+    p.add_argument("--points", type=_positive_int, default=20, help="deadlines from fastest to valley (default 20)")
+    p.add_argument("--csv", metavar="OUT.csv", help="write time_s,energy_j,saving,slowdown")
+    p.add_argument("--target-time", type=_positive_float, metavar="S",
+                   help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")
+    p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage, in micro-batches")
+    p.add_argument("--extra-warmup", type=_int_list, help="override the extra warm-up of ours, e.g. 4,3,1,0")
+    p.add_argument("--comm", choices=("per-direction", "paired"), default="per-direction",
+                   help="communication the plans are scored with (as for envpipe plan)")
+    p.set_defaults(func=cmd_frontier)
 
     p = sub.add_parser("show", help="print a plan written by 'envpipe plan --out'")
     p.add_argument("plan", help="PLAN.json")

@@ -47,6 +47,8 @@ class EnvPipeConfig:
     sim_time_scale: float = 0.02  # simulated GPU: wall seconds per simulated second
     log_interval: int = 1
     verbose: bool = False
+    max_slowdown: float = 0.0  # --envpipe-type optimal: allowed iteration-time increase (fraction)
+    target_time_s: float | None = None  # --envpipe-type optimal: plan for iterations lasting this long
 
     def validate(self) -> "EnvPipeConfig":
         def bad(msg: str) -> None:
@@ -105,6 +107,12 @@ class EnvPipeConfig:
             bad("--envpipe-profile-iterations must be >= 1")
         if not 0 < self.sim_time_scale <= 10:
             bad("--envpipe-sim-time-scale must be in (0, 10]")
+        if not self.max_slowdown >= 0:
+            bad("--envpipe-max-slowdown must be >= 0 (a fraction: 0.05 = 5 %)")
+        if self.target_time_s is not None and not self.target_time_s > 0:
+            bad("--envpipe-target-time must be > 0 seconds")
+        if (self.max_slowdown or self.target_time_s is not None) and self.plan_type != "optimal":
+            bad("--envpipe-max-slowdown and --envpipe-target-time need --envpipe-type optimal")
         return self
 
     def validate_with_megatron_args(self, args: Any) -> "EnvPipeConfig":
@@ -154,7 +162,8 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g = parser.add_argument_group("EnvPipe", "energy-saving pipeline schedule and GPU clock plan")
     g.add_argument("--envpipe-type", dest="envpipe_plan_type", choices=PLAN_TYPES, default=d.plan_type,
                    help="initial clock plan: all at f_max (baseline), each stage at its energy-valley clock "
-                        "(uniform), or outer envelope at f_max and the rest at the valley (envelope)")
+                        "(uniform), outer envelope at f_max and the rest at the valley (envelope), or the "
+                        "minimum-energy plan meeting the baseline's iteration time (optimal; needs highspy or scipy)")
     g.add_argument("--envpipe-scheduling", dest="envpipe_scheduling", choices=SCHEDULINGS, default=d.scheduling,
                    help="unit order: Megatron's 1F1B, or EnvPipe's extended warm-up (ours)")
     g.add_argument("--envpipe-reconfig", dest="envpipe_reconfig", choices=RECONFIG_POLICIES, default=d.reconfig,
@@ -198,4 +207,9 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="print the EnvPipe plan/energy line every N iterations")
     g.add_argument("--envpipe-verbose", dest="envpipe_verbose", action="store_true",
                    help="print each stage's instruction program")
+    g.add_argument("--envpipe-max-slowdown", dest="envpipe_max_slowdown", type=float, default=d.max_slowdown,
+                   help="--envpipe-type optimal: allowed iteration-time increase over 1F1B at f_max (0.05 = 5 %%)")
+    g.add_argument("--envpipe-target-time", dest="envpipe_target_time_s", type=float, default=None,
+                   help="--envpipe-type optimal: plan for iterations lasting this many seconds anyway (e.g. a "
+                        "straggler sets the pace); the GPUs block at P2P power until then")
     return parser

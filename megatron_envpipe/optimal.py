@@ -26,16 +26,26 @@ Method (deterministic):
    Its optimum is a lower bound on every plan's energy.
 3. **Rounding** to real clocks: a forward pass in topological order gives each
    unit the slowest option that still lets it finish by its latest finish time
-   computed from the LP durations (so every unit finishes no later than in the
-   LP and the plan is feasible by construction), and the mirror-image backward
-   pass; each is then *settled* by alternating forward/backward passes that
-   slow units down wherever slack remains; the cheaper of the two is kept.
-4. **Local search** (a fixed number of trials, so results do not depend on the
-   machine): speed up one critical unit by one clock step and settle again;
-   keep the move if the plan got cheaper.
+   computed from target durations (so the plan is feasible by construction),
+   and the mirror-image backward pass. Targets: the LP durations, and the LP
+   durations *dithered* onto hull vertices (error diffusion along each stage,
+   so identical units between two far-apart clocks alternate between them in
+   the LP's proportion); options: the hull's vertices only, or every option.
+   Each rounding is *settled* by alternating forward/backward passes that slow
+   units down wherever slack remains; the cheapest of six is kept.
+4. **Local search** (bounded by a count of unit visits, not by a clock, so
+   results do not depend on the machine): speed one unit up by 1-3 clock steps
+   and settle again; exchange time between neighbours (speed one up, slow a
+   neighbour down; slow one down, buy its time from up to three neighbours),
+   each move checked by simulation; keep what lowers the energy.
 5. **Repair** (a safety net against LP tolerances): while the simulated
    iteration overshoots the deadline, raise the clock of the unit on the
    critical path with the cheapest marginal energy per second saved.
+
+On the shipped A40 profiles (8 stages, M = 12..96) a plan takes 0.1-0.7 s and
+lands within 0.01-1 % of the LP bound (1F1B's gap is mostly the bound's: the
+discrete clocks cannot fill the steady state's slack exactly); on small
+instances it is within 0.5 % of the exact MILP optimum (:mod:`.milp`, tests).
 
 Pure Python apart from the LP (``numpy`` + ``highspy`` or ``scipy``, imported
 only here, only when an optimal plan is asked for).
@@ -68,6 +78,8 @@ FEASIBILITY_RTOL = 1e-12
 # clock, so plans are reproducible on any machine.
 DEFAULT_SEARCH_WORK = 400_000
 MIN_SEARCH_TRIALS = 8
+MAX_SEARCH_ROUNDS = 6  # exchange searches: candidate lists rebuilt at most this often
+MAX_FAILED_CHECKS = 150  # ... and a round ends after this many infeasible candidates in a row (best first)
 
 
 class InfeasibleDeadline(PlannerError):
@@ -350,6 +362,7 @@ class TimeEnergyModel:
         self.order = list(graph.order)
         self.rorder = self.order[::-1]
         self._lp = None
+        self._hull_times: list[list[float]] | None = None
 
     # -- basic evaluation ------------------------------------------------------------
     def durations(self, idx: Sequence[int]) -> list[float]:
@@ -374,17 +387,8 @@ class TimeEnergyModel:
         """Every unit at its cheapest clock."""
         return self.makespan([len(t) - 1 for t in self.times])
 
-    def energy_of(self, idx: Sequence[int], deadline_s: float | None = None) -> float:
-        """Iteration energy at the plan's own makespan, or padded to ``deadline_s`` (blocking until then)."""
-        t = self.makespan(idx)
-        if deadline_s is not None:
-            t = max(t, deadline_s)
-        return self.cost(idx) + self.p2p_power_w * self.num_stages * t
-
     # -- the LP ----------------------------------------------------------------------
     def _build_lp(self) -> None:
-        import numpy as np  # noqa: F401  (checked by _lp_backend)
-
         n = self.n
         hulls = {k: lower_hull(v) for k, v in self.options_by_key.items()}
         self.hulls = [hulls[k] for k in self.keys]
@@ -393,7 +397,6 @@ class TimeEnergyModel:
         col_up = [math.inf] * (n + 1)
         self.t_col = n
         seg_cols: list[range] = []
-        seg_len: list[float] = []
         self.base_cost = 0.0
         for v in range(n):
             opts, hull = self.options[v], self.hulls[v]
@@ -405,7 +408,6 @@ class TimeEnergyModel:
                 cost.append((ob.cost_j - oa.cost_j) / length)
                 col_lo.append(0.0)
                 col_up.append(length)
-                seg_len.append(length)
             seg_cols.append(range(first, len(cost)))
         rows: list[int] = []
         cols: list[int] = []
@@ -441,8 +443,11 @@ class TimeEnergyModel:
                 row_lo.append(-math.inf)
                 row_up.append(0.0)
                 r += 1
-        import numpy as np
-
+        try:
+            import numpy as np
+        except ImportError:
+            _lp_backend()  # raises SolverUnavailable with the install hint
+            raise
         start, index, value = _csc(np, rows, cols, vals, len(cost))
         self.seg_cols = seg_cols
         self._lp = _lp_backend(
@@ -500,45 +505,62 @@ class TimeEnergyModel:
             es[v] = m
         return es
 
-    def _forward_pass(self, idx: list[int], d_target: Sequence[float], deadline: float) -> list[int]:
-        """Topological order: each unit takes the slowest option that finishes by its latest finish."""
+    def _hull_lists(self) -> tuple[list[list[float]], list[tuple[int, ...]]]:
+        """Per unit: the times of its hull options and their option indices."""
+        if self._hull_times is None:
+            if self._lp is None:
+                self._build_lp()
+            self._hull_times = [[self.options[v][i].time_s for i in self.hulls[v]] for v in range(self.n)]
+        return self._hull_times, self.hulls
+
+    def _forward_pass(self, idx: list[int], d_target: Sequence[float], deadline: float,
+                      hull_only: bool = False) -> list[int]:
+        """Topological order: each unit takes the slowest option that finishes by its latest finish.
+
+        ``hull_only``: only the LP's hull vertices (the first rounding: a unit
+        that rounds down leaves its successors the time to round up to the
+        next vertex instead of spending it on small steps in between).
+        """
         lf = self._latest_finish(d_target, deadline)
         eps = FEASIBILITY_RTOL * deadline
         end = [0.0] * self.n
         out = list(idx)
         preds, times = self.preds, self.times
+        hull_times, hull_idx = self._hull_lists() if hull_only else (times, None)
         for v in self.order:
             st = 0.0
             for u, lat in preds[v]:
                 t = end[u] + lat
                 if t > st:
                     st = t
-            ts = times[v]
+            ts = hull_times[v]
             k = bisect.bisect_right(ts, lf[v] - st + eps) - 1
             if k < 0:
                 k = 0
-            out[v] = k
+            out[v] = hull_idx[v][k] if hull_only else k
             end[v] = st + ts[k]
         return out
 
-    def _backward_pass(self, idx: list[int], d_target: Sequence[float], deadline: float) -> list[int]:
+    def _backward_pass(self, idx: list[int], d_target: Sequence[float], deadline: float,
+                       hull_only: bool = False) -> list[int]:
         """Reverse topological order: each unit takes the slowest option that starts after its earliest start."""
         es = self._earliest_start(d_target)
         eps = FEASIBILITY_RTOL * deadline
         start = [deadline] * self.n
         out = list(idx)
         succs, times = self.succs, self.times
+        hull_times, hull_idx = self._hull_lists() if hull_only else (times, None)
         for v in self.rorder:
             le = deadline
             for w, lat in succs[v]:
                 t = start[w] - lat
                 if t < le:
                     le = t
-            ts = times[v]
+            ts = hull_times[v]
             k = bisect.bisect_right(ts, le - es[v] + eps) - 1
             if k < 0:
                 k = 0
-            out[v] = k
+            out[v] = hull_idx[v][k] if hull_only else k
             start[v] = le - ts[k]
         return out
 
@@ -557,19 +579,56 @@ class TimeEnergyModel:
                 break
         return best_idx
 
-    def _round(self, d_lp: Sequence[float], deadline: float) -> list[int]:
-        """LP durations -> real options: best of a forward-first and a backward-first rounding."""
-        zero = [0] * self.n
-        a = self._settle(self._forward_pass(zero, d_lp, deadline), deadline, first="b")
-        b = self._settle(self._backward_pass(zero, d_lp, deadline), deadline, first="f")
-        return a if self.cost(a) <= self.cost(b) else b
+    def _dithered(self, d_lp: Sequence[float], deadline: float) -> list[float]:
+        """LP durations rounded onto hull vertices by error diffusion along each stage.
 
-    def _critical(self, idx: Sequence[int], deadline: float) -> list[int]:
-        d = self.durations(idx)
-        es = self._earliest_start(d)
-        lf = self._latest_finish(d, deadline)
-        tol = 1e-9 * deadline
-        return [v for v in range(self.n) if lf[v] - es[v] - d[v] <= tol]
+        Per (stage, instruction), in execution order, the fractions of the way
+        from the faster to the slower vertex are accumulated and a unit rounds
+        up whenever the sum reaches 1/2: identical units whose LP duration sits
+        between two far-apart vertices alternate between them in the LP's
+        proportion, instead of all rounding down. (Not feasible by itself: used
+        as the target durations of a rounding pass.)
+        """
+        hull_times, _ = self._hull_lists()
+        stage_of, ins_of = self.graph.stage_of, self.graph.instruction_of
+        acc: dict[tuple[int, str], float] = {}
+        out = []
+        for v in range(self.n):  # graph nodes are stage by stage, in execution order
+            ts, d = hull_times[v], d_lp[v]
+            k = max(0, bisect.bisect_right(ts, d + FEASIBILITY_RTOL * deadline) - 1)
+            frac = (d - ts[k]) / (ts[k + 1] - ts[k]) if k + 1 < len(ts) and d > ts[k] else 0.0
+            key = (stage_of[v], ins_of[v])
+            a = acc.get(key, 0.0) + frac
+            if a >= 0.5 and k + 1 < len(ts):
+                k += 1
+                a -= 1.0
+            acc[key] = a
+            out.append(ts[k])
+        return out
+
+    def _round(self, d_lp: Sequence[float], deadline: float) -> list[int]:
+        """LP durations -> real options: the best of six roundings, each settled.
+
+        Forward-first and backward-first passes onto the hull's vertices or
+        onto every option, with the LP's durations as targets; and forward
+        passes with the dithered durations (:meth:`_dithered`) as targets.
+        """
+        zero = [0] * self.n
+        dithered = self._dithered(d_lp, deadline)
+        candidates = (
+            (d_lp, "f", True), (d_lp, "b", True), (d_lp, "f", False), (d_lp, "b", False),
+            (dithered, "f", True), (dithered, "f", False),
+        )
+        best, best_cost = None, math.inf
+        for target, direction, hull_only in candidates:
+            if direction == "f":
+                cand = self._settle(self._forward_pass(zero, target, deadline, hull_only), deadline, first="b")
+            else:
+                cand = self._settle(self._backward_pass(zero, target, deadline, hull_only), deadline, first="f")
+            c = self.cost(cand)
+            if c < best_cost - 1e-12 * abs(c):
+                best, best_cost = cand, c
+        return best
 
     def _local_search(self, idx: list[int], deadline: float, max_trials: int) -> tuple[list[int], int, int]:
         """Speed one unit up by 1-3 clock steps, settle, keep the move if the plan got cheaper.
@@ -644,7 +703,9 @@ class TimeEnergyModel:
         checks = accepted = 0
         nbrs = self._neighbours(window)
         times, costs = self.times, self.costs
-        while checks < max_checks:
+        for _round in range(MAX_SEARCH_ROUNDS):
+            if checks >= max_checks:
+                break
             d = self.durations(cur)
             es, lf = self._earliest_start(d), self._latest_finish(d, deadline)
             cands = []
@@ -676,9 +737,9 @@ class TimeEnergyModel:
         """Try candidate moves ``(gain, w, new option of w, ((u, steps faster), ...))`` best first."""
         cands.sort()
         touched: set[int] = set()
-        checks = accepted = 0
+        checks = accepted = failures = 0
         for _gain, w, j, used in cands:
-            if checks >= max_checks:
+            if checks >= max_checks or failures >= MAX_FAILED_CHECKS:
                 break
             if w in touched or any(u in touched for u, _ in used):
                 continue
@@ -692,6 +753,9 @@ class TimeEnergyModel:
                 touched.add(w)
                 touched.update(u for u, _ in used)
                 accepted += 1
+                failures = 0
+            else:
+                failures += 1
         return cur, checks, accepted, accepted > 0
 
     def _exchange_search(self, idx: list[int], deadline: float, max_checks: int, window: int = 3
@@ -712,7 +776,9 @@ class TimeEnergyModel:
         checks = accepted = 0
         nbrs = self._neighbours(window)
         times, costs = self.times, self.costs
-        while checks < max_checks:
+        for _round in range(MAX_SEARCH_ROUNDS):
+            if checks >= max_checks:
+                break
             d = self.durations(cur)
             es, lf = self._earliest_start(d), self._latest_finish(d, deadline)
             cands = []
@@ -730,33 +796,49 @@ class TimeEnergyModel:
                         if freed > 0:
                             extra = costs[u][ku - k] - costs[u][ku]
                             offers.append((extra / freed, u, k, freed, extra))
+                if not offers:
+                    continue
+                # One neighbour covering it all: by seconds freed, with the cheapest from there on.
+                by_freed = sorted(offers, key=lambda o: (o[3], o[4]))
+                freed_keys = [o[3] for o in by_freed]
+                suffix: list[tuple[float, int, int]] = [None] * len(by_freed)  # type: ignore[list-item]
+                best = None
+                for i in range(len(by_freed) - 1, -1, -1):
+                    o = by_freed[i]
+                    if best is None or o[4] < best[0]:
+                        best = (o[4], o[1], o[2])
+                    suffix[i] = best
+                # Up to three neighbours, cheapest energy per second first (prefix sums).
                 offers.sort()
-                most = sum(o[3] for o in offers)
+                chosen: list[tuple[int, int]] = []
+                got_prefix: list[float] = []
+                spent_prefix: list[float] = []
+                got = spent = 0.0
+                for _, u, k, freed, extra in offers:
+                    if any(u == c for c, _ in chosen):
+                        continue
+                    chosen.append((u, k))
+                    got += freed
+                    spent += extra
+                    got_prefix.append(got)
+                    spent_prefix.append(spent)
+                    if len(chosen) == 3:
+                        break
+                most = max(got_prefix[-1], freed_keys[-1])
                 for j in range(kw + 1, len(tw)):
                     need = tw[j] - tw[kw] - slack_w
                     if need > most + eps:
                         break
-                    saving = cw[kw] - cw[j]
                     if need <= eps:
                         continue  # a plain slow-down: the settle passes take those
-                    # One neighbour covering it all (the cheapest such), ...
-                    single = min(((extra, u, k) for _, u, k, freed, extra in offers if freed >= need - eps),
-                                 default=None)
-                    if single is not None and single[0] < saving - 1e-9:
-                        cands.append((single[0] - saving, w, j, ((single[1], single[2]),)))
-                    # ... or up to three, cheapest energy per second first.
-                    got = spent = 0.0
-                    used: dict[int, int] = {}
-                    for _, u, k, freed, extra in offers:
-                        if u in used or len(used) == 3:
-                            continue
-                        used[u] = k
-                        got += freed
-                        spent += extra
-                        if got >= need - eps or spent >= saving:
-                            break
-                    if len(used) > 1 and got >= need - eps and spent < saving - 1e-9:
-                        cands.append((spent - saving, w, j, tuple(sorted(used.items()))))
+                    saving = cw[kw] - cw[j]
+                    i = bisect.bisect_left(freed_keys, need - eps)
+                    if i < len(by_freed) and suffix[i][0] < saving - 1e-9:
+                        extra, u, k = suffix[i]
+                        cands.append((extra - saving, w, j, ((u, k),)))
+                    i = bisect.bisect_left(got_prefix, need - eps)
+                    if 0 < i < len(got_prefix) and spent_prefix[i] < saving - 1e-9:
+                        cands.append((spent_prefix[i] - saving, w, j, tuple(sorted(chosen[: i + 1]))))
             cur, n_checks, n_moves, moved = self._apply_moves(cur, cands, limit, max_checks - checks)
             checks += n_checks
             accepted += n_moves
@@ -885,22 +967,23 @@ def _dependencies(schedule: Schedule, config: PlannerConfig) -> tuple[Dependency
     return deps
 
 
-def plan_optimal(
-    profile: Profile,
-    num_microbatches: int,
-    config: PlannerConfig,
-    num_stages: int | None = None,
-) -> PlanResult:
-    """The minimum-energy plan meeting ``(1 + max_slowdown) x`` 1F1B-at-f_max's iteration time.
+@dataclass
+class _Setup:
+    """What every optimal plan of one (profile, M, config) shares: clocks, baseline, schedules."""
 
-    With ``config.target_time_s`` the deadline is that time instead and the
-    energy is counted until it (faster plans block at P2P power until then).
-    ``scheduling='ours'`` tries a few extra warm-up vectors (unless
-    ``extra_warmup`` is given), ranks them by their LP bound and keeps the
-    best plan. Raises :class:`InfeasibleDeadline` for a deadline faster than
-    every unit at its fastest clock.
-    """
-    t0 = time.perf_counter()
+    p: int
+    p2p_power_w: float
+    candidates: tuple[int, ...]
+    f_max: int
+    valley: tuple[int, ...]
+    warnings: list[str]
+    baseline_plan: FrequencyPlan
+    baseline_timeline: Timeline
+    baseline: PlanScore
+    schedules: list[tuple[str, Schedule]]
+
+
+def _setup(profile: Profile, num_microbatches: int, config: PlannerConfig, num_stages: int | None) -> _Setup:
     config.validate()
     p = profile.num_stages if num_stages is None else num_stages
     if p != profile.num_stages:
@@ -917,53 +1000,80 @@ def plan_optimal(
             f"the baseline runs at {f_max} MHz"
         )
     valley = stage_valley_clocks(profile, candidates, p2p)
-
     baseline_schedule = one_f_one_b(p, num_microbatches)
     baseline_eval = PlanEvaluator(baseline_schedule, profile, p2p, config.p2p_latency_s)
     baseline_plan = FrequencyPlan.constant(baseline_schedule, [f_max] * p)
     baseline_timeline = baseline_eval.simulate(baseline_plan.flat())
     baseline_score = baseline_eval.score(baseline_plan.flat(), baseline_timeline)
-    padded = config.target_time_s is not None
-    deadline = (
-        float(config.target_time_s) if padded
-        else baseline_score.iteration_time_s * (1.0 + config.max_slowdown)
-    )
-
     if config.scheduling == "ours":
-        if config.extra_warmup is not None:
-            try:
-                r = clamp_extra_warmup(p, num_microbatches, list(config.extra_warmup), config.max_inflight)
-            except ScheduleError as exc:
-                raise PlannerError(str(exc)) from None
-            warmups = [("given", r)]
-        else:
-            try:
+        try:
+            if config.extra_warmup is not None:
+                warmups = [("given", clamp_extra_warmup(p, num_microbatches, list(config.extra_warmup),
+                                                        config.max_inflight))]
+            else:
                 warmups = extra_warmup_candidates(profile, num_microbatches, f_max, valley, config.max_inflight)
-            except ScheduleError as exc:
-                raise PlannerError(str(exc)) from None
+        except ScheduleError as exc:
+            raise PlannerError(str(exc)) from None
         schedules = [(label, build_schedule("ours", p, num_microbatches, r)) for label, r in warmups]
     else:
         schedules = [("1f1b", baseline_schedule)]
+    return _Setup(p, p2p, tuple(candidates), f_max, valley, warnings, baseline_plan, baseline_timeline,
+                  baseline_score, schedules)
 
+
+def _rank_schedules(setup: _Setup, profile: Profile, config: PlannerConfig, deadline: float, padded: bool):
+    """Models of the candidate schedules that can meet ``deadline``, best LP bound first."""
     ranked = []
     skipped = []
-    for label, schedule in schedules:
-        model = TimeEnergyModel(schedule, profile, candidates, p2p, config.p2p_latency_s,
+    for label, schedule in setup.schedules:
+        model = TimeEnergyModel(schedule, profile, setup.candidates, setup.p2p_power_w, config.p2p_latency_s,
                                 _dependencies(schedule, config))
         fastest = model.fastest_time_s()
         if fastest > deadline * (1 + FEASIBILITY_RTOL):
-            skipped.append((label, schedule, fastest))
+            skipped.append((fastest, len(skipped), label, schedule))
             continue
-        _, _, bound = model.solve_lp(deadline, 0.0 if padded else p2p * p)
+        _, _, bound = model.solve_lp(deadline, 0.0 if padded else setup.p2p_power_w * setup.p)
         ranked.append((bound, len(ranked), label, schedule, model))
     if not ranked:
-        label, schedule, fastest = min(skipped, key=lambda x: x[2])
-        what = "1F1B at f_max" if schedule.name == "1f1b" else f"{schedule.name} (extra warm-up {list(schedule.extra_warmup)})"
+        fastest, _, label, schedule = min(skipped)
+        what = (
+            "1F1B at f_max" if schedule.name == "1f1b"
+            else f"{schedule.name} (extra warm-up {list(schedule.extra_warmup)}) at f_max"
+        )
         raise InfeasibleDeadline(
             f"an iteration time of {deadline:.6g} s is infeasible: even with every unit at its fastest clock, "
             f"{what} takes {fastest:.6g} s; allow more with --max-slowdown or a later --target-time"
         )
     ranked.sort(key=lambda x: (x[0], x[1]))
+    return ranked
+
+
+def plan_optimal(
+    profile: Profile,
+    num_microbatches: int,
+    config: PlannerConfig,
+    num_stages: int | None = None,
+) -> PlanResult:
+    """The minimum-energy plan meeting ``(1 + max_slowdown) x`` 1F1B-at-f_max's iteration time.
+
+    With ``config.target_time_s`` the deadline is that time instead and the
+    energy is counted until it (faster plans block at P2P power until then).
+    ``scheduling='ours'`` tries a few extra warm-up vectors (unless
+    ``extra_warmup`` is given), ranks them by their LP bound and keeps the
+    best plan. Raises :class:`InfeasibleDeadline` for a deadline faster than
+    every unit at its fastest clock.
+    """
+    t0 = time.perf_counter()
+    setup = _setup(profile, num_microbatches, config, num_stages)
+    p, p2p, f_max = setup.p, setup.p2p_power_w, setup.f_max
+    warnings = list(setup.warnings)
+    baseline_score = setup.baseline
+    padded = config.target_time_s is not None
+    deadline = (
+        float(config.target_time_s) if padded
+        else baseline_score.iteration_time_s * (1.0 + config.max_slowdown)
+    )
+    ranked = _rank_schedules(setup, profile, config, deadline, padded)
     best_bound = ranked[0][0]
     best = None
     # Round the best-ranked schedule, and (small problems) a runner-up whose bound is within 0.2 %.
@@ -983,7 +1093,9 @@ def plan_optimal(
         "lp_bound_j": sol.lp_bound_j,
         "gap_to_lp_bound": gap,
         "padded_to_deadline": padded,
-        "extra_warmup_tried": {lab: list(s.extra_warmup) for lab, s in schedules} if config.scheduling == "ours" else {},
+        "extra_warmup_tried": (
+            {lab: list(s.extra_warmup) for lab, s in setup.schedules} if config.scheduling == "ours" else {}
+        ),
         "extra_warmup_chosen": label if config.scheduling == "ours" else None,
         **sol.stats,
     }
@@ -1006,12 +1118,12 @@ def plan_optimal(
         plan=plan,
         score=score,
         timeline=sol.timeline,
-        baseline_plan=baseline_plan,
+        baseline_plan=setup.baseline_plan,
         baseline=baseline_score,
-        baseline_timeline=baseline_timeline,
+        baseline_timeline=setup.baseline_timeline,
         f_max_mhz=f_max,
-        valley_mhz=valley,
-        candidates_mhz=tuple(sorted(candidates, reverse=True)),
+        valley_mhz=setup.valley,
+        candidates_mhz=tuple(sorted(setup.candidates, reverse=True)),
         iterations=0,
         converged=True,
         stop_reason=reason,

@@ -307,6 +307,8 @@ class EnvPipeRuntime:
             reconfig_step_mhz=cfg.reconfig_step_mhz,
             max_inflight=cfg.max_inflight,
             extra_warmup=cfg.extra_warmup,
+            max_slowdown=cfg.max_slowdown,
+            target_time_s=cfg.target_time_s,
         )
         if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
             pcfg = PlannerConfig(**{**pcfg.__dict__, "gpu": None})  # profile from another ladder: trust it
@@ -326,8 +328,13 @@ class EnvPipeRuntime:
         if cfg.reconfig != "default" and len(profile.common_frequencies()) > 1 and control:
             candidates = planner_candidates(profile, pcfg.gpu)
             step = pcfg.effective_reconfig_step_mhz
+            target = None
+            if result.deadline_s is not None:  # "optimal": correct only iterations slower than its deadline
+                simulated = self.device is not None and self.device.simulated
+                target = result.deadline_s * (cfg.sim_time_scale if simulated else 1.0)
             rc = Reconfigurer(result.plan, cfg.reconfig, ClockLadder(candidates, step),
-                              finish_limit=cfg.finish_limit, threshold_scale=cfg.threshold_scale)
+                              finish_limit=cfg.finish_limit, threshold_scale=cfg.threshold_scale,
+                              target_time_s=target)
         return _PlanState(result.schedule, result.plan, rc)
 
 

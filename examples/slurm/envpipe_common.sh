@@ -24,7 +24,7 @@ ENVPIPE_DRY_RUN=${ENVPIPE_DRY_RUN:-0}
 
 # EnvPipe: ENVPIPE_<NAME> is the flag --envpipe-<name>. An empty value leaves the
 # flag out, so the package's default applies (noted after each).
-ENVPIPE_TYPE=${ENVPIPE_TYPE:-envelope}                   # baseline | uniform | envelope
+ENVPIPE_TYPE=${ENVPIPE_TYPE:-envelope}                   # baseline | uniform | envelope | optimal
 ENVPIPE_SCHEDULING=${ENVPIPE_SCHEDULING:-ours}           # 1f1b (Megatron's order) | ours (extended warm-up)
 ENVPIPE_RECONFIG=${ENVPIPE_RECONFIG:-balanced}           # default (none) | greedy | balanced
 ENVPIPE_GPU=${ENVPIPE_GPU:-auto}                         # auto | none | nvml | simulated:<profile> | a40, h100, ... (envpipe gpus)
@@ -38,6 +38,8 @@ ENVPIPE_MAX_INFLIGHT=${ENVPIPE_MAX_INFLIGHT:-}           # activation budget per
 ENVPIPE_EXTRA_WARMUP=${ENVPIPE_EXTRA_WARMUP:-}           # e.g. 4,3,1,0; empty: EnvPipe's
 ENVPIPE_P2P_POWER=${ENVPIPE_P2P_POWER:-}                 # W of a GPU blocked in P2P; empty: GPU table
 ENVPIPE_RECONFIG_STEP=${ENVPIPE_RECONFIG_STEP:-}         # MHz per reconfiguration step; empty: GPU table
+ENVPIPE_MAX_SLOWDOWN=${ENVPIPE_MAX_SLOWDOWN:-}           # optimal: allowed slowdown, e.g. 0.05; empty: 0
+ENVPIPE_TARGET_TIME=${ENVPIPE_TARGET_TIME:-}             # optimal: s per iteration something else sets; empty: none
 ENVPIPE_FINISH_LIMIT=${ENVPIPE_FINISH_LIMIT:-10}         # stop reconfiguring after N iterations without progress
 ENVPIPE_THRESHOLD_SCALE=${ENVPIPE_THRESHOLD_SCALE:-4.0}  # critical-path wait threshold
 ENVPIPE_PREFETCH=${ENVPIPE_PREFETCH:-2}                  # receives posted ahead per channel
@@ -242,6 +244,8 @@ envpipe_compose_args() {
     _envpipe_opt --envpipe-extra-warmup "$ENVPIPE_EXTRA_WARMUP"
     _envpipe_opt --envpipe-p2p-power "$ENVPIPE_P2P_POWER"
     _envpipe_opt --envpipe-reconfig-step "$ENVPIPE_RECONFIG_STEP"
+    _envpipe_opt --envpipe-max-slowdown "$ENVPIPE_MAX_SLOWDOWN"
+    _envpipe_opt --envpipe-target-time "$ENVPIPE_TARGET_TIME"
     case "$ENVPIPE_VERBOSE" in
         1 | yes | true) ENVPIPE_ARGS+=(--envpipe-verbose) ;;
     esac
