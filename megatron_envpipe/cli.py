@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from .atomic import write_json_atomic
+from .config import int_list
 from .gpu_specs import GpuSpecError, get_gpu_spec, load_gpu_table
 from .plan import FrequencyPlan, format_envpipe
 from .planner import PLAN_TYPES, RECONFIG_POLICIES, PlannerConfig, PlannerError, PlanResult, plan_envpipe
@@ -46,21 +46,7 @@ def _load_profile(name: str, time_scale: float = 1.0, energy_scale: float = 1.0)
     return profile
 
 
-def _write_json_atomic(path: str | Path, data: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _score_dict(score, timeline: Timeline | None = None) -> dict[str, Any]:
+def _score_dict(score) -> dict[str, Any]:
     out = {
         "iteration_time_s": score.iteration_time_s,
         "energy_j": score.energy_j,
@@ -222,7 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CliError(f"--stages {args.stages} does not match the profile's {result.schedule.num_stages} stages")
     data = result_to_dict(result, profile, extra)
     if args.out:
-        _write_json_atomic(args.out, data)
+        write_json_atomic(args.out, data)
     if args.plot:
         from .plot import draw_timelines
 
@@ -507,13 +493,6 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 # -- parser ---------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -577,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconfig", choices=RECONFIG_POLICIES, default="balanced", help="policy (default balanced)")
     p.add_argument("--reconfig-step", type=_positive_int, help="MHz per reconfiguration step (default: GPU table)")
     p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage, in micro-batches")
-    p.add_argument("--extra-warmup", type=_int_list, help="override EnvPipe's r_s, e.g. 4,3,1,0 (still clamped)")
+    p.add_argument("--extra-warmup", type=int_list, help="override EnvPipe's r_s, e.g. 4,3,1,0 (still clamped)")
     p.add_argument("--comm", choices=("per-direction", "paired"), default="per-direction",
                    help="communication the plan is scored with: one channel per direction (what the executor "
                         "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
@@ -600,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-time", type=_positive_float, metavar="S",
                    help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")
     p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage, in micro-batches")
-    p.add_argument("--extra-warmup", type=_int_list, help="override the extra warm-up of ours, e.g. 4,3,1,0")
+    p.add_argument("--extra-warmup", type=int_list, help="override the extra warm-up of ours, e.g. 4,3,1,0")
     p.add_argument("--comm", choices=("per-direction", "paired"), default="per-direction",
                    help="communication the plans are scored with (as for envpipe plan)")
     p.set_defaults(func=cmd_frontier)
@@ -615,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="PLAN.json", help="a plan from 'envpipe plan --out'")
     p.add_argument("--microbatches", "-m", type=_positive_int, help="micro-batches (without --plan)")
     p.add_argument("--scheduling", choices=SCHEDULINGS, default="1f1b", help="unit order (without --plan)")
-    p.add_argument("--extra-warmup", type=_int_list, help="r_s for --scheduling ours, e.g. 4,3,1,0")
+    p.add_argument("--extra-warmup", type=int_list, help="r_s for --scheduling ours, e.g. 4,3,1,0")
     p.add_argument("--freq", type=_positive_int, help="one clock for every unit (default: the profile's max)")
     p.set_defaults(func=cmd_simulate)
 
@@ -623,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=_positive_int, required=True)
     p.add_argument("--microbatches", "-m", type=_positive_int, required=True)
     p.add_argument("--scheduling", choices=SCHEDULINGS, default="1f1b")
-    p.add_argument("--extra-warmup", type=_int_list, help="r_s for ours, e.g. 4,3,1,0 (clamped)")
+    p.add_argument("--extra-warmup", type=int_list, help="r_s for ours, e.g. 4,3,1,0 (clamped)")
     p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage")
     p.set_defaults(func=cmd_schedule)
 
@@ -631,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=_positive_int, required=True)
     p.add_argument("--microbatches", "-m", type=_positive_int, required=True)
     p.add_argument("--scheduling", choices=SCHEDULINGS, default="1f1b")
-    p.add_argument("--extra-warmup", type=_int_list, help="r_s for ours, e.g. 4,3,1,0 (clamped)")
+    p.add_argument("--extra-warmup", type=int_list, help="r_s for ours, e.g. 4,3,1,0 (clamped)")
     p.add_argument("--prefetch", type=_positive_int, default=2, help="receives posted ahead per channel")
     p.add_argument("--shared-stream", action="store_true",
                    help="check against one shared stream per stage pair instead (shows why we avoid it)")

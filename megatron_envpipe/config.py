@@ -149,7 +149,8 @@ class EnvPipeConfig:
         return cls(**values).validate()
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """argparse type: ``4,3,1,0`` -> ``[4, 3, 1, 0]``."""
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
@@ -176,7 +177,7 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Perseus-format time/energy profile CSV; default: measure at start-up")
     g.add_argument("--envpipe-max-inflight", dest="envpipe_max_inflight", type=int, default=d.max_inflight,
                    help="activation-memory budget per stage (micro-batch activations) for 'ours'")
-    g.add_argument("--envpipe-extra-warmup", dest="envpipe_extra_warmup", type=_int_list, default=None,
+    g.add_argument("--envpipe-extra-warmup", dest="envpipe_extra_warmup", type=int_list, default=None,
                    help="override EnvPipe's extra warm-up forwards per stage, e.g. 4,3,1,0 (clamped)")
     g.add_argument("--envpipe-p2p-power", dest="envpipe_p2p_power_w", type=float, default=d.p2p_power_w,
                    help="power of a GPU blocked in P2P, W (default: GPU table)")

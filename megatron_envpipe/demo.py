@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .localhost import free_port
 from .gpu_specs import get_gpu_spec
 from .plan import format_envpipe
 from .planner import PlannerConfig, plan_envpipe
 from .profile import Profile
-from .resources import shipped_profile
+from .resources import configs_dir, shipped_profile
 
 
 class DemoError(RuntimeError):
@@ -51,7 +51,12 @@ class DemoConfig:
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "DemoConfig":
-        path = Path(path) if path else _configs_dir() / "demo.toml"
+        if not path:
+            try:
+                path = configs_dir() / "demo.toml"
+            except FileNotFoundError as exc:
+                raise DemoError(str(exc)) from None
+        path = Path(path)
         try:
             data = tomllib.loads(path.read_text())
         except OSError as exc:
@@ -75,20 +80,6 @@ class DemoConfig:
         return cfg
 
 
-def _configs_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "configs", here.parent / "configs"):
-        if (candidate / "demo.toml").is_file():
-            return candidate
-    raise DemoError(f"configs/demo.toml not found next to {here}; reinstall megatron-envpipe")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _gpus() -> int:
     try:
         import torch
@@ -105,7 +96,7 @@ def _train(cfg: DemoConfig, out: Path, name: str, envpipe: list[str], iters: int
     log = out / f"{name}.log"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         "-m", "megatron_envpipe.train_tiny_gpt",
         "--pipeline-model-parallel-size", str(nproc), "--device", device,
         "--global-batch-size", str(cfg.microbatches * 2), "--micro-batch-size", "2",

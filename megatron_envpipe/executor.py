@@ -280,6 +280,7 @@ class _Iteration:
         self.timeout = datetime.timedelta(seconds=runtime.config.comm_timeout_s)
         # Per-micro-batch state, emptied by the end of the iteration.
         self.pending: dict[tuple[str, bool, int], tuple[Any, torch.Tensor]] = {}
+        self.reaped: set[tuple[str, bool, int]] = set()  # activation sends found complete (and freed) early
         self.inputs: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
         self.grads_in: dict[int, Any] = {}
@@ -454,8 +455,8 @@ class _Iteration:
             return
         entry = self.pending.pop(key, None)
         if entry is None:
-            if instr.is_send and kind == ins.ACT and key in getattr(self, "_reaped", set()):
-                self._reaped.discard(key)
+            if instr.is_send and kind == ins.ACT and key in self.reaped:
+                self.reaped.discard(key)
                 return
             raise RuntimeError(f"EnvPipe stage {self.stage}: {instr} has no matching start")
         work, tensor = entry
@@ -502,13 +503,11 @@ class _Iteration:
         done = [k for k, (w, _) in self.pending.items() if k[0] == ins.ACT and k[1] and w.is_completed()]
         if not done:
             return
-        if not hasattr(self, "_reaped"):
-            self._reaped: set = set()
         for key in done:
             work, _ = self.pending.pop(key)
             work.wait()  # completed: returns at once, and surfaces a transport error
             self._deallocate(key[2])
-            self._reaped.add(key)
+            self.reaped.add(key)
 
     def _abandon(self) -> None:
         """On error: drop references so a retry does not leak; leave open no-sync."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from .atomic import write_atomic
 from .optimal import DEFAULT_SEARCH_WORK, InfeasibleDeadline, _rank_schedules, _setup
 from .plan import FrequencyPlan
 from .planner import PlannerConfig, PlannerError
@@ -91,10 +92,7 @@ class Frontier:
         return out.getvalue()
 
     def to_csv(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.csv_text())
-        return path
+        return write_atomic(path, self.csv_text())
 
     def plot(self, path: str | Path, target_time_s: float | None = None,
              others: Sequence[tuple[str, float, float]] = ()) -> Path:

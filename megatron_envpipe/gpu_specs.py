@@ -14,6 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
+from .resources import configs_dir
+
 
 class GpuSpecError(ValueError):
     """A missing GPU entry or an invalid clock table."""
@@ -73,13 +75,10 @@ def default_table_path() -> Path:
     env = os.environ.get("ENVPIPE_GPU_TABLE")
     if env:
         return Path(env)
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "configs" / "gpus.toml", here.parent / "configs" / "gpus.toml"):
-        if candidate.is_file():
-            return candidate
-    raise GpuSpecError(
-        f"cannot find configs/gpus.toml next to {here}; reinstall the package or set ENVPIPE_GPU_TABLE"
-    )
+    try:
+        return configs_dir() / "gpus.toml"
+    except FileNotFoundError as exc:
+        raise GpuSpecError(f"{exc}, or set ENVPIPE_GPU_TABLE") from None
 
 
 def load_gpu_table(path: str | os.PathLike[str] | None = None) -> dict[str, GpuSpec]:
@@ -143,6 +142,16 @@ def get_gpu_spec(key: str, path: str | os.PathLike[str] | None = None) -> GpuSpe
     if spec is None:
         raise GpuSpecError(f"unknown GPU {key!r}; known: {', '.join(sorted(table))} (configs/gpus.toml)")
     return spec
+
+
+def spec_for_profile_source(source: str) -> GpuSpec | None:
+    """The GPU a shipped profile's name starts with (``a40/gpt3-175b`` -> a40); None for a CSV or an unknown GPU."""
+    if "/" not in source or source.endswith(".csv"):
+        return None
+    try:
+        return get_gpu_spec(source.split("/")[0])
+    except GpuSpecError:
+        return None
 
 
 def spec_for_nvml_name(name: str, path: str | os.PathLike[str] | None = None) -> GpuSpec | None:

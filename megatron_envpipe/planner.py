@@ -212,6 +212,8 @@ class Reconfigurer:
         self.policy = policy
         self.ladder = ladder
         self.envelope = outer_envelope(plan.schedule)
+        # Position of each unit in its stage's order (the schedule never changes).
+        self._index = [{u: i for i, u in enumerate(order)} for order in plan.schedule.orders]
         self.finish_limit = finish_limit
         self.threshold_scale = threshold_scale
         self.threshold_s: float | None = None
@@ -243,22 +245,22 @@ class Reconfigurer:
         """
         if self.policy == "default" or not path or (self.target_time_s is None and self.on_envelope(path)):
             return False
-        pos = {(s, u): i for s, order in enumerate(self.schedule.orders) for i, u in enumerate(order)}
+        index = self._index
         f_max = self.ladder.f_max
         if self.policy == "greedy":
-            for node in path:
-                s, i = node[0], pos[node]
+            for s, u in path:
+                i = index[s][u]
                 if self.freqs[s][i] < f_max:
                     self.freqs[s][i] = self.ladder.raised(self.freqs[s][i], GREEDY_STEP_FACTOR)
                     return True
             return False
         # balanced
-        f_min = min(self.freqs[s][pos[(s, u)]] for s, u in path)
+        f_min = min(self.freqs[s][index[s][u]] for s, u in path)
         if f_min >= f_max:
             return False
         new = self.ladder.raised(f_min)
         for s, u in path:
-            i = pos[(s, u)]
+            i = index[s][u]
             if self.freqs[s][i] == f_min:
                 self.freqs[s][i] = new
         return True
@@ -309,7 +311,7 @@ class Reconfigurer:
             nonzero = [w for w in recv_wait_s[last] if w > 0]
             self.threshold_s = self.threshold_scale * (min(nonzero) if nonzero else 0.0)
         threshold = self.threshold_s
-        index = [{u: i for i, u in enumerate(order)} for order in sched.orders]
+        index = self._index
         s, i = 0, len(sched.orders[0]) - 1
         path = []
         for _ in range(sum(len(o) for o in sched.orders) + 1):

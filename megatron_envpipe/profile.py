@@ -14,10 +14,10 @@ import csv
 import io
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
+from .atomic import write_atomic
 
 INSTRUCTIONS = ("forward", "backward")
 REQUIRED_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
@@ -145,19 +145,7 @@ class Profile:
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename): a crash never leaves half a profile."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", newline="") as fh:
-                fh.write(self.to_csv_text())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_atomic(path, self.to_csv_text())
 
     def to_csv_text(self) -> str:
         out = io.StringIO()

@@ -16,11 +16,11 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .atomic import write_atomic
 from .profile import Profile, ProfileError
 
 log = logging.getLogger("megatron_envpipe")
@@ -146,7 +146,7 @@ class ProfileCache:
         sidecar = {"key": key_dict(key), "meta": meta_d, "csv": csv_path.name}
         text = json.dumps(sidecar, sort_keys=True, indent=2, allow_nan=False) + "\n"
         profile.to_csv(csv_path)  # atomic (temp file + rename); creates the directory
-        _atomic_write(meta_path, text)
+        write_atomic(meta_path, text)
         return csv_path
 
     def describe(self, key: ProfileKey | Mapping[str, Any]) -> str:
@@ -177,16 +177,3 @@ class ProfileCache:
         return data if isinstance(data, dict) else None
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -12,11 +12,22 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 
-def data_dir() -> Path:
-    for candidate in (_HERE / "data", _HERE.parent / "data"):
-        if (candidate / "profiles").is_dir():
+def _shipped_dir(name: str, marker: str) -> Path:
+    """``name/`` inside the installed package, else at the checkout's root; ``marker`` must exist in it."""
+    for candidate in (_HERE / name, _HERE.parent / name):
+        if (candidate / marker).exists():
             return candidate
-    raise FileNotFoundError(f"shipped data not found next to {_HERE}; reinstall megatron-envpipe")
+    raise FileNotFoundError(f"{name}/{marker} not found next to {_HERE}; reinstall megatron-envpipe")
+
+
+def data_dir() -> Path:
+    """Profiles, reference results, the tiny corpus."""
+    return _shipped_dir("data", "profiles")
+
+
+def configs_dir() -> Path:
+    """``gpus.toml`` (the GPU table) and ``demo.toml``."""
+    return _shipped_dir("configs", "gpus.toml")
 
 
 def shipped_profiles() -> dict[str, Path]:

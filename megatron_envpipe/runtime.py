@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .config import EnvPipeConfig
-from .gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name
+from .gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
 from .instructions import StageProgram, build_programs
 from .plan import FrequencyPlan, format_envpipe
 from .planner import (
@@ -342,12 +342,7 @@ def _table_spec(key: str | None) -> GpuSpec | None:
     if not key or key in ("auto", "none", "nvml"):
         return None
     if key.startswith("simulated"):
-        source = key.partition(":")[2]
-        head = source.split("/")[0] if "/" in source and not source.endswith(".csv") else None
-        try:
-            return get_gpu_spec(head) if head else None
-        except Exception:  # noqa: BLE001 - not a table key: no spec
-            return None
+        return spec_for_profile_source(key.partition(":")[2])
     return get_gpu_spec(key)
 
 

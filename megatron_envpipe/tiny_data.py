@@ -30,13 +30,13 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from .atomic import write_atomic
 
 __all__ = [
     "CORPUS_FILE",
@@ -194,17 +194,7 @@ def ensure_tokenizer(
         if target.is_file():  # another process trained it while we waited
             return target
         model = _train_model_bytes(corpus, vocab_size)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(model)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        write_atomic(target, model, fsync=True)
     return target
 
 

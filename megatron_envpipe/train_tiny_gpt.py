@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
-import socket
 import sys
 import time
 import warnings
@@ -42,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_envpipe
+from megatron_envpipe.atomic import write_json_atomic
+from megatron_envpipe.localhost import free_port
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
 from megatron_envpipe.megatron_compat import check_megatron_installed, cpu_shims, model_parallel_manual_seed
 from megatron_envpipe.tiny_data import DEFAULT_VOCAB_SIZE, Batch, build_dataset, ensure_tokenizer
@@ -110,19 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def init_distributed(args: argparse.Namespace) -> torch.device:
     """Process group (gloo on CPU, NCCL on CUDA) and Megatron's model-parallel groups."""
     from megatron.core import parallel_state
 
     if "RANK" not in os.environ:  # started without torchrun: a single-process job
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != args.pipeline_model_parallel_size:
         raise SystemExit(
@@ -321,10 +315,7 @@ def write_losses(path: Path, args: argparse.Namespace, records: list[dict[str, A
         "seed": args.seed,
         "device": args.device,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, payload)
 
 
 def _envpipe_summary() -> dict[str, Any]:

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from megatron_envpipe import tiny_data
+from megatron_envpipe.localhost import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_tiny_gpt.py"
@@ -193,18 +193,12 @@ def test_example_arguments() -> None:
             example.parse_args(bad)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run_example(envpipe_flags: list[str], cache: Path, out: Path, iters: int = ITERS) -> tuple[dict, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         str(EXAMPLE), "--pipeline-model-parallel-size", str(NPROC), "--device", "cpu",
         "--train-iters", str(iters), "--cache-dir", str(cache), "--losses-out", str(out),
         *envpipe_flags,

@@ -52,7 +52,7 @@ def open_gpu(
     if spec == "none":
         return NoGpu()
     if spec.startswith("simulated"):
-        from ..gpu_specs import get_gpu_spec
+        from ..gpu_specs import spec_for_profile_source
         from ..profile import Profile
         from ..resources import shipped_profile
         from .simulated import SimulatedGpu
@@ -61,12 +61,9 @@ def open_gpu(
         profile = Profile.from_csv(shipped_profile(source))
         if num_stages is not None:
             profile = profile.for_pipeline(num_stages)
-        if p2p_power_w is None:
-            gpu_key = source.split("/")[0] if "/" in source and not source.endswith(".csv") else None
-            try:
-                p2p_power_w = get_gpu_spec(gpu_key).p2p_power_w if gpu_key else 0.0
-            except Exception:  # noqa: BLE001 - a custom profile: no table entry
-                p2p_power_w = 0.0
+        if p2p_power_w is None:  # a custom profile names no GPU of the table: no blocking power
+            table_spec = spec_for_profile_source(source)
+            p2p_power_w = table_spec.p2p_power_w if table_spec else 0.0
         import time
 
         # perf_counter: the executor's and the energy monitor's clock.

@@ -33,13 +33,13 @@ import re
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..atomic import write_json_atomic
 from .base import GpuDevice, GpuError, GpuNotSupportedError, GpuPermissionError
 
 __all__ = [
@@ -141,24 +141,6 @@ def _make_state_dir(path: Path) -> None:
             os.chmod(p, 0o1777)
         except OSError:
             pass
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _say(text: str) -> None:
@@ -358,7 +340,7 @@ class ClockGuard:
             _make_state_dir(self.state_dir)
             if path.exists():
                 _note_stale(path)
-            _write_json_atomic(path, data)
+            write_json_atomic(path, data, fsync=True, sort_keys=True)
         except OSError as exc:
             raise GpuError(
                 f"cannot write the locked-clock state file {path} ({exc.strerror or exc}); it lets "

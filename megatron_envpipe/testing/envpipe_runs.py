@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..atomic import write_json_atomic
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.hooks import RecordingHooks
 
@@ -74,9 +74,7 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
             "live_tensors": live,
         }
         path = Path(record_dir) / f"rank{rank}-{_installed['calls']}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        write_json_atomic(path, record, indent=None)
     _installed["calls"] += 1
     return store
 

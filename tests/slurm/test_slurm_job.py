@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_envpipe.localhost import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "examples" / "slurm" / "pretrain_gpt_envpipe.sbatch"
 COMMON = REPO / "examples" / "slurm" / "envpipe_common.sh"
@@ -253,12 +255,6 @@ def jobs(slurm_cluster: None, tmp_path: Path) -> Iterator[Jobs]:
         j.cancel_leftovers()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_sbatch_job_trains_bitwise_like_megatron_1f1b(jobs: Jobs, tmp_path: Path) -> None:
     envpipe_out = tmp_path / "envpipe.json"
     job_id, log = jobs.submit("envpipe-test", LOSSES_OUT=str(envpipe_out))
@@ -286,7 +282,7 @@ def test_sbatch_job_trains_bitwise_like_megatron_1f1b(jobs: Jobs, tmp_path: Path
     # Baseline: Megatron's 1F1B at the same settings, through the single-node torchrun script.
     baseline_out = tmp_path / "baseline.json"
     env = jobs.env(ENVPIPE_TYPE="baseline", ENVPIPE_SCHEDULING="1f1b", ENVPIPE_RECONFIG="default",
-                   LOSSES_OUT=str(baseline_out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                   LOSSES_OUT=str(baseline_out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run(["bash", str(SINGLE_NODE)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     baseline = json.loads(baseline_out.read_text())
