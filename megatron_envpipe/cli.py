@@ -189,20 +189,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "iterations": compat.iterations,
         }
     else:
-        config = PlannerConfig(
-            plan_type=args.type,
-            scheduling=args.scheduling,
-            reconfig=args.reconfig,
-            gpu=gpu,
-            p2p_power_w=args.p2p_power,
-            reconfig_step_mhz=args.reconfig_step,
-            max_inflight=args.max_inflight,
-            extra_warmup=tuple(args.extra_warmup) if args.extra_warmup else None,
-            p2p_latency_s=args.p2p_latency,
-            comm=args.comm,
-            max_slowdown=args.max_slowdown,
-            target_time_s=args.target_time,
-        )
+        config = _planner_config(args, gpu, args.type, args.reconfig, reconfig_step_mhz=args.reconfig_step,
+                                 max_slowdown=args.max_slowdown, target_time_s=args.target_time)
         result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
     if args.stages is not None and args.stages != result.schedule.num_stages:
         raise CliError(f"--stages {args.stages} does not match the profile's {result.schedule.num_stages} stages")
@@ -259,22 +247,28 @@ def _plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:
     return data, plan
 
 
-def cmd_frontier(args: argparse.Namespace) -> int:
-    from .frontier import compute_frontier
-
-    profile = _load_profile(args.profile, args.time_scale, args.energy_scale)
-    gpu = _gpu_for(args)
-    config = PlannerConfig(
-        plan_type="optimal",
+def _planner_config(args: argparse.Namespace, gpu, plan_type: str, reconfig: str, **more: Any) -> PlannerConfig:
+    """A planner config from the flags 'plan' and 'frontier' share (:func:`_add_pipeline_args`)."""
+    return PlannerConfig(
+        plan_type=plan_type,
         scheduling=args.scheduling,
-        reconfig="default",
+        reconfig=reconfig,
         gpu=gpu,
         p2p_power_w=args.p2p_power,
         max_inflight=args.max_inflight,
         extra_warmup=tuple(args.extra_warmup) if args.extra_warmup else None,
         p2p_latency_s=args.p2p_latency,
         comm=args.comm,
+        **more,
     )
+
+
+def cmd_frontier(args: argparse.Namespace) -> int:
+    from .frontier import compute_frontier
+
+    profile = _load_profile(args.profile, args.time_scale, args.energy_scale)
+    gpu = _gpu_for(args)
+    config = _planner_config(args, gpu, "optimal", "default")
     fr = compute_frontier(profile, args.microbatches, config, points=args.points, num_stages=args.stages)
     picked = fr.pick(args.target_time) if args.target_time is not None else None
     if args.csv:
@@ -540,6 +534,19 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration")
 
 
+def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The pipeline and schedule flags of 'plan' and 'frontier' (read by :func:`_planner_config`)."""
+    p.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration")
+    p.add_argument("--stages", type=_positive_int, help="pipeline stages (checked against the profile)")
+    p.add_argument("--scheduling", choices=SCHEDULINGS, default="ours", help="unit order (default ours)")
+    p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage, in micro-batches")
+    p.add_argument("--extra-warmup", type=int_list,
+                   help="override the extra warm-up r_s of ours, e.g. 4,3,1,0 (still clamped)")
+    p.add_argument("--comm", choices=("per-direction", "paired"), default="per-direction",
+                   help="communication plans are scored with: one channel per direction (what the executor "
+                        "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="envpipe",
@@ -549,17 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan per-unit SM clocks from a profile and compare with the baseline")
     _add_profile_args(p)
-    p.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration")
-    p.add_argument("--stages", type=_positive_int, help="pipeline stages (checked against the profile)")
+    _add_pipeline_args(p)
     p.add_argument("--type", choices=PLAN_TYPES, default="envelope", help="initial plan (default envelope)")
-    p.add_argument("--scheduling", choices=SCHEDULINGS, default="ours", help="unit order (default ours)")
     p.add_argument("--reconfig", choices=RECONFIG_POLICIES, default="balanced", help="policy (default balanced)")
     p.add_argument("--reconfig-step", type=_positive_int, help="MHz per reconfiguration step (default: GPU table)")
-    p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage, in micro-batches")
-    p.add_argument("--extra-warmup", type=int_list, help="override EnvPipe's r_s, e.g. 4,3,1,0 (still clamped)")
-    p.add_argument("--comm", choices=("per-direction", "paired"), default="per-direction",
-                   help="communication the plan is scored with: one channel per direction (what the executor "
-                        "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
     p.add_argument("--max-slowdown", type=_fraction, default=0.0,
                    help="--type optimal: allowed iteration-time increase over the baseline, e.g. 0.05 or 5%% (default 0)")
     p.add_argument("--target-time", type=_positive_float, metavar="S",
@@ -571,17 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("frontier", help="the iteration-time vs energy Pareto frontier of optimal plans")
     _add_profile_args(p)
-    p.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration")
-    p.add_argument("--stages", type=_positive_int, help="pipeline stages (checked against the profile)")
-    p.add_argument("--scheduling", choices=SCHEDULINGS, default="ours", help="unit order (default ours)")
+    _add_pipeline_args(p)
     p.add_argument("--points", type=_positive_int, default=20, help="deadlines from fastest to valley (default 20)")
     p.add_argument("--csv", metavar="OUT.csv", help="write time_s,energy_j,saving,slowdown")
     p.add_argument("--target-time", type=_positive_float, metavar="S",
                    help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")
-    p.add_argument("--max-inflight", type=_positive_int, help="activation budget per stage, in micro-batches")
-    p.add_argument("--extra-warmup", type=int_list, help="override the extra warm-up of ours, e.g. 4,3,1,0")
-    p.add_argument("--comm", choices=("per-direction", "paired"), default="per-direction",
-                   help="communication the plans are scored with (as for envpipe plan)")
     p.set_defaults(func=cmd_frontier)
 
     p = sub.add_parser("show", help="print a plan written by 'envpipe plan --out'")

@@ -160,16 +160,16 @@ def compute_frontier(
     try:
         ranked = _rank_schedules(setup, profile, config, base.iteration_time_s, padded=False)
     except InfeasibleDeadline:
-        from .optimal import TimeEnergyModel, _dependencies
+        from .optimal import TimeEnergyModel
 
         slowest_ok = min(
-            TimeEnergyModel(s, profile, setup.candidates, setup.p2p_power_w, config.p2p_latency_s,
-                            _dependencies(s, config)).fastest_time_s()
+            TimeEnergyModel(s, profile, setup.candidates_mhz, setup.p2p_power_w, config.p2p_latency_s,
+                            config.dependencies(s)).fastest_time_s()
             for _, s in setup.schedules
         )
         ranked = _rank_schedules(setup, profile, config, slowest_ok, padded=False)
     _, _, _, schedule, model = ranked[0]
-    weight = setup.p2p_power_w * setup.p
+    weight = setup.p2p_power_w * setup.num_stages
     fastest = model.fastest_time_s()
     slowest = model.slowest_time_s()
     _, valley_lp, _ = model.solve_lp(max(slowest, fastest), weight)

@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from .optimal import TimeEnergyModel, _csc, _lp_backend
+from .optimal import TimeEnergyModel, _lp_backend, _Rows
 from .timeline import PlanScore, Timeline
 
 
@@ -66,49 +66,13 @@ def solve_milp(
             col_up.append(1.0)
             integer.append(1)
         xcols.append(range(first, len(cost)))
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    row_lo: list[float] = []
-    row_up: list[float] = []
-    has_succ = [False] * n
-    r = 0
-    for v in range(n):
-        times = model.times[v]
-        for u, lat in model.preds[v] or ((-1, 0.0),):
-            rows.append(r)
-            cols.append(v)
-            vals.append(1.0)
-            for j, t in zip(xcols[v], times):
-                rows.append(r)
-                cols.append(j)
-                vals.append(-t)
-            if u >= 0:
-                rows.append(r)
-                cols.append(u)
-                vals.append(-1.0)
-                has_succ[u] = True
-            row_lo.append(lat)
-            row_up.append(math.inf)
-            r += 1
-        for j in xcols[v]:
-            rows.append(r)
-            cols.append(j)
-            vals.append(1.0)
-        row_lo.append(1.0)
-        row_up.append(1.0)
-        r += 1
-    for v in range(n):
-        if not has_succ[v]:
-            rows += [r, r]
-            cols += [v, n]
-            vals += [1.0, -1.0]
-            row_lo.append(-math.inf)
-            row_up.append(0.0)
-            r += 1
-    start, index, value = _csc(np, rows, cols, vals, len(cost))
+    # Duration: the chosen option's time; then exactly one option per unit.
+    rows = _Rows()
+    rows.add_schedule(model.preds, n, lambda v: (list(zip(xcols[v], model.times[v])), 0.0),
+                      unit_rows=lambda v: rows.add([(j, 1.0) for j in xcols[v]], 1.0, 1.0))
+    start, index, value = rows.csc(np, len(cost))
     backend = _lp_backend(
-        np.asarray(cost, float), start, index, value, np.asarray(row_lo, float), np.asarray(row_up, float),
+        np.asarray(cost, float), start, index, value, np.asarray(rows.lo, float), np.asarray(rows.up, float),
         np.asarray(col_lo, float), np.asarray(col_up, float), integer=integer,
         time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
     )

@@ -61,14 +61,15 @@ from typing import Any, Sequence
 
 from .plan import FrequencyPlan
 from .planner import (
+    SLOWDOWN_WARNING,
     PlannerConfig,
     PlannerError,
+    PlanningBasis,
     PlanResult,
-    planner_candidates,
-    stage_valley_clocks,
+    planning_basis,
 )
 from .profile import Profile, ProfilePoint
-from .schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup, one_f_one_b, raw_extra_warmup
+from .schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup, raw_extra_warmup
 from .timeline import Dependency, PlanEvaluator, PlanScore, Timeline
 
 # A plan meets its deadline when its simulated makespan is at most D * (1 + FEASIBILITY_RTOL).
@@ -290,6 +291,55 @@ def _lp_backend(*args, **kwargs) -> _LpBackend:
     )
 
 
+class _Rows:
+    """Sparse constraint rows ``lo <= sum(coef * x[col]) <= up``, gathered as triplets."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lo: list[float] = []
+        self.up: list[float] = []
+
+    def add(self, terms: Sequence[tuple[int, float]], lo: float, up: float) -> None:
+        r = len(self.lo)
+        for col, coef in terms:
+            self.rows.append(r)
+            self.cols.append(col)
+            self.vals.append(coef)
+        self.lo.append(lo)
+        self.up.append(up)
+
+    def add_schedule(self, preds, t_col: int, duration, unit_rows=None) -> None:
+        """The iteration DAG over end-time columns ``0..n-1`` and the makespan column ``t_col``.
+
+        ``end_v - duration_v - end_u >= latency`` for every edge ``u -> v`` (a
+        unit without predecessors starts at 0) and ``end_v <= T`` for every
+        sink. ``duration(v)`` gives ``(terms, seconds)``: the unit's duration
+        is the terms' sum plus a constant. ``unit_rows(v)``, if given, adds a
+        unit's own rows right after its edges.
+        """
+        n = len(preds)
+        has_succ = [False] * n
+        for v in range(n):
+            terms, const_s = duration(v)
+            minus = [(col, -coef) for col, coef in terms]
+            for u, lat in preds[v] or ((-1, 0.0),):
+                row = [(v, 1.0), *minus]
+                if u >= 0:
+                    row.append((u, -1.0))
+                    has_succ[u] = True
+                self.add(row, lat + const_s, math.inf)
+            if unit_rows is not None:
+                unit_rows(v)
+        for v in range(n):
+            if not has_succ[v]:
+                self.add([(v, 1.0), (t_col, -1.0)], -math.inf, 0.0)
+
+    def csc(self, np, num_cols: int):
+        return _csc(np, self.rows, self.cols, self.vals, num_cols)
+
+
 def _csc(np, triplets_rows, triplets_cols, triplets_vals, num_cols):
     rows = np.asarray(triplets_rows, dtype=np.int32)
     cols = np.asarray(triplets_cols, dtype=np.int32)
@@ -409,49 +459,19 @@ class TimeEnergyModel:
                 col_lo.append(0.0)
                 col_up.append(length)
             seg_cols.append(range(first, len(cost)))
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[float] = []
-        row_lo: list[float] = []
-        row_up: list[float] = []
-        has_succ = [False] * n
-        r = 0
-        for v in range(n):
-            t0 = self.options[v][self.hulls[v][0]].time_s
-            preds = self.preds[v] or ((-1, 0.0),)
-            for u, lat in preds:
-                rows.append(r)
-                cols.append(v)
-                vals.append(1.0)
-                for j in seg_cols[v]:
-                    rows.append(r)
-                    cols.append(j)
-                    vals.append(-1.0)
-                if u >= 0:
-                    rows.append(r)
-                    cols.append(u)
-                    vals.append(-1.0)
-                    has_succ[u] = True
-                row_lo.append(lat + t0)
-                row_up.append(math.inf)
-                r += 1
-        for v in range(n):
-            if not has_succ[v]:
-                rows += [r, r]
-                cols += [v, self.t_col]
-                vals += [1.0, -1.0]
-                row_lo.append(-math.inf)
-                row_up.append(0.0)
-                r += 1
+        # Duration: the fastest hull point's time plus the segments used.
+        rows = _Rows()
+        rows.add_schedule(self.preds, self.t_col, lambda v: ([(j, 1.0) for j in seg_cols[v]],
+                                                              self.options[v][self.hulls[v][0]].time_s))
         try:
             import numpy as np
         except ImportError:
             _lp_backend()  # raises SolverUnavailable with the install hint
             raise
-        start, index, value = _csc(np, rows, cols, vals, len(cost))
+        start, index, value = rows.csc(np, len(cost))
         self.seg_cols = seg_cols
         self._lp = _lp_backend(
-            np.asarray(cost, float), start, index, value, np.asarray(row_lo, float), np.asarray(row_up, float),
+            np.asarray(cost, float), start, index, value, np.asarray(rows.lo, float), np.asarray(rows.up, float),
             np.asarray(col_lo, float), np.asarray(col_up, float),
         )
 
@@ -689,6 +709,34 @@ class TimeEnergyModel:
             self._nbrs, self._nbrs_window = nbrs, window
         return self._nbrs
 
+    def _search(self, idx: list[int], deadline: float, max_checks: int, window: int, propose
+                ) -> tuple[list[int], int, int]:
+        """Rounds of local moves: ``propose`` lists candidates, the best are checked by simulation, then settle.
+
+        ``propose(cur, slack, nbrs, eps)`` gets the current option indices, each
+        unit's slack (latest finish - earliest start - duration) and the
+        neighbour lists, and returns moves for :meth:`_apply_moves`.
+        """
+        cur = list(idx)
+        limit = deadline * (1 + FEASIBILITY_RTOL)
+        eps = FEASIBILITY_RTOL * deadline
+        checks = accepted = 0
+        nbrs = self._neighbours(window)
+        for _round in range(MAX_SEARCH_ROUNDS):
+            if checks >= max_checks:
+                break
+            d = self.durations(cur)
+            es, lf = self._earliest_start(d), self._latest_finish(d, deadline)
+            slack = [max(0.0, lf[v] - es[v] - d[v]) for v in range(self.n)]
+            cands = propose(cur, slack, nbrs, eps)
+            cur, n_checks, n_moves, moved = self._apply_moves(cur, cands, limit, max_checks - checks)
+            checks += n_checks
+            accepted += n_moves
+            if not moved:
+                break
+            cur = self._settle(cur, deadline, first="f", max_passes=4)
+        return cur, checks, accepted
+
     def _pair_search(self, idx: list[int], deadline: float, max_checks: int, window: int = 4
                      ) -> tuple[list[int], int, int]:
         """Speed one unit up by 1-3 steps and slow one neighbour down as far as the time allows.
@@ -697,41 +745,28 @@ class TimeEnergyModel:
         each neighbour's slowest option that fits in its slack plus the time
         freed; candidates checked best first by simulation, several per round.
         """
-        cur = list(idx)
-        limit = deadline * (1 + FEASIBILITY_RTOL)
-        eps = FEASIBILITY_RTOL * deadline
-        checks = accepted = 0
-        nbrs = self._neighbours(window)
+        return self._search(idx, deadline, max_checks, window, self._pair_moves)
+
+    def _pair_moves(self, cur, slack, nbrs, eps):
         times, costs = self.times, self.costs
-        for _round in range(MAX_SEARCH_ROUNDS):
-            if checks >= max_checks:
-                break
-            d = self.durations(cur)
-            es, lf = self._earliest_start(d), self._latest_finish(d, deadline)
-            cands = []
-            for u in range(self.n):
-                ku = cur[u]
-                tu, cu = times[u], costs[u]
-                for k in range(1, min(3, ku) + 1):
-                    freed = tu[ku] - tu[ku - k]
-                    extra = cu[ku - k] - cu[ku]
-                    for w in nbrs[u]:
-                        kw, tw = cur[w], times[w]
-                        if kw + 1 >= len(tw):
-                            continue
-                        room = freed + max(0.0, lf[w] - es[w] - d[w])
-                        j = bisect.bisect_right(tw, tw[kw] + room + eps) - 1
-                        if j > kw:
-                            gain = extra + costs[w][j] - costs[w][kw]
-                            if gain < -1e-9:
-                                cands.append((gain, w, j, ((u, k),)))
-            cur, n_checks, n_moves, moved = self._apply_moves(cur, cands, limit, max_checks - checks)
-            checks += n_checks
-            accepted += n_moves
-            if not moved:
-                break
-            cur = self._settle(cur, deadline, first="f", max_passes=4)
-        return cur, checks, accepted
+        cands = []
+        for u in range(self.n):
+            ku = cur[u]
+            tu, cu = times[u], costs[u]
+            for k in range(1, min(3, ku) + 1):
+                freed = tu[ku] - tu[ku - k]
+                extra = cu[ku - k] - cu[ku]
+                for w in nbrs[u]:
+                    kw, tw = cur[w], times[w]
+                    if kw + 1 >= len(tw):
+                        continue
+                    room = freed + slack[w]
+                    j = bisect.bisect_right(tw, tw[kw] + room + eps) - 1
+                    if j > kw:
+                        gain = extra + costs[w][j] - costs[w][kw]
+                        if gain < -1e-9:
+                            cands.append((gain, w, j, ((u, k),)))
+        return cands
 
     def _apply_moves(self, cur, cands, limit, max_checks):
         """Try candidate moves ``(gain, w, new option of w, ((u, steps faster), ...))`` best first."""
@@ -770,82 +805,69 @@ class TimeEnergyModel:
         iteration, several per round (those touching a unit already moved wait
         for the next round), then the plan is settled again.
         """
-        cur = list(idx)
-        limit = deadline * (1 + FEASIBILITY_RTOL)
-        eps = FEASIBILITY_RTOL * deadline
-        checks = accepted = 0
-        nbrs = self._neighbours(window)
+        return self._search(idx, deadline, max_checks, window, self._exchange_moves)
+
+    def _exchange_moves(self, cur, slack, nbrs, eps):
         times, costs = self.times, self.costs
-        for _round in range(MAX_SEARCH_ROUNDS):
-            if checks >= max_checks:
-                break
-            d = self.durations(cur)
-            es, lf = self._earliest_start(d), self._latest_finish(d, deadline)
-            cands = []
-            for w in range(self.n):
-                kw, tw, cw = cur[w], times[w], costs[w]
-                if kw + 1 >= len(tw):
+        cands = []
+        for w in range(self.n):
+            kw, tw, cw = cur[w], times[w], costs[w]
+            if kw + 1 >= len(tw):
+                continue
+            slack_w = slack[w]
+            # Speed-up offers of the neighbours: (energy per second, unit, steps, seconds, energy).
+            offers = []
+            for u in nbrs[w]:
+                ku = cur[u]
+                for k in range(1, min(3, ku) + 1):
+                    freed = times[u][ku] - times[u][ku - k]
+                    if freed > 0:
+                        extra = costs[u][ku - k] - costs[u][ku]
+                        offers.append((extra / freed, u, k, freed, extra))
+            if not offers:
+                continue
+            # One neighbour covering it all: by seconds freed, with the cheapest from there on.
+            by_freed = sorted(offers, key=lambda o: (o[3], o[4]))
+            freed_keys = [o[3] for o in by_freed]
+            suffix: list[tuple[float, int, int]] = [None] * len(by_freed)  # type: ignore[list-item]
+            best = None
+            for i in range(len(by_freed) - 1, -1, -1):
+                o = by_freed[i]
+                if best is None or o[4] < best[0]:
+                    best = (o[4], o[1], o[2])
+                suffix[i] = best
+            # Up to three neighbours, cheapest energy per second first (prefix sums).
+            offers.sort()
+            chosen: list[tuple[int, int]] = []
+            got_prefix: list[float] = []
+            spent_prefix: list[float] = []
+            got = spent = 0.0
+            for _, u, k, freed, extra in offers:
+                if any(u == c for c, _ in chosen):
                     continue
-                slack_w = max(0.0, lf[w] - es[w] - d[w])
-                # Speed-up offers of the neighbours: (energy per second, unit, steps, seconds, energy).
-                offers = []
-                for u in nbrs[w]:
-                    ku = cur[u]
-                    for k in range(1, min(3, ku) + 1):
-                        freed = times[u][ku] - times[u][ku - k]
-                        if freed > 0:
-                            extra = costs[u][ku - k] - costs[u][ku]
-                            offers.append((extra / freed, u, k, freed, extra))
-                if not offers:
-                    continue
-                # One neighbour covering it all: by seconds freed, with the cheapest from there on.
-                by_freed = sorted(offers, key=lambda o: (o[3], o[4]))
-                freed_keys = [o[3] for o in by_freed]
-                suffix: list[tuple[float, int, int]] = [None] * len(by_freed)  # type: ignore[list-item]
-                best = None
-                for i in range(len(by_freed) - 1, -1, -1):
-                    o = by_freed[i]
-                    if best is None or o[4] < best[0]:
-                        best = (o[4], o[1], o[2])
-                    suffix[i] = best
-                # Up to three neighbours, cheapest energy per second first (prefix sums).
-                offers.sort()
-                chosen: list[tuple[int, int]] = []
-                got_prefix: list[float] = []
-                spent_prefix: list[float] = []
-                got = spent = 0.0
-                for _, u, k, freed, extra in offers:
-                    if any(u == c for c, _ in chosen):
-                        continue
-                    chosen.append((u, k))
-                    got += freed
-                    spent += extra
-                    got_prefix.append(got)
-                    spent_prefix.append(spent)
-                    if len(chosen) == 3:
-                        break
-                most = max(got_prefix[-1], freed_keys[-1])
-                for j in range(kw + 1, len(tw)):
-                    need = tw[j] - tw[kw] - slack_w
-                    if need > most + eps:
-                        break
-                    if need <= eps:
-                        continue  # a plain slow-down: the settle passes take those
-                    saving = cw[kw] - cw[j]
-                    i = bisect.bisect_left(freed_keys, need - eps)
-                    if i < len(by_freed) and suffix[i][0] < saving - 1e-9:
-                        extra, u, k = suffix[i]
-                        cands.append((extra - saving, w, j, ((u, k),)))
-                    i = bisect.bisect_left(got_prefix, need - eps)
-                    if 0 < i < len(got_prefix) and spent_prefix[i] < saving - 1e-9:
-                        cands.append((spent_prefix[i] - saving, w, j, tuple(sorted(chosen[: i + 1]))))
-            cur, n_checks, n_moves, moved = self._apply_moves(cur, cands, limit, max_checks - checks)
-            checks += n_checks
-            accepted += n_moves
-            if not moved:
-                break
-            cur = self._settle(cur, deadline, first="f", max_passes=4)
-        return cur, checks, accepted
+                chosen.append((u, k))
+                got += freed
+                spent += extra
+                got_prefix.append(got)
+                spent_prefix.append(spent)
+                if len(chosen) == 3:
+                    break
+            most = max(got_prefix[-1], freed_keys[-1])
+            for j in range(kw + 1, len(tw)):
+                need = tw[j] - tw[kw] - slack_w
+                if need > most + eps:
+                    break
+                if need <= eps:
+                    continue  # a plain slow-down: the settle passes take those
+                saving = cw[kw] - cw[j]
+                i = bisect.bisect_left(freed_keys, need - eps)
+                if i < len(by_freed) and suffix[i][0] < saving - 1e-9:
+                    extra, u, k = suffix[i]
+                    cands.append((extra - saving, w, j, ((u, k),)))
+                i = bisect.bisect_left(got_prefix, need - eps)
+                if 0 < i < len(got_prefix) and spent_prefix[i] < saving - 1e-9:
+                    cands.append((spent_prefix[i] - saving, w, j, tuple(sorted(chosen[: i + 1]))))
+        return cands
 
     def _marginal(self, v: int, k: int) -> float:
         """Energy per second saved by moving unit v from option k to k-1."""
@@ -958,67 +980,31 @@ def extra_warmup_candidates(
     return out
 
 
-def _dependencies(schedule: Schedule, config: PlannerConfig) -> tuple[Dependency, ...]:
-    deps = tuple(config.extra_dependencies)
-    if config.comm == "paired":
-        from .instructions import paired_hold_dependencies
-
-        deps += tuple(paired_hold_dependencies(schedule))
-    return deps
-
-
 @dataclass
-class _Setup:
-    """What every optimal plan of one (profile, M, config) shares: clocks, baseline, schedules."""
+class _Setup(PlanningBasis):
+    """The basis of every optimal plan of one (profile, M, config), and the schedules worth trying."""
 
-    p: int
-    p2p_power_w: float
-    candidates: tuple[int, ...]
-    f_max: int
-    valley: tuple[int, ...]
-    warnings: list[str]
-    baseline_plan: FrequencyPlan
-    baseline_timeline: Timeline
-    baseline: PlanScore
     schedules: list[tuple[str, Schedule]]
 
 
 def _setup(profile: Profile, num_microbatches: int, config: PlannerConfig, num_stages: int | None) -> _Setup:
     config.validate()
-    p = profile.num_stages if num_stages is None else num_stages
-    if p != profile.num_stages:
-        raise PlannerError(f"--stages {p} does not match the profile's {profile.num_stages} stages ({profile.source})")
-    if num_microbatches < 1:
-        raise PlannerError(f"need at least one micro-batch, got {num_microbatches}")
-    p2p = config.effective_p2p_power_w
-    candidates = planner_candidates(profile, config.gpu)
-    f_max = max(candidates)
-    warnings: list[str] = []
-    if config.gpu is not None and f_max < config.gpu.max_clock_mhz:
-        warnings.append(
-            f"the profile stops at {f_max} MHz, below {config.gpu.key}'s maximum {config.gpu.max_clock_mhz} MHz: "
-            f"the baseline runs at {f_max} MHz"
-        )
-    valley = stage_valley_clocks(profile, candidates, p2p)
-    baseline_schedule = one_f_one_b(p, num_microbatches)
-    baseline_eval = PlanEvaluator(baseline_schedule, profile, p2p, config.p2p_latency_s)
-    baseline_plan = FrequencyPlan.constant(baseline_schedule, [f_max] * p)
-    baseline_timeline = baseline_eval.simulate(baseline_plan.flat())
-    baseline_score = baseline_eval.score(baseline_plan.flat(), baseline_timeline)
+    basis = planning_basis(profile, num_microbatches, config, num_stages)
+    p = basis.num_stages
     if config.scheduling == "ours":
         try:
             if config.extra_warmup is not None:
                 warmups = [("given", clamp_extra_warmup(p, num_microbatches, list(config.extra_warmup),
                                                         config.max_inflight))]
             else:
-                warmups = extra_warmup_candidates(profile, num_microbatches, f_max, valley, config.max_inflight)
+                warmups = extra_warmup_candidates(profile, num_microbatches, basis.f_max_mhz, basis.valley_mhz,
+                                                  config.max_inflight)
         except ScheduleError as exc:
             raise PlannerError(str(exc)) from None
         schedules = [(label, build_schedule("ours", p, num_microbatches, r)) for label, r in warmups]
     else:
-        schedules = [("1f1b", baseline_schedule)]
-    return _Setup(p, p2p, tuple(candidates), f_max, valley, warnings, baseline_plan, baseline_timeline,
-                  baseline_score, schedules)
+        schedules = [("1f1b", basis.baseline_plan.schedule)]
+    return _Setup(**vars(basis), schedules=schedules)
 
 
 def _rank_schedules(setup: _Setup, profile: Profile, config: PlannerConfig, deadline: float, padded: bool):
@@ -1026,13 +1012,13 @@ def _rank_schedules(setup: _Setup, profile: Profile, config: PlannerConfig, dead
     ranked = []
     skipped = []
     for label, schedule in setup.schedules:
-        model = TimeEnergyModel(schedule, profile, setup.candidates, setup.p2p_power_w, config.p2p_latency_s,
-                                _dependencies(schedule, config))
+        model = TimeEnergyModel(schedule, profile, setup.candidates_mhz, setup.p2p_power_w, config.p2p_latency_s,
+                                config.dependencies(schedule))
         fastest = model.fastest_time_s()
         if fastest > deadline * (1 + FEASIBILITY_RTOL):
             skipped.append((fastest, len(skipped), label, schedule))
             continue
-        _, _, bound = model.solve_lp(deadline, 0.0 if padded else setup.p2p_power_w * setup.p)
+        _, _, bound = model.solve_lp(deadline, 0.0 if padded else setup.p2p_power_w * setup.num_stages)
         ranked.append((bound, len(ranked), label, schedule, model))
     if not ranked:
         fastest, _, label, schedule = min(skipped)
@@ -1065,7 +1051,7 @@ def plan_optimal(
     """
     t0 = time.perf_counter()
     setup = _setup(profile, num_microbatches, config, num_stages)
-    p, p2p, f_max = setup.p, setup.p2p_power_w, setup.f_max
+    p, p2p, f_max = setup.num_stages, setup.p2p_power_w, setup.f_max_mhz
     warnings = list(setup.warnings)
     baseline_score = setup.baseline
     padded = config.target_time_s is not None
@@ -1122,8 +1108,8 @@ def plan_optimal(
         baseline=baseline_score,
         baseline_timeline=setup.baseline_timeline,
         f_max_mhz=f_max,
-        valley_mhz=setup.valley,
-        candidates_mhz=tuple(sorted(setup.candidates, reverse=True)),
+        valley_mhz=setup.valley_mhz,
+        candidates_mhz=tuple(sorted(setup.candidates_mhz, reverse=True)),
         iterations=0,
         converged=True,
         stop_reason=reason,
@@ -1133,7 +1119,7 @@ def plan_optimal(
         lower_bound_j=sol.lp_bound_j,
         details=details,
     )
-    if result.slowdown > 0.01:
+    if result.slowdown > SLOWDOWN_WARNING:
         warnings.append(
             f"this plan is {100 * result.slowdown:.2f}% slower than the baseline (1F1B at {f_max} MHz), "
             + ("as the target iteration time allows" if padded else "as --max-slowdown allows")

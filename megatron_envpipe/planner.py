@@ -106,6 +106,15 @@ class PlannerConfig:
             return self.reconfig_step_mhz
         return self.gpu.reconfig_step_mhz if self.gpu is not None else DEFAULT_RECONFIG_STEP_MHZ
 
+    def dependencies(self, schedule: Schedule) -> tuple[Dependency, ...]:
+        """Edges beyond the iteration DAG that plans of ``schedule`` are scored with."""
+        deps = tuple(self.extra_dependencies)
+        if self.comm == "paired":
+            from .instructions import paired_hold_dependencies
+
+            deps += tuple(paired_hold_dependencies(schedule))
+        return deps
+
 
 @dataclass
 class PlanResult:
@@ -364,6 +373,51 @@ def planner_candidates(profile: Profile, gpu: GpuSpec | None) -> tuple[int, ...]
     return gpu.candidate_clocks(common) if gpu is not None else common
 
 
+@dataclass
+class PlanningBasis:
+    """What every plan type of one (profile, M, config) starts from: clocks and the baseline."""
+
+    num_stages: int
+    p2p_power_w: float
+    candidates_mhz: tuple[int, ...]
+    f_max_mhz: int
+    valley_mhz: tuple[int, ...]
+    warnings: list[str]
+    baseline_plan: FrequencyPlan  # 1F1B, every unit at f_max
+    baseline_timeline: Timeline
+    baseline: PlanScore
+
+
+def planning_basis(
+    profile: Profile, num_microbatches: int, config: PlannerConfig, num_stages: int | None = None
+) -> PlanningBasis:
+    """Check the sizes, pick the candidate clocks and score the baseline (``config`` already validated)."""
+    p = profile.num_stages if num_stages is None else num_stages
+    if p != profile.num_stages:
+        raise PlannerError(f"--stages {p} does not match the profile's {profile.num_stages} stages ({profile.source})")
+    if num_microbatches < 1:
+        raise PlannerError(f"need at least one micro-batch, got {num_microbatches}")
+    p2p_power = config.effective_p2p_power_w
+    candidates = tuple(planner_candidates(profile, config.gpu))
+    if not candidates:
+        raise PlannerError(f"{profile.source}: no candidate clocks: no profiled clock lies in {config.gpu.key}'s range")
+    f_max = max(candidates)
+    warnings: list[str] = []
+    if config.gpu is not None and f_max < config.gpu.max_clock_mhz:
+        warnings.append(
+            f"the profile stops at {f_max} MHz, below {config.gpu.key}'s maximum {config.gpu.max_clock_mhz} MHz: "
+            f"the baseline runs at {f_max} MHz"
+        )
+    valley = stage_valley_clocks(profile, candidates, p2p_power)
+    baseline_schedule = one_f_one_b(p, num_microbatches)
+    baseline_eval = PlanEvaluator(baseline_schedule, profile, p2p_power, config.p2p_latency_s)
+    baseline_plan = FrequencyPlan.constant(baseline_schedule, [f_max] * p)
+    baseline_timeline = baseline_eval.simulate(baseline_plan.flat())
+    baseline_score = baseline_eval.score(baseline_plan.flat(), baseline_timeline)
+    return PlanningBasis(p, p2p_power, candidates, f_max, valley, warnings, baseline_plan, baseline_timeline,
+                         baseline_score)
+
+
 def plan_envpipe(
     profile: Profile,
     num_microbatches: int,
@@ -377,22 +431,10 @@ def plan_envpipe(
         from .optimal import plan_optimal
 
         return plan_optimal(profile, num_microbatches, config, num_stages)
-    p = profile.num_stages if num_stages is None else num_stages
-    if p != profile.num_stages:
-        raise PlannerError(f"--stages {p} does not match the profile's {profile.num_stages} stages ({profile.source})")
-    if num_microbatches < 1:
-        raise PlannerError(f"need at least one micro-batch, got {num_microbatches}")
-    p2p_power = config.effective_p2p_power_w
-    candidates = planner_candidates(profile, config.gpu)
+    basis = planning_basis(profile, num_microbatches, config, num_stages)
+    p, p2p_power, candidates = basis.num_stages, basis.p2p_power_w, basis.candidates_mhz
+    f_max, valley, warnings = basis.f_max_mhz, basis.valley_mhz, basis.warnings
     ladder = ClockLadder(candidates, config.effective_reconfig_step_mhz)
-    f_max = ladder.f_max
-    warnings: list[str] = []
-    if config.gpu is not None and f_max < config.gpu.max_clock_mhz:
-        warnings.append(
-            f"the profile stops at {f_max} MHz, below {config.gpu.key}'s maximum {config.gpu.max_clock_mhz} MHz: "
-            f"the baseline runs at {f_max} MHz"
-        )
-    valley = stage_valley_clocks(profile, candidates, p2p_power)
     inner = valley if config.plan_type != "baseline" else (f_max,) * p
 
     if config.scheduling == "ours":
@@ -413,18 +455,7 @@ def plan_envpipe(
     else:
         schedule = one_f_one_b(p, num_microbatches)
 
-    baseline_schedule = one_f_one_b(p, num_microbatches)
-    baseline_eval = PlanEvaluator(baseline_schedule, profile, p2p_power, config.p2p_latency_s)
-    baseline_plan = FrequencyPlan.constant(baseline_schedule, [f_max] * p)
-    baseline_timeline = baseline_eval.simulate(baseline_plan.flat())
-    baseline_score = baseline_eval.score(baseline_plan.flat(), baseline_timeline)
-
-    deps = tuple(config.extra_dependencies)
-    if config.comm == "paired":
-        from .instructions import paired_hold_dependencies
-
-        deps += tuple(paired_hold_dependencies(schedule))
-    evaluator = PlanEvaluator(schedule, profile, p2p_power, config.p2p_latency_s, deps)
+    evaluator = PlanEvaluator(schedule, profile, p2p_power, config.p2p_latency_s, config.dependencies(schedule))
     plan = initial_plan(schedule, config.plan_type, f_max, inner)
     reconf = Reconfigurer(plan, config.reconfig, ladder)
     iterations, converged, reason = 0, False, ""
@@ -463,9 +494,9 @@ def plan_envpipe(
         plan=plan,
         score=score,
         timeline=timeline,
-        baseline_plan=baseline_plan,
-        baseline=baseline_score,
-        baseline_timeline=baseline_timeline,
+        baseline_plan=basis.baseline_plan,
+        baseline=basis.baseline,
+        baseline_timeline=basis.baseline_timeline,
         f_max_mhz=f_max,
         valley_mhz=valley,
         candidates_mhz=tuple(sorted(candidates, reverse=True)),
