@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 
@@ -15,13 +15,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     # configs/ and data/ live at the repo root and ship inside the package.
-    packages=[
-        "megatron_envpipe",
-        "megatron_envpipe.gpu",
-        "megatron_envpipe.testing",
-        "megatron_envpipe.configs",
-        "megatron_envpipe.data",
-    ],
+    packages=find_packages(include=["megatron_envpipe", "megatron_envpipe.*"])
+    + ["megatron_envpipe.configs", "megatron_envpipe.data"],
     package_dir={
         "megatron_envpipe": "megatron_envpipe",
         "megatron_envpipe.configs": "configs",
@@ -44,7 +39,7 @@ setup(
         # bench/planner_vs_lowtime.py: Perseus's planner (pulls networkx, scikit-learn, scipy).
         "bench": ["lowtime==0.3.0"],
     },
-    entry_points={"console_scripts": ["envpipe=megatron_envpipe.cli:main"]},
+    entry_points={"console_scripts": ["envpipe=megatron_envpipe.apps.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "License :: OSI Approved :: Apache Software License",

@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = args.min_mhz
     if floor is None:
         try:
-            from megatron_envpipe.gpu_specs import spec_for_nvml_name
+            from megatron_envpipe.core.gpu_specs import spec_for_nvml_name
 
             spec = spec_for_nvml_name(info.name)
         except Exception:
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             slug = "".join(ch if ch.isalnum() else "-" for ch in info.name.lower()).strip("-")
             out = Path(args.out or f"out/gpu_probe_{slug}.csv")
             write_csv(out, rows)
-            from megatron_envpipe.profile import Profile, ProfileError
+            from megatron_envpipe.core.profile import Profile, ProfileError
 
             print(f"\nwrote {out} ({len(rows)} clocks x forward/backward, Perseus format)")
             try:

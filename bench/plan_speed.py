@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_envpipe.gpu_specs import get_gpu_spec
-from megatron_envpipe.planner import PlannerConfig, plan_envpipe
-from megatron_envpipe.profile import Profile
-from megatron_envpipe.resources import shipped_profiles
-from megatron_envpipe.schedule import one_f_one_b
-from megatron_envpipe.timeline import PlanEvaluator
+from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profiles
+from megatron_envpipe.core.schedule import one_f_one_b
+from megatron_envpipe.core.timeline import PlanEvaluator
+from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.planning.planner import plan_envpipe
 
 GOAL_S = 1.0
 

@@ -39,13 +39,14 @@ import logging
 import time
 import warnings
 
-from megatron_envpipe.compat_perseus import plan_envpipe_perseus_emulation
-from megatron_envpipe.gpu_specs import get_gpu_spec
-from megatron_envpipe.planner import PlannerConfig, plan_envpipe
-from megatron_envpipe.profile import Profile
-from megatron_envpipe.resources import shipped_profiles
-from megatron_envpipe.schedule import B, F, one_f_one_b
-from megatron_envpipe.timeline import PlanEvaluator
+from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profiles
+from megatron_envpipe.core.schedule import B, F, one_f_one_b
+from megatron_envpipe.core.timeline import PlanEvaluator
+from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.planning.compat_perseus import plan_envpipe_perseus_emulation
+from megatron_envpipe.planning.planner import plan_envpipe
 
 GOALS = {  # issue 5: EnvPipe as Perseus ran it, optimal 1f1b, optimal ours (%)
     "a40/gpt3-175b": {12: (11.1, 12.0, 18.5), 24: (9.9, 10.3, 19.9), 48: (9.2, 9.3, 19.2), 96: (8.8, 8.8, 15.9)},

@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from megatron_envpipe.gpu_specs import get_gpu_spec
-from megatron_envpipe.planner import PLAN_TYPES, RECONFIG_POLICIES, PlannerConfig, plan_envpipe
-from megatron_envpipe.profile import Profile
-from megatron_envpipe.resources import shipped_profile
+from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.core.vocabulary import PLAN_TYPES, RECONFIG_POLICIES
+from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.planning.planner import plan_envpipe
 
 
 def main() -> None:

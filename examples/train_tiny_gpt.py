@@ -5,15 +5,15 @@
         --envpipe-type envelope --envpipe-scheduling ours --envpipe-reconfig balanced \\
         --device cpu --train-iters 3
 
-The training loop ships inside the package (``megatron_envpipe.train_tiny_gpt``,
-also runnable as ``torchrun ... -m megatron_envpipe.train_tiny_gpt``) so that
+The training loop ships inside the package (``megatron_envpipe.apps.train_tiny_gpt``,
+also runnable as ``torchrun ... -m megatron_envpipe.apps.train_tiny_gpt``) so that
 ``envpipe demo`` and the SLURM scripts work from an installed package; this
 file is the example's entry point. ``--help`` lists every flag.
 """
 
 import sys
 
-from megatron_envpipe.train_tiny_gpt import main
+from megatron_envpipe.apps.train_tiny_gpt import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,12 +13,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .gpu_specs import GpuSpecError, get_gpu_spec
-from .planner import PLAN_TYPES, RECONFIG_POLICIES
-from .schedule import SCHEDULINGS
+from megatron_envpipe.core.gpu_specs import GpuSpecError, get_gpu_spec
+from megatron_envpipe.core.vocabulary import PLAN_TYPES, RECONFIG_POLICIES, SCHEDULINGS
+from megatron_envpipe.errors import UsageError
 
 
-class EnvPipeConfigError(ValueError):
+class EnvPipeConfigError(UsageError, ValueError):
     """An impossible or inconsistent EnvPipe setting."""
 
 
@@ -69,7 +69,7 @@ class EnvPipeConfig:
                 _, _, source = self.gpu.partition(":")
                 if not source:
                     bad("--envpipe-gpu simulated needs a profile: simulated:<profile.csv or a40/gpt3-175b>")
-                from .resources import shipped_profiles
+                from megatron_envpipe.core.resources import shipped_profiles
 
                 if source not in shipped_profiles() and not Path(source).is_file():
                     bad(f"--envpipe-gpu {self.gpu}: no such profile (give a Perseus-format CSV or a shipped name)")
@@ -79,7 +79,7 @@ class EnvPipeConfig:
                 except GpuSpecError as exc:
                     bad(f"--envpipe-gpu: {exc}; or use auto, none, nvml, simulated:<profile>")
         if self.profile is not None and not Path(self.profile).is_file():
-            from .resources import shipped_profiles
+            from megatron_envpipe.core.resources import shipped_profiles
 
             if self.profile not in shipped_profiles():
                 bad(f"--envpipe-profile {self.profile}: no such file (give a Perseus-format CSV)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_envpipe.profile import Profile
-from megatron_envpipe.resources import shipped_profile
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profile
 
 
 @pytest.fixture(scope="session")

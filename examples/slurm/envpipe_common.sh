@@ -9,9 +9,9 @@
 #
 # ENVPIPE_EXAMPLE picks what runs, with the same arrays and the same launch:
 #   megatron-lm  (default) Megatron-LM's pretrain_gpt.py through
-#                `python -m megatron_envpipe.pretrain_gpt` (its flags plus --envpipe-*),
+#                `python -m megatron_envpipe.megatron.pretrain_gpt` (its flags plus --envpipe-*),
 #                NCCL, one process per GPU; needs MEGATRON_LM=<Megatron-LM checkout>
-#   tiny-cpu     the tiny GPT (`python -m megatron_envpipe.train_tiny_gpt --device cpu`),
+#   tiny-cpu     the tiny GPT (`python -m megatron_envpipe.apps.train_tiny_gpt --device cpu`),
 #                gloo, one process per pipeline stage, no GPU (laptops, CI, tests/slurm)
 #   tiny-gpu     the tiny GPT on GPUs (--device cuda), NCCL: a quick smoke test
 #
@@ -105,7 +105,7 @@ envpipe_compose_args() {
         EVAL_INTERVAL=${EVAL_INTERVAL:-1000}
         EVAL_ITERS=${EVAL_ITERS:-10}
 
-        ENTRY_ARGS=(-m megatron_envpipe.pretrain_gpt)
+        ENTRY_ARGS=(-m megatron_envpipe.megatron.pretrain_gpt)
         GPT_MODEL_ARGS=(
             --num-layers "$NUM_LAYERS"
             --hidden-size "$HIDDEN_SIZE"
@@ -186,7 +186,7 @@ envpipe_compose_args() {
         LOSSES_OUT=${LOSSES_OUT:-}             # per-iteration losses as JSON (exact floats)
         LOG_INTERVAL=${LOG_INTERVAL:-1}
 
-        ENTRY_ARGS=(-m megatron_envpipe.train_tiny_gpt)
+        ENTRY_ARGS=(-m megatron_envpipe.apps.train_tiny_gpt)
         GPT_MODEL_ARGS=(
             --num-layers "$NUM_LAYERS"
             --hidden-size "$HIDDEN_SIZE"
@@ -269,7 +269,7 @@ envpipe_reset_clocks() {
     esac
     envpipe_log "$where: envpipe reset-clocks ${flag}"
     # shellcheck disable=SC2086  # $flag is one word or none
-    if ! timeout 120 "$PYTHON" -m megatron_envpipe.cli reset-clocks $flag 2>&1 | sed "s|^|envpipe-launch: $where: |"; then
+    if ! timeout 120 "$PYTHON" -m megatron_envpipe.apps.cli reset-clocks $flag 2>&1 | sed "s|^|envpipe-launch: $where: |"; then
         envpipe_log "$where: reset-clocks failed: run \`envpipe reset-clocks --force\` on $(hostname) by hand (as root)"
     fi
     return 0

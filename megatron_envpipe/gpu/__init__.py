@@ -9,7 +9,7 @@ simulated), or a GPU-table key (NVML, with that table's steps and P2P power).
 
 from __future__ import annotations
 
-from .base import (
+from megatron_envpipe.gpu.base import (
     PERMISSION_HINT,
     GpuDevice,
     GpuError,
@@ -46,16 +46,16 @@ def open_gpu(
     For ``simulated:<profile>``, ``stage``/``num_stages`` choose the profile rows
     (a longer profile emulates a shorter pipeline: first P-1 stages and the last).
     """
-    from .none import NoGpu
+    from megatron_envpipe.gpu.none import NoGpu
 
     spec = spec or "auto"
     if spec == "none":
         return NoGpu()
     if spec.startswith("simulated"):
-        from ..gpu_specs import spec_for_profile_source
-        from ..profile import Profile
-        from ..resources import shipped_profile
-        from .simulated import SimulatedGpu
+        from megatron_envpipe.core.gpu_specs import spec_for_profile_source
+        from megatron_envpipe.core.profile import Profile
+        from megatron_envpipe.core.resources import shipped_profile
+        from megatron_envpipe.gpu.simulated import SimulatedGpu
 
         source = spec.partition(":")[2]
         profile = Profile.from_csv(shipped_profile(source))
@@ -71,7 +71,7 @@ def open_gpu(
                             name=f"Simulated GPU ({source})", clock=time.perf_counter)
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")
-    from .nvml import NvmlGpu
+    from megatron_envpipe.gpu.nvml import NvmlGpu
 
     try:
         return NvmlGpu.for_torch_device(local_rank)

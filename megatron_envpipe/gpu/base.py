@@ -13,8 +13,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+from megatron_envpipe.errors import EnvPipeError
 
-class GpuError(RuntimeError):
+
+class GpuError(EnvPipeError, RuntimeError):
     """A GPU operation failed; the message says what and, where possible, how to fix it."""
 
 

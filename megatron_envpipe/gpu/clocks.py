@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any, Protocol
 
-from .base import GpuDevice, GpuError
-from .safety import ClockGuard, default_guard
+from megatron_envpipe.gpu.base import GpuDevice, GpuError
+from megatron_envpipe.gpu.safety import ClockGuard, default_guard
 
 __all__ = ["ClockController", "Synchronizable"]
 

@@ -15,7 +15,7 @@ jobs that must not touch clocks. Decisions:
 
 from __future__ import annotations
 
-from .base import GpuDevice, GpuInfo
+from megatron_envpipe.gpu.base import GpuDevice, GpuInfo
 
 __all__ = ["NoGpu"]
 

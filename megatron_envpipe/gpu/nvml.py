@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-from .base import (
+from megatron_envpipe.gpu.base import (
     PERMISSION_HINT,
     GpuDevice,
     GpuError,

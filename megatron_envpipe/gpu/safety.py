@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..atomic import write_json_atomic
-from .base import GpuDevice, GpuError, GpuNotSupportedError, GpuPermissionError
+from megatron_envpipe.core.atomic import write_json_atomic
+from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuNotSupportedError, GpuPermissionError
 
 __all__ = [
     "ClockGuard",
@@ -472,7 +472,7 @@ def default_guard() -> ClockGuard:
 
 
 def _default_factory(uuid: str) -> GpuDevice:
-    from .nvml import NvmlGpu
+    from megatron_envpipe.gpu.nvml import NvmlGpu
 
     return NvmlGpu.for_uuid(uuid, refuse_mig=False)
 
@@ -561,7 +561,7 @@ def reset_all_gpus(
     big hammer after a node-level mishap.
     """
     if devices is None:
-        from .nvml import open_nvml_devices
+        from megatron_envpipe.gpu.nvml import open_nvml_devices
 
         devices = open_nvml_devices
     lines: list[str] = []

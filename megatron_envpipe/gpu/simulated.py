@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..profile import Profile, ProfileError, instruction_of
-from .base import GpuDevice, GpuError, GpuInfo
+from megatron_envpipe.core.profile import Profile, ProfileError, instruction_of
+from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo
 
 # Below _SPIN_S of remaining wall time, unit_end stops sleeping (OS sleeps
 # overshoot by ~0.1 ms, several percent of a unit at small time scales) and

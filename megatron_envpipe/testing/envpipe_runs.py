@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..atomic import write_json_atomic
 from megatron_envpipe.config import EnvPipeConfig
-from megatron_envpipe.hooks import RecordingHooks
+from megatron_envpipe.core.atomic import write_json_atomic
+from megatron_envpipe.core.hooks import RecordingHooks
 
 _installed: dict[str, Any] = {"config": None, "hooks": None, "calls": 0}
 
@@ -31,7 +31,8 @@ def _live_tensors() -> int:
 
 def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_rank: int | None = None,
          force_forward_only: bool = False, **kwargs: Any) -> list[Any]:
-    from megatron_envpipe import executor, install
+    from megatron_envpipe import install
+    from megatron_envpipe.megatron import executor
 
     if stall_rank == torch.distributed.get_rank():
         # This stage hangs (as a crashed or wedged GPU would) past its peers' timeout.
@@ -95,7 +96,8 @@ def _bench(config: EnvPipeConfig, iterations: int, out_path: str, **kwargs: Any)
     """Alternate Megatron's schedule and EnvPipe's executor on one model; time each."""
     import time
 
-    from megatron_envpipe import executor, install
+    from megatron_envpipe import install
+    from megatron_envpipe.megatron import executor
     from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec, synthetic_batches
 
     install(config)

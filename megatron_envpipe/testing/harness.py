@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_envpipe.megatron_compat import check_megatron_installed, cpu_shims
+from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims
 from megatron_envpipe.testing.tiny_gpt import (
     TinyGPTSpec,
     build_config,

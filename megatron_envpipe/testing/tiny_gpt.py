@@ -84,7 +84,7 @@ def build_model(spec: TinyGPTSpec, config: TransformerConfig) -> GPTModel:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_envpipe.megatron_compat import model_parallel_manual_seed
+    from megatron_envpipe.megatron.compat import model_parallel_manual_seed
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
     model_parallel_manual_seed(spec.seed + 100 * stage)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_envpipe.localhost import free_port
+from megatron_envpipe.megatron.localhost import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "examples" / "slurm" / "pretrain_gpt_envpipe.sbatch"
@@ -107,13 +107,13 @@ def test_every_envpipe_flag_is_a_knob_and_reaches_the_command() -> None:
         assert re.search(rf"^{_knob(action)}=\${{{_knob(action)}:-[^}}]*}}", text, re.M), \
             f"{action.option_strings[0]}: no `{_knob(action)}=${{{_knob(action)}:-default}}` in {COMMON.name}"
 
-    from megatron_envpipe.train_tiny_gpt import parse_args
+    from megatron_envpipe.apps.train_tiny_gpt import parse_args
 
     samples = {_knob(a): _sample_value(a) for a in actions}
     cmd = _dry_run({knob: value for knob, (value, _) in samples.items()}, "--train-iters", "5")
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"]
     module = cmd.index("-m", 2)
-    assert cmd[module + 1] == "megatron_envpipe.train_tiny_gpt"
+    assert cmd[module + 1] == "megatron_envpipe.apps.train_tiny_gpt"
     args = parse_args(cmd[module + 2:])
     for action in actions:
         assert getattr(args, action.dest) == samples[_knob(action)][1], action.option_strings[0]
@@ -122,8 +122,8 @@ def test_every_envpipe_flag_is_a_knob_and_reaches_the_command() -> None:
 
 
 def test_defaults_are_envpipe_with_the_package_constants() -> None:
+    from megatron_envpipe.apps.train_tiny_gpt import parse_args
     from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError
-    from megatron_envpipe.train_tiny_gpt import parse_args
 
     cmd = _dry_run({_knob(a): "" for a in _envpipe_actions()})
     args = parse_args(cmd[cmd.index("-m", 2) + 2:])
@@ -149,7 +149,7 @@ def test_megatron_lm_variant_needs_a_checkout_and_composes_megatron_flags(tmp_pa
     (tmp_path / "pretrain_gpt.py").write_text("")
     cmd = _dry_run({"ENVPIPE_EXAMPLE": "megatron-lm", "MEGATRON_LM": str(tmp_path), "TP": "2", "PP": "4"})
     module = cmd.index("-m", 2)
-    assert cmd[module + 1] == "megatron_envpipe.pretrain_gpt"
+    assert cmd[module + 1] == "megatron_envpipe.megatron.pretrain_gpt"
     flags = cmd[module + 2:]
     joined = " ".join(cmd)
     for pair in ("--nproc-per-node 8", "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 4",
@@ -265,7 +265,7 @@ def test_sbatch_job_trains_bitwise_like_megatron_1f1b(jobs: Jobs, tmp_path: Path
     # One srun task on the node ran torchrun with 4 ranks, through the shared body.
     assert re.search(r"envpipe-launch: node \S+ \(rank 0\): \S*python\S* -m torch.distributed.run --node-rank 0 "
                      rf"--nnodes 1 --nproc-per-node {NPROC} ", text), text[-6000:]
-    assert "-m megatron_envpipe.train_tiny_gpt" in text and "--device cpu" in text
+    assert "-m megatron_envpipe.apps.train_tiny_gpt" in text and "--device cpu" in text
     # The EnvPipe plan, in EnvPipe's printout.
     assert f"EnvPipe plan envelope/ours/balanced for {NPROC} stages x 8 micro-batches" in text, text[-6000:]
     for stage in range(NPROC):
@@ -311,7 +311,7 @@ def test_megatron_lm_variant_through_sbatch_composes_the_gpu_launch(jobs: Jobs, 
                             text=True).stdout.split()[0]
     assert cmd[5:13] == ["--nnodes", "1", "--nproc-per-node", "8", "--master-addr", master,
                          "--master-port", str(port)], cmd
-    assert cmd[13:15] == ["-m", "megatron_envpipe.pretrain_gpt"]
+    assert cmd[13:15] == ["-m", "megatron_envpipe.megatron.pretrain_gpt"]
     joined = " ".join(cmd)
     for part in ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4", "--mock-data", "--bf16",
                  "--envpipe-type envelope --envpipe-scheduling ours --envpipe-reconfig balanced --envpipe-gpu auto"):

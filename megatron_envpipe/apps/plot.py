@@ -1,0 +1,83 @@
+"""Gantt charts of simulated iterations (stages x time, units coloured by clock).
+
+Needs matplotlib (``pip install 'megatron-envpipe[plot]'``); imported only
+when a picture is asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from megatron_envpipe.core.plan import FrequencyPlan
+from megatron_envpipe.core.timeline import Timeline
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only; never needs a display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit(
+            "drawing needs matplotlib: pip install 'megatron-envpipe[plot]' (or pip install matplotlib)"
+        ) from None
+    return matplotlib, plt
+
+
+def draw_timelines(
+    panels: Sequence[tuple[str, FrequencyPlan, Timeline]],
+    path: str | Path,
+    f_min_mhz: int | None = None,
+    f_max_mhz: int | None = None,
+) -> Path:
+    """One Gantt panel per (title, plan, timeline), sharing the time axis and colour scale.
+
+    Forwards are drawn lighter than backwards' hatch-free bars; critical-path
+    units get a black outline, so the envelope is visible at a glance.
+    """
+    matplotlib, plt = _matplotlib()
+    all_freqs = [f for _, plan, _ in panels for f in plan.flat()]
+    lo = f_min_mhz if f_min_mhz is not None else min(all_freqs)
+    hi = f_max_mhz if f_max_mhz is not None else max(all_freqs)
+    if lo == hi:
+        lo -= 1
+    norm = matplotlib.colors.Normalize(vmin=lo, vmax=hi)
+    cmap = matplotlib.colormaps["viridis"]
+    t_max = max(tl.iteration_time_s for _, _, tl in panels)
+    num_stages = max(plan.schedule.num_stages for _, plan, _ in panels)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, 1.0 + 0.42 * num_stages * len(panels)), sharex=True, squeeze=False
+    )
+    for ax, (title, plan, tl) in zip(axes[:, 0], panels):
+        critical = set(tl.critical_path())
+        freqs = plan.flat()
+        for v, (s, unit) in enumerate(tl.graph.nodes):
+            start, dur = tl.start_s[v], tl.duration_s[v]
+            ax.barh(
+                s,
+                dur,
+                left=start,
+                height=0.8,
+                color=cmap(norm(freqs[v])),
+                alpha=0.75 if unit.is_forward else 1.0,
+                edgecolor="black" if v in critical else "white",
+                linewidth=1.2 if v in critical else 0.3,
+            )
+            if dur > t_max / 80:
+                ax.text(start + dur / 2, s, str(unit), ha="center", va="center", fontsize=6, color="white")
+        ax.set_yticks(range(plan.schedule.num_stages))
+        ax.set_yticklabels([f"stage {s}" for s in range(plan.schedule.num_stages)], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, t_max * 1.01)
+        ax.set_title(f"{title} — iteration {tl.iteration_time_s:.3f} s", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.colorbar(
+        matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), label="SM clock (MHz)", pad=0.01
+    )
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    return out

@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""Train a tiny Megatron-core GPT with pipeline parallelism under EnvPipe's executor.
+
+    torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 \\
+        --envpipe-type envelope --envpipe-scheduling ours --envpipe-reconfig balanced \\
+        --device cpu --train-iters 3
+
+A plain Megatron-core training loop (no ``megatron.training``): one rank per
+pipeline stage (TP = DP = 1), a ``GPTModel`` with the local layer spec built
+per stage, real text (docstrings of Python's standard library, shipped in
+``data/corpus/``) tokenized by a small SentencePiece model that is trained on
+first use and cached (``--cache-dir``). Every iteration calls whatever
+``get_forward_backward_func()`` returns, which after ``megatron_envpipe.install``
+is EnvPipe's executor, then steps a plain torch optimizer.
+
+``--device cpu`` runs over gloo with ``megatron_compat.cpu_shims``;
+``--device cuda`` runs over NCCL, one GPU per local rank, with Megatron
+unmodified. Everything is fp32 with dropout off, so a run is a pure function
+of its flags: ``--envpipe-type baseline --envpipe-scheduling 1f1b`` and any
+EnvPipe schedule give the same losses bit for bit (``--losses-out``).
+
+The last stage prints one line per logged iteration, e.g.
+``iteration 1/3 | lm loss 6.2385... | tokens 1008 | elapsed 0.214 s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import megatron_envpipe
+from megatron_envpipe.apps.tiny_data import DEFAULT_VOCAB_SIZE, Batch, build_dataset, ensure_tokenizer
+from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
+from megatron_envpipe.core.atomic import write_json_atomic
+from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims, model_parallel_manual_seed
+from megatron_envpipe.megatron.localhost import free_port
+
+# CPU runs have neither Transformer Engine nor apex; Megatron says so once per module.
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
+warnings.filterwarnings("ignore", message=r"absl\.logging is not installed")
+# 0.16's TransformerConfig warns about its own default cuda_graph_scope.
+warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Tiny GPT on Megatron-core with EnvPipe's pipeline executor.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = parser.add_argument_group("model and training (Megatron-style)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=4)
+    g.add_argument("--num-layers", type=int, default=8, help="total, split evenly over the stages")
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=16,
+                   help="samples per iteration; / micro-batch size = micro-batches per iteration (DP = 1)")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--seed", type=int, default=1234, help="model init (seed + 100 x stage) and data order")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo + CPU shims; cuda: NCCL, one GPU per local rank")
+    g.add_argument("--log-interval", type=int, default=1)
+    d = parser.add_argument_group("data")
+    d.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="SentencePiece BPE vocabulary")
+    d.add_argument("--cache-dir", type=Path, default=None,
+                   help="tokenizer cache (default: $MEGATRON_ENVPIPE_CACHE or ~/.cache/megatron-envpipe)")
+    d.add_argument("--losses-out", type=Path, default=None,
+                   help="write the per-iteration losses as JSON (from the last stage)")
+    add_envpipe_args(parser)
+    args = parser.parse_args(argv)
+
+    def bad(message: str) -> None:
+        parser.error(message)
+
+    pp = args.pipeline_model_parallel_size
+    if pp < 1:
+        bad("--pipeline-model-parallel-size must be >= 1")
+    if args.num_layers < pp or args.num_layers % pp:
+        bad(f"--num-layers {args.num_layers} must be a positive multiple of the pipeline size {pp}")
+    if args.hidden_size % args.num_attention_heads:
+        bad("--hidden-size must be divisible by --num-attention-heads")
+    if args.micro_batch_size < 1 or args.global_batch_size % args.micro_batch_size:
+        bad("--global-batch-size must be a positive multiple of --micro-batch-size")
+    if args.global_batch_size < args.micro_batch_size:
+        bad("--global-batch-size must be >= --micro-batch-size")
+    if args.train_iters < 1 or args.log_interval < 1 or args.seq_length < 1:
+        bad("--train-iters, --log-interval and --seq-length must be >= 1")
+    args.num_microbatches = args.global_batch_size // args.micro_batch_size
+    return args
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def init_distributed(args: argparse.Namespace) -> torch.device:
+    """Process group (gloo on CPU, NCCL on CUDA) and Megatron's model-parallel groups."""
+    from megatron.core import parallel_state
+
+    if "RANK" not in os.environ:  # started without torchrun: a single-process job
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != args.pipeline_model_parallel_size:
+        raise SystemExit(
+            f"this example runs one rank per pipeline stage (TP = DP = 1): start "
+            f"{args.pipeline_model_parallel_size} processes, not {world_size}"
+        )
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device visible (use --device cpu)")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group(backend="nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend="gloo")
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    return device
+
+
+def prepare_data(args: argparse.Namespace) -> Any:
+    """Tokenizer and dataset. Local rank 0 trains an uncached tokenizer; the others wait.
+
+    ``ensure_tokenizer`` also locks and renames atomically, so jobs sharing a
+    cache directory are safe too; the barrier only saves the other ranks from
+    queueing on the lock.
+    """
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        ensure_tokenizer(args.vocab_size, cache_dir=args.cache_dir)
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+    return build_dataset(args.seq_length, seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> torch.nn.Module:
+    """This rank's stage of the GPT: fp32, local spec, untied embeddings, seeded per stage."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,  # dtype of the P2P receive buffers
+        # As megatron.training sets it: outputs are pseudo-freed after their send.
+        deallocate_pipeline_outputs=True,
+        # Same weights on CPU and GPU: initialise on the CPU from the seeded default generator.
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # DP = 1 and no DDP wrapper (its buffers are CUDA-only): nothing to finalize.
+        finalize_model_grads_func=None,
+    )
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    model_parallel_manual_seed(args.seed + 100 * stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),  # plain torch: no TE, no apex
+        vocab_size=vocab_size,
+        max_sequence_length=args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        # Tied embeddings make the last stage copy the embedding with .cuda() and
+        # all-reduce it with the first: no CPU path, so keep them separate.
+        share_embeddings_and_output_weights=False,
+    )
+    return model.to(device)
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked sum of per-token losses, in Megatron's 3-tuple form (loss, num_tokens, report).
+
+    Megatron divides ``loss`` in place by ``num_tokens`` and the micro-batch
+    count, so the report holds copies.
+    """
+    mask = loss_mask.reshape(-1)
+    loss = torch.sum(output_tensor.float().reshape(-1) * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": loss.detach().clone(), "num_tokens": num_tokens.detach().clone()}
+
+
+def make_forward_step(device: torch.device) -> Callable[..., Any]:
+    def forward_step(
+        data_iterator: Iterator[Batch], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+        """One micro-batch through this stage. Stages after the first get their
+        input through ``set_input_tensor`` and ignore the tokens; only the last
+        uses labels and mask."""
+        batch = {key: value.to(device, non_blocking=True) for key, value in next(data_iterator).items()}
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        return output, functools.partial(loss_func, batch["loss_mask"])
+
+    return forward_step
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """The training loop; returns one record per iteration on the last stage (empty elsewhere)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokenizer, dataset = prepare_data(args)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    is_last = parallel_state.is_pipeline_last_stage()
+    model = build_model(args, tokenizer.vocab_size, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.optimizer == "adam":
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=args.lr)
+    else:
+        optimizer = torch.optim.SGD(params, lr=args.lr)
+
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, sum(p.numel() for p in params))
+    if is_last:
+        import megatron.core
+
+        print(
+            f"tiny GPT: {args.num_layers} layers x hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+            f"vocab {tokenizer.vocab_size}, seq {args.seq_length} | {args.pipeline_model_parallel_size} stages, "
+            f"parameters per stage {counts} | {args.num_microbatches} micro-batches of {args.micro_batch_size} | "
+            f"{len(dataset.tokens)} corpus tokens | megatron-core {megatron.core.__version__}, torch "
+            f"{torch.__version__}, {device.type}/{dist.get_backend()} | envpipe type {args.envpipe_plan_type}, "
+            f"scheduling {args.envpipe_scheduling}, reconfig {args.envpipe_reconfig}",
+            flush=True,
+        )
+
+    forward_step = make_forward_step(device)
+    records: list[dict[str, Any]] = []
+    for iteration in range(args.train_iters):
+        _sync(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward_func = get_forward_backward_func()
+        reports = forward_backward_func(
+            forward_step_func=forward_step,
+            data_iterator=dataset.microbatches(iteration, args.num_microbatches, args.micro_batch_size),
+            model=[model],
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=None,
+            forward_only=False,
+        )
+        optimizer.step()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if not is_last:
+            continue
+        if len(reports) != args.num_microbatches:
+            raise RuntimeError(f"stage {stage}: {len(reports)} loss reports for {args.num_microbatches} micro-batches")
+        # Per-token mean over the iteration's micro-batches, summed in micro-batch order.
+        loss_sum = sum(float(report["lm loss"]) for report in reports)
+        tokens = sum(int(report["num_tokens"]) for report in reports)
+        record = {"iteration": iteration + 1, "lm_loss": loss_sum / tokens, "tokens": tokens, "elapsed_s": elapsed}
+        records.append(record)
+        if (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters:
+            print(
+                f"iteration {iteration + 1}/{args.train_iters} | lm loss {record['lm_loss']!r} | "
+                f"tokens {tokens} | elapsed {elapsed:.3f} s | {tokens / elapsed:.0f} tokens/s",
+                flush=True,
+            )
+    return records
+
+
+def write_losses(path: Path, args: argparse.Namespace, records: list[dict[str, Any]],
+                 envpipe_run: dict[str, Any] | None = None) -> None:
+    """JSON with ``losses`` (per-iteration per-token mean, exact floats) and context; atomic."""
+    payload = {
+        "envpipe_run": envpipe_run or {},
+        "losses": [r["lm_loss"] for r in records],
+        "tokens": [r["tokens"] for r in records],
+        "elapsed_s": [r["elapsed_s"] for r in records],
+        "envpipe": {"type": args.envpipe_plan_type, "scheduling": args.envpipe_scheduling,
+                    "reconfig": args.envpipe_reconfig},
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "num_microbatches": args.num_microbatches,
+        "seed": args.seed,
+        "device": args.device,
+    }
+    write_json_atomic(path, payload)
+
+
+def _envpipe_summary() -> dict[str, Any]:
+    """What EnvPipe planned and measured in this process (for --losses-out)."""
+    from dataclasses import asdict
+
+    from megatron_envpipe.megatron import executor
+
+    runtime = executor._State.runtime
+    if runtime is None:
+        return {}
+    out: dict[str, Any] = {"energy": [dict(asdict(r), saving=r.saving) for r in runtime.energy_log],
+                           "planned_at_iteration": runtime.planned_at}
+    if runtime.device is not None:
+        out["device"] = asdict(runtime.device)
+    result = runtime.last_result
+    if result is not None:
+        out["plan"] = {
+            "extra_warmup": list(result.schedule.extra_warmup),
+            "peak_inflight_activations": list(result.schedule.peak_inflight()),
+            "predicted_saving": result.energy_saving,
+            "predicted_slowdown": result.slowdown,
+            "predicted_energy_j": result.score.energy_j,
+            "predicted_baseline_energy_j": result.baseline.energy_j,
+            "frequencies": result.plan.to_dict()["stages"],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_megatron_installed()
+    try:
+        envpipe_config = EnvPipeConfig.from_args(args).validate_with_megatron_args(args)
+    except EnvPipeConfigError as exc:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {exc}") from None
+    started = time.perf_counter()
+    device = init_distributed(args)
+    # EnvPipe logs its plan and reconfiguration steps; show them once, from the last stage.
+    rank = dist.get_rank()
+    logging.basicConfig(format=f"[stage {rank}] %(message)s", level=logging.WARNING)
+    if rank == dist.get_world_size() - 1:
+        logging.getLogger("megatron_envpipe").setLevel(logging.INFO)
+    # 0.19 logs "GPTModel IS DEPRECATED" (use HybridModel); GPTModel still works.
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+    try:
+        megatron_envpipe.install(envpipe_config)
+        try:
+            # On CPU: route Megatron's CUDA placement/synchronisation to the CPU.
+            # On CUDA: a no-op, Megatron runs unmodified.
+            with cpu_shims(device):
+                records = train(args, device)
+            envpipe_run = _envpipe_summary()
+        finally:
+            megatron_envpipe.uninstall()
+        if records:
+            if args.losses_out is not None:
+                write_losses(args.losses_out, args, records, envpipe_run)
+            print(f"done: {len(records)} iterations, {time.perf_counter() - started:.1f} s since start-up",
+                  flush=True)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""Per-stage time/energy profiles in the Perseus CSV format.
+
+One row per (stage, instruction, SM clock): ``stage,instruction,frequency,time,energy``
+with ``time`` in seconds and ``energy`` in joules per micro-batch for one GPU,
+optionally preceded by Merak's ``rank,dp_rank,pp_rank,tp_rank`` columns (rows
+of several TP/DP ranks of one stage are aggregated: max time, mean energy, as
+the Perseus notes recommend). This is the format Perseus/Lowtime and the Zeus
+pipeline-frequency optimizer read, so our profiles work with their tools.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from megatron_envpipe.core.atomic import write_atomic
+from megatron_envpipe.core.vocabulary import INSTRUCTIONS, UnitKind
+from megatron_envpipe.errors import UsageError
+
+REQUIRED_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
+RANK_COLUMNS = ("rank", "dp_rank", "pp_rank", "tp_rank")
+
+
+class ProfileError(UsageError, ValueError):
+    """A profile that cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    freq_mhz: int
+    time_s: float
+    energy_j: float
+
+    @property
+    def power_w(self) -> float:
+        return self.energy_j / self.time_s if self.time_s > 0 else 0.0
+
+
+def instruction_of(kind: str) -> str:
+    """``F``/``B`` (schedule units) -> ``forward``/``backward`` (profile rows)."""
+    try:
+        return UnitKind(kind).instruction
+    except ValueError:
+        raise ProfileError(f"unknown unit kind {kind!r}") from None
+
+
+class Profile:
+    """Time and energy per (stage, instruction, clock)."""
+
+    def __init__(
+        self,
+        points: Mapping[tuple[int, str], Iterable[ProfilePoint]],
+        source: str = "<memory>",
+    ) -> None:
+        self.source = source
+        table: dict[tuple[int, str], dict[int, ProfilePoint]] = {}
+        for key, pts in points.items():
+            table[key] = {p.freq_mhz: p for p in pts}
+        self._table = table
+        self._check_complete()
+        # Sorted fastest clock first, like NVML's supported-clock list.
+        self._sorted = {
+            key: tuple(sorted(pts.values(), key=lambda p: -p.freq_mhz)) for key, pts in table.items()
+        }
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_csv(cls, path: str | os.PathLike[str]) -> "Profile":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ProfileError(f"{path}: cannot read profile: {exc.strerror or exc}") from None
+        return cls.from_csv_text(text, source=str(path))
+
+    @classmethod
+    def from_csv_text(cls, text: str, source: str = "<text>") -> "Profile":
+        reader = csv.reader(io.StringIO(text))
+        header: list[str] | None = None
+        header_line = 0
+        rows: dict[tuple[int, str, int], list[tuple[float, float, int, tuple[str, ...]]]] = {}
+        for lineno, raw in enumerate(reader, start=1):
+            if not raw or all(not c.strip() for c in raw):
+                continue
+            if header is None:
+                header = [c.strip() for c in raw]
+                header_line = lineno
+                missing = [c for c in REQUIRED_COLUMNS if c not in header]
+                if missing:
+                    raise ProfileError(
+                        f"{source}:{lineno}: header lacks column(s) {', '.join(missing)}; a profile "
+                        f"needs the header {','.join(REQUIRED_COLUMNS)} (optionally after "
+                        f"{','.join(RANK_COLUMNS)})"
+                    )
+                dupes = {c for c in header if header.count(c) > 1}
+                if dupes:
+                    raise ProfileError(f"{source}:{lineno}: column(s) {sorted(dupes)} appear twice")
+                continue
+            if len(raw) != len(header):
+                raise ProfileError(
+                    f"{source}:{lineno}: {len(raw)} fields where the header (line {header_line}) "
+                    f"has {len(header)}"
+                )
+            row = dict(zip(header, (c.strip() for c in raw)))
+            stage = _parse_int(row, "stage", source, lineno)
+            instruction = row["instruction"].lower()
+            if instruction not in INSTRUCTIONS:
+                raise ProfileError(
+                    f"{source}:{lineno}: instruction {row['instruction']!r} is not 'forward' or 'backward'"
+                )
+            freq = _parse_int(row, "frequency", source, lineno)
+            if freq <= 0:
+                raise ProfileError(f"{source}:{lineno}: frequency must be a positive MHz value, got {freq}")
+            time_s = _parse_float(row, "time", source, lineno)
+            energy_j = _parse_float(row, "energy", source, lineno)
+            if time_s <= 0:
+                raise ProfileError(f"{source}:{lineno}: time must be > 0 seconds, got {row['time']}")
+            if energy_j < 0:
+                raise ProfileError(f"{source}:{lineno}: energy must be >= 0 joules, got {row['energy']}")
+            ranks = tuple(row.get(c, "") for c in RANK_COLUMNS)
+            entries = rows.setdefault((stage, instruction, freq), [])
+            for _, _, first_line, other_ranks in entries:
+                if other_ranks == ranks:
+                    raise ProfileError(
+                        f"{source}:{lineno}: duplicate row for stage {stage} {instruction} at "
+                        f"{freq} MHz (first at line {first_line}); remove one of them"
+                    )
+            entries.append((time_s, energy_j, lineno, ranks))
+        if header is None:
+            raise ProfileError(f"{source}: empty profile (no header, no rows)")
+        if not rows:
+            raise ProfileError(f"{source}: profile has a header but no rows")
+        points: dict[tuple[int, str], list[ProfilePoint]] = {}
+        for (stage, instruction, freq), entries in rows.items():
+            # Several TP/DP ranks of one stage: the stage takes as long as its slowest
+            # rank; energy stays per GPU (mean), matching the single-rank format.
+            time_s = max(e[0] for e in entries)
+            energy_j = sum(e[1] for e in entries) / len(entries)
+            points.setdefault((stage, instruction), []).append(ProfilePoint(freq, time_s, energy_j))
+        return cls(points, source=source)
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically (temp file + rename): a crash never leaves half a profile."""
+        write_atomic(path, self.to_csv_text())
+
+    def to_csv_text(self) -> str:
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(REQUIRED_COLUMNS)
+        for stage in range(self.num_stages):
+            for point_f, point_b in _zip_longest_by_freq(
+                self.points(stage, "forward"), self.points(stage, "backward")
+            ):
+                for instruction, p in (("forward", point_f), ("backward", point_b)):
+                    if p is not None:
+                        writer.writerow([stage, instruction, p.freq_mhz, repr(p.time_s), repr(p.energy_j)])
+        return out.getvalue()
+
+    # -- queries -----------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return 1 + max(stage for stage, _ in self._table)
+
+    def points(self, stage: int, instruction: str) -> tuple[ProfilePoint, ...]:
+        """All points of (stage, instruction), fastest clock first."""
+        try:
+            return self._sorted[(stage, instruction)]
+        except KeyError:
+            raise ProfileError(
+                f"{self.source}: no rows for stage {stage} {instruction} "
+                f"(profile has stages 0..{self.num_stages - 1})"
+            ) from None
+
+    def frequencies(self, stage: int, instruction: str) -> tuple[int, ...]:
+        return tuple(p.freq_mhz for p in self.points(stage, instruction))
+
+    def common_frequencies(self) -> tuple[int, ...]:
+        """Clocks profiled for every (stage, instruction), fastest first."""
+        sets = [set(d) for d in self._table.values()]
+        return tuple(sorted(set.intersection(*sets), reverse=True))
+
+    def max_frequency(self) -> int:
+        return max(max(d) for d in self._table.values())
+
+    def point(self, stage: int, instruction: str, freq_mhz: int) -> ProfilePoint:
+        try:
+            return self._table[(stage, instruction)][freq_mhz]
+        except KeyError:
+            if (stage, instruction) not in self._table:
+                self.points(stage, instruction)  # raises the helpful error
+            raise ProfileError(
+                f"{self.source}: stage {stage} {instruction} was not profiled at {freq_mhz} MHz; "
+                f"profiled clocks: {_clock_range(self.frequencies(stage, instruction))}"
+            ) from None
+
+    def time_s(self, stage: int, instruction: str, freq_mhz: int) -> float:
+        return self.point(stage, instruction, freq_mhz).time_s
+
+    def energy_j(self, stage: int, instruction: str, freq_mhz: int) -> float:
+        return self.point(stage, instruction, freq_mhz).energy_j
+
+    def pareto(self, stage: int, instruction: str) -> tuple[ProfilePoint, ...]:
+        """Points no other point beats in both time and energy, fastest first.
+
+        A lower clock that is both slower *and* more energy-hungry (past the
+        energy valley, or measurement noise) is never worth choosing.
+        """
+        return pareto_front(self.points(stage, instruction))
+
+    def min_energy_frequency(self, stage: int, instruction: str) -> int:
+        """The energy-valley clock of one instruction (ties: the faster clock)."""
+        best = min(self.points(stage, instruction), key=lambda p: (p.energy_j, -p.freq_mhz))
+        return best.freq_mhz
+
+    def scaled(self, time_scale: float = 1.0, energy_scale: float = 1.0) -> "Profile":
+        """A copy with every time and energy multiplied (e.g. Perseus's emulation x10/x80)."""
+        if time_scale <= 0 or energy_scale <= 0:
+            raise ProfileError(f"scales must be positive, got time x{time_scale}, energy x{energy_scale}")
+        return Profile(
+            {
+                key: [ProfilePoint(p.freq_mhz, p.time_s * time_scale, p.energy_j * energy_scale) for p in pts]
+                for key, pts in self._sorted.items()
+            },
+            source=f"{self.source} (time x{time_scale:g}, energy x{energy_scale:g})",
+        )
+
+    def for_pipeline(self, num_stages: int) -> "Profile":
+        """This profile reduced to ``num_stages`` stages: the first ``P-1`` and the last.
+
+        For emulating a shorter pipeline with a longer pipeline's profile: the
+        last stage (LM head, often the heaviest or lightest) keeps its own rows.
+        """
+        if num_stages == self.num_stages:
+            return self
+        if not 1 <= num_stages <= self.num_stages:
+            raise ProfileError(
+                f"{self.source}: cannot emulate {num_stages} stages with a {self.num_stages}-stage profile"
+            )
+        keep = list(range(num_stages - 1)) + [self.num_stages - 1]
+        return Profile(
+            {(new, ins): self._sorted[(old, ins)] for new, old in enumerate(keep) for ins in INSTRUCTIONS},
+            source=f"{self.source} (stages {keep})",
+        )
+
+    def restricted(self, frequencies: Iterable[int]) -> "Profile":
+        """A copy keeping only the given clocks (e.g. a GPU table's candidates)."""
+        keep = set(frequencies)
+        return Profile(
+            {key: [p for p in pts if p.freq_mhz in keep] for key, pts in self._sorted.items()},
+            source=self.source,
+        )
+
+    def _check_complete(self) -> None:
+        if not self._table:
+            raise ProfileError(f"{self.source}: profile is empty")
+        stages = sorted({stage for stage, _ in self._table})
+        if stages[0] < 0:
+            raise ProfileError(f"{self.source}: negative stage id {stages[0]}")
+        expected = list(range(stages[-1] + 1))
+        if stages != expected:
+            gaps = sorted(set(expected) - set(stages))
+            raise ProfileError(f"{self.source}: stage(s) {gaps} missing; stages must be 0..{stages[-1]}")
+        for stage in stages:
+            for instruction in INSTRUCTIONS:
+                if not self._table.get((stage, instruction)):
+                    raise ProfileError(f"{self.source}: stage {stage} has no {instruction} rows")
+
+    def __repr__(self) -> str:
+        return f"Profile({self.source!r}, stages={self.num_stages})"
+
+
+def pareto_front(points: Iterable[ProfilePoint]) -> tuple[ProfilePoint, ...]:
+    """Non-dominated points (strictly better in one of time/energy, no worse in the other)."""
+    ordered = sorted(points, key=lambda p: (p.time_s, p.energy_j, -p.freq_mhz))
+    front: list[ProfilePoint] = []
+    best_energy = math.inf
+    for p in ordered:
+        if p.energy_j < best_energy:
+            front.append(p)
+            best_energy = p.energy_j
+    return tuple(sorted(front, key=lambda p: -p.freq_mhz))
+
+
+def _parse_int(row: Mapping[str, str], column: str, source: str, lineno: int) -> int:
+    value = row[column]
+    if value == "":
+        raise ProfileError(f"{source}:{lineno}: missing {column}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ProfileError(f"{source}:{lineno}: {column} {value!r} is not a number") from None
+    if not number.is_integer():
+        raise ProfileError(f"{source}:{lineno}: {column} {value!r} must be a whole number")
+    return int(number)
+
+
+def _parse_float(row: Mapping[str, str], column: str, source: str, lineno: int) -> float:
+    value = row[column]
+    if value == "":
+        raise ProfileError(f"{source}:{lineno}: missing {column}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ProfileError(f"{source}:{lineno}: {column} {value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ProfileError(f"{source}:{lineno}: {column} {value!r} is not finite")
+    return number
+
+
+def _clock_range(freqs: tuple[int, ...]) -> str:
+    if not freqs:
+        return "none"
+    return f"{len(freqs)} clocks, {min(freqs)}..{max(freqs)} MHz"
+
+
+def _zip_longest_by_freq(
+    fwd: tuple[ProfilePoint, ...], bwd: tuple[ProfilePoint, ...]
+) -> Iterable[tuple[ProfilePoint | None, ProfilePoint | None]]:
+    by_f = {p.freq_mhz: p for p in fwd}
+    by_b = {p.freq_mhz: p for p in bwd}
+    for freq in sorted(set(by_f) | set(by_b), reverse=True):
+        yield by_f.get(freq), by_b.get(freq)

@@ -1,0 +1,342 @@
+"""Per-stage forward/backward unit orders: Megatron's 1F1B and EnvPipe's "ours".
+
+A schedule is data, in the style of ``torch.distributed.pipelining``: one list
+of units per stage, which prints (``S0: F0 F1 B0 ...``), parses back, and
+validates. Pure Python, no torch.
+
+EnvPipe's "ours" keeps every forward in its 1F1B slot but runs ``r_s`` extra
+warm-up forwards on stage ``s`` before its first backward, so the slack that
+1F1B leaves before ``B(s, 0)`` sits right after forwards that can then run at a
+lower clock (reference notes, envpipe.md §2).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from megatron_envpipe.core.vocabulary import SCHEDULINGS, UnitKind
+from megatron_envpipe.errors import UsageError
+
+FORWARD = UnitKind.FORWARD
+BACKWARD = UnitKind.BACKWARD
+
+
+class ScheduleError(UsageError, ValueError):
+    """A schedule that is malformed, incomplete or cannot execute."""
+
+
+@dataclass(frozen=True, order=True)
+class Unit:
+    """One micro-batch forward (``F``) or backward (``B``) on one stage."""
+
+    kind: UnitKind  # a plain "F"/"B" is accepted and stored as the enum member
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, UnitKind):
+            try:
+                object.__setattr__(self, "kind", UnitKind(self.kind))
+            except ValueError:
+                raise ScheduleError(f"unit kind must be 'F' or 'B', got {self.kind!r}") from None
+        if self.microbatch < 0:
+            raise ScheduleError(f"micro-batch id must be >= 0, got {self.microbatch}")
+
+    @property
+    def is_forward(self) -> bool:
+        return self.kind == FORWARD
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Unit":
+        match = re.fullmatch(r"\s*([FB])(\d+)\s*", text)
+        if not match:
+            raise ScheduleError(f"cannot parse unit {text!r}: expected F<id> or B<id>, e.g. F3")
+        return cls(match.group(1), int(match.group(2)))
+
+
+def F(microbatch: int) -> Unit:  # noqa: N802 - reads like the printed form
+    return Unit(FORWARD, microbatch)
+
+
+def B(microbatch: int) -> Unit:  # noqa: N802
+    return Unit(BACKWARD, microbatch)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The execution order of every stage of one pipeline iteration."""
+
+    num_microbatches: int
+    orders: tuple[tuple[Unit, ...], ...]
+    name: str = "custom"
+    # Extra warm-up forwards per stage beyond 1F1B's (EnvPipe's r_s); informational.
+    extra_warmup: tuple[int, ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.orders)
+
+    def forwards_before_first_backward(self, stage: int) -> int:
+        """``min(M, P-s)`` for 1F1B, ``min(M, P-s+r_s)`` for EnvPipe.
+
+        (Megatron's ``num_warmup_microbatches`` is this minus one, except when
+        every forward comes first; the order alone cannot tell those apart.)
+        """
+        count = 0
+        for unit in self.orders[stage]:
+            if not unit.is_forward:
+                break
+            count += 1
+        return count
+
+    def peak_inflight(self) -> tuple[int, ...]:
+        """Peak number of activations each stage holds (forwards not yet backwarded)."""
+        peaks = []
+        for order in self.orders:
+            live = peak = 0
+            for unit in order:
+                live += 1 if unit.is_forward else -1
+                peak = max(peak, live)
+            peaks.append(peak)
+        return tuple(peaks)
+
+    def position(self, stage: int, unit: Unit) -> int:
+        return self.orders[stage].index(unit)
+
+    def validate(self) -> "Schedule":
+        """Check completeness, per-stage F-before-B, and that the stages cannot deadlock.
+
+        Returns ``self`` so it chains. Raises :class:`ScheduleError` naming the stage.
+        """
+        if self.num_microbatches < 1:
+            raise ScheduleError(f"need at least one micro-batch, got {self.num_microbatches}")
+        if self.num_stages < 1:
+            raise ScheduleError("a schedule needs at least one stage")
+        expected = {F(m) for m in range(self.num_microbatches)} | {
+            B(m) for m in range(self.num_microbatches)
+        }
+        for s, order in enumerate(self.orders):
+            seen: set[Unit] = set()
+            for unit in order:
+                if unit in seen:
+                    raise ScheduleError(f"stage {s}: {unit} appears more than once")
+                if unit not in expected:
+                    raise ScheduleError(
+                        f"stage {s}: {unit} is outside micro-batches 0..{self.num_microbatches - 1}"
+                    )
+                if not unit.is_forward and F(unit.microbatch) not in seen:
+                    raise ScheduleError(f"stage {s}: {unit} runs before F{unit.microbatch}")
+                seen.add(unit)
+            missing = sorted(expected - seen)
+            if missing:
+                shown = " ".join(str(u) for u in missing[:6])
+                raise ScheduleError(f"stage {s}: missing {shown}{' ...' if len(missing) > 6 else ''}")
+        # Cross-stage feasibility: the dependency graph must be acyclic, otherwise
+        # the stages wait on each other forever. The timeline owns that graph.
+        from megatron_envpipe.core.timeline import PipelineGraph  # local import: timeline imports schedule
+
+        PipelineGraph(self)
+        return self
+
+    def __str__(self) -> str:
+        width = len(f"S{self.num_stages - 1}")
+        lines = [
+            f"# schedule {self.name}: {self.num_stages} stages x {self.num_microbatches} micro-batches"
+        ]
+        if self.extra_warmup:
+            lines[0] += f", extra warm-up {list(self.extra_warmup)}"
+        for s, order in enumerate(self.orders):
+            lines.append(f"{f'S{s}':<{width}}: " + " ".join(str(u) for u in order))
+        return "\n".join(lines)
+
+    @classmethod
+    def parse(cls, text: str, name: str = "custom") -> "Schedule":
+        """Parse the printed form: one ``S<k>: F0 F1 B0 ...`` line per stage.
+
+        Lines starting with ``#`` and blank lines are ignored. Stages must be
+        numbered 0..P-1. The result is validated.
+        """
+        rows: dict[int, tuple[Unit, ...]] = {}
+        for lineno, raw in enumerate(text.splitlines(), start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            match = re.fullmatch(r"S(\d+)\s*:\s*(.*)", line)
+            if not match:
+                raise ScheduleError(f"line {lineno}: expected 'S<stage>: F0 B0 ...', got {raw!r}")
+            stage = int(match.group(1))
+            if stage in rows:
+                raise ScheduleError(f"line {lineno}: stage {stage} given twice")
+            try:
+                rows[stage] = tuple(Unit.parse(tok) for tok in match.group(2).split())
+            except ScheduleError as exc:
+                raise ScheduleError(f"line {lineno}: {exc}") from None
+        if not rows:
+            raise ScheduleError("no stage lines found")
+        if sorted(rows) != list(range(len(rows))):
+            raise ScheduleError(f"stages must be numbered 0..{len(rows) - 1}, got {sorted(rows)}")
+        num_mb = 1 + max((u.microbatch for order in rows.values() for u in order), default=-1)
+        schedule = cls(num_mb, tuple(rows[s] for s in range(len(rows))), name=name)
+        return schedule.validate()
+
+
+def _stage_order(num_microbatches: int, warmup: int) -> tuple[Unit, ...]:
+    """Megatron's non-interleaved loop for one stage with ``warmup`` warm-up forwards.
+
+    warm-up: F0..F(w-1); steady: F(w+i) B(i) for i < M-w; cool-down: the remaining B.
+    """
+    m = num_microbatches
+    w = max(0, min(warmup, m))
+    order = [F(i) for i in range(w)]
+    for i in range(m - w):
+        order += [F(w + i), B(i)]
+    order += [B(i) for i in range(m - w, m)]
+    return tuple(order)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """Megatron-core's non-interleaved 1F1B: stage s warms up with min(P-s-1, M) forwards."""
+    _check_sizes(num_stages, num_microbatches)
+    orders = tuple(
+        _stage_order(num_microbatches, num_stages - s - 1) for s in range(num_stages)
+    )
+    return Schedule(num_microbatches, orders, name="1f1b", extra_warmup=(0,) * num_stages)
+
+
+def envpipe_schedule(num_stages: int, num_microbatches: int, extra_warmup: Sequence[int]) -> Schedule:
+    """EnvPipe's "ours": stage s warms up with min(M, P-s-1+r_s) forwards.
+
+    ``extra_warmup`` must already be clamped (see :func:`clamp_extra_warmup`).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    r = tuple(int(x) for x in extra_warmup)
+    if len(r) != num_stages:
+        raise ScheduleError(f"extra_warmup has {len(r)} entries for {num_stages} stages")
+    problem = _extra_warmup_problem(num_stages, num_microbatches, r)
+    if problem:
+        raise ScheduleError(problem)
+    orders = tuple(
+        _stage_order(num_microbatches, num_stages - s - 1 + r[s]) for s in range(num_stages)
+    )
+    return Schedule(num_microbatches, orders, name="ours", extra_warmup=r)
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1:
+        raise ScheduleError(f"need at least 1 pipeline stage, got {num_stages}")
+    if num_microbatches < 1:
+        raise ScheduleError(f"need at least 1 micro-batch, got {num_microbatches}")
+
+
+def _extra_warmup_problem(num_stages: int, num_microbatches: int, r: Sequence[int]) -> str | None:
+    for s, value in enumerate(r):
+        if value < 0:
+            return f"extra warm-up of stage {s} is negative ({value})"
+        if value > max(0, num_microbatches - (num_stages - s)):
+            return (
+                f"extra warm-up of stage {s} is {value}, above M-(P-s) = "
+                f"{max(0, num_microbatches - (num_stages - s))}"
+            )
+    if r and r[-1] != 0:
+        return f"the last stage cannot run extra warm-up forwards (got {r[-1]})"
+    for s in range(len(r) - 1):
+        if r[s + 1] > r[s]:
+            return (
+                f"extra warm-up must be non-increasing over stages: stage {s + 1} has {r[s + 1]} "
+                f"> stage {s}'s {r[s]}"
+            )
+    return None
+
+
+def raw_extra_warmup(
+    num_stages: int,
+    backward_time_fmax_s: Sequence[float],
+    forward_time_fopt_s: Sequence[float],
+) -> list[int]:
+    """EnvPipe's unclamped ``r_s = floor((P-s-1) * T_B(f_max) / T_F(f_opt))``.
+
+    The bubble before stage s's first backward is (P-s-1) downstream backwards
+    long; r_s forwards at the slow clock fit into it. Last stage: 0.
+    """
+    r = []
+    for s in range(num_stages):
+        tf = forward_time_fopt_s[s]
+        if tf <= 0:
+            raise ScheduleError(f"stage {s}: forward time must be positive to size the warm-up")
+        # Tiny epsilon so that an exact ratio (e.g. 3.0 computed as 2.9999999) floors right.
+        r.append(int(math.floor((num_stages - s - 1) * backward_time_fmax_s[s] / tf + 1e-9)))
+    if r:
+        r[-1] = 0
+    return r
+
+
+def clamp_extra_warmup(
+    num_stages: int,
+    num_microbatches: int,
+    raw: Sequence[int],
+    max_inflight: Sequence[int | None] | int | None = None,
+) -> tuple[int, ...]:
+    """Clamp EnvPipe's r_s: memory budget, ``M-(P-s)``, then non-increasing over stages.
+
+    ``max_inflight`` is the activation-memory budget per stage, counted in
+    in-flight micro-batch activations (1F1B needs ``P-s``); ``None`` = unbounded.
+
+    Saturated-stage exception (envpipe.md §2.2): EnvPipe lets a stage that
+    already runs all its forwards first be followed by a stage with a *larger*
+    r. With the KISTI communication order this can deadlock (§8.3), so we do
+    not allow it: r is strictly non-increasing. The cost is nil in practice —
+    the next stage only loses extra forwards that its own bubble rarely fits.
+    """
+    if isinstance(max_inflight, int) or max_inflight is None:
+        budgets: list[int | None] = [max_inflight] * num_stages
+    else:
+        budgets = list(max_inflight)
+        if len(budgets) != num_stages:
+            raise ScheduleError(f"memory budget has {len(budgets)} entries for {num_stages} stages")
+    r = []
+    for s in range(num_stages):
+        value = max(0, int(raw[s]))
+        budget = budgets[s]
+        if budget is not None:
+            base = min(num_microbatches, num_stages - s)  # what 1F1B already holds
+            if budget < base:
+                raise ScheduleError(
+                    f"stage {s}: activation budget {budget} is below the {base} in-flight "
+                    f"activations that 1F1B itself needs"
+                )
+            value = min(value, budget - base)
+        value = min(value, max(0, num_microbatches - (num_stages - s)))
+        r.append(value)
+    if r:
+        r[-1] = 0
+    for s in range(1, num_stages):
+        r[s] = min(r[s], r[s - 1])
+    return tuple(r)
+
+
+def build_schedule(
+    scheduling: str,
+    num_stages: int,
+    num_microbatches: int,
+    extra_warmup: Sequence[int] | None = None,
+) -> Schedule:
+    """Schedule by name: ``1f1b`` or ``ours`` (``ours`` needs clamped ``extra_warmup``)."""
+    if scheduling == "1f1b":
+        return one_f_one_b(num_stages, num_microbatches)
+    if scheduling == "ours":
+        if extra_warmup is None:
+            raise ScheduleError("scheduling 'ours' needs the extra warm-up per stage")
+        return envpipe_schedule(num_stages, num_microbatches, extra_warmup)
+    raise ScheduleError(f"unknown scheduling {scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
+
+
+def units_in_order(schedule: Schedule) -> Iterable[tuple[int, int, Unit]]:
+    """(stage, position, unit) for every unit, stage by stage."""
+    for s, order in enumerate(schedule.orders):
+        for i, unit in enumerate(order):
+            yield s, i, unit

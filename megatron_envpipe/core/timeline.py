@@ -1,0 +1,327 @@
+"""The pipeline iteration as a DAG, and an exact simulation of a frequency plan.
+
+Nodes are the units of a :class:`~megatron_envpipe.core.schedule.Schedule`. Edges:
+
+* same-stage order: a GPU runs one unit at a time, in schedule order;
+* ``F(s, m) -> F(s+1, m)``: the activation;
+* ``B(s+1, m) -> B(s, m)``: the gradient;
+* optional extra edges: dependencies a communication plan adds (e.g. holding
+  an activation until a gradient arrives), so plans are scored on what runs.
+
+Every stage starts at t = 0. Iteration energy is Perseus's formula
+``sum_units E(f) + P_p2p * sum_stages (T - busy_s)``: compute is charged its
+profiled energy, everything else (bubbles, waiting, P2P) the blocking power.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megatron_envpipe.core.profile import Profile, instruction_of
+from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit
+
+# Relative tolerance when deciding which predecessor made a unit wait.
+_TIGHT_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Dependency:
+    """``dst`` on stage ``dst_stage`` cannot start before ``src`` ends (+ latency)."""
+
+    src_stage: int
+    src: Unit
+    dst_stage: int
+    dst: Unit
+    latency_s: float = 0.0
+
+
+class PipelineGraph:
+    """The static structure of one iteration: nodes, edges, a topological order.
+
+    Built once per schedule; simulating a plan is then one linear pass.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        p2p_latency_s: float = 0.0,
+        extra_dependencies: Sequence[Dependency] = (),
+    ) -> None:
+        if p2p_latency_s < 0:
+            raise ScheduleError(f"P2P latency must be >= 0 s, got {p2p_latency_s}")
+        self.schedule = schedule
+        self.p2p_latency_s = p2p_latency_s
+        self.extra_dependencies = tuple(extra_dependencies)
+        self.nodes: list[tuple[int, Unit]] = []
+        self.index: dict[tuple[int, Unit], int] = {}
+        for s, order in enumerate(schedule.orders):
+            for unit in order:
+                self.index[(s, unit)] = len(self.nodes)
+                self.nodes.append((s, unit))
+        n = len(self.nodes)
+        # Per node: the same-stage predecessor (or -1) and the cross-stage ones.
+        self.stage_pred: list[int] = [-1] * n
+        self.cross_preds: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        for s, order in enumerate(schedule.orders):
+            for i in range(1, len(order)):
+                self.stage_pred[self.index[(s, order[i])]] = self.index[(s, order[i - 1])]
+        last = schedule.num_stages - 1
+        for v, (s, unit) in enumerate(self.nodes):
+            if unit.is_forward and s > 0:
+                self._add_cross(v, (s - 1, unit), p2p_latency_s)
+            elif not unit.is_forward and s < last:
+                self._add_cross(v, (s + 1, unit), p2p_latency_s)
+        for dep in self.extra_dependencies:
+            if dep.latency_s < 0:
+                raise ScheduleError(f"dependency latency must be >= 0 s: {dep}")
+            dst = self.index.get((dep.dst_stage, dep.dst))
+            if dst is None:
+                raise ScheduleError(f"dependency target S{dep.dst_stage} {dep.dst} is not in the schedule")
+            self._add_cross(dst, (dep.src_stage, dep.src), dep.latency_s)
+        self.preds: list[tuple[tuple[int, float], ...]] = [
+            tuple(([(self.stage_pred[v], 0.0)] if self.stage_pred[v] >= 0 else []) + self.cross_preds[v])
+            for v in range(n)
+        ]
+        self.order = self._topological_order()
+        self.stage_of = [s for s, _ in self.nodes]
+        self.instruction_of = [instruction_of(u.kind) for _, u in self.nodes]
+
+    def _add_cross(self, dst: int, src_key: tuple[int, Unit], latency_s: float) -> None:
+        src = self.index.get(src_key)
+        if src is None:
+            raise ScheduleError(f"dependency source S{src_key[0]} {src_key[1]} is not in the schedule")
+        self.cross_preds[dst].append((src, latency_s))
+
+    def _topological_order(self) -> list[int]:
+        n = len(self.nodes)
+        indegree = [len(p) for p in self.preds]
+        succs: list[list[int]] = [[] for _ in range(n)]
+        for v, preds in enumerate(self.preds):
+            for p, _ in preds:
+                succs[p].append(v)
+        ready = [v for v in range(n) if indegree[v] == 0]
+        order: list[int] = []
+        while ready:
+            v = ready.pop()
+            order.append(v)
+            for w in succs[v]:
+                indegree[w] -= 1
+                if indegree[w] == 0:
+                    ready.append(w)
+        if len(order) != n:
+            stuck = [self.nodes[v] for v in range(n) if indegree[v] > 0]
+            stages = sorted({s for s, _ in stuck})
+            first = ", ".join(f"S{s} {u}" for s, u in stuck[:4])
+            raise ScheduleError(
+                f"the schedule cannot execute: stages {stages} wait on each other in a cycle "
+                f"(deadlock), e.g. at {first}"
+            )
+        return order
+
+    def node(self, stage: int, unit: Unit) -> int:
+        return self.index[(stage, unit)]
+
+    def simulate(self, durations_s: Sequence[float]) -> "Timeline":
+        """Earliest-start simulation: each unit starts when all its inputs are ready."""
+        n = len(self.nodes)
+        if len(durations_s) != n:
+            raise ValueError(f"need {n} unit durations, got {len(durations_s)}")
+        start = [0.0] * n
+        end = [0.0] * n
+        preds = self.preds
+        for v in self.order:
+            t = 0.0
+            for p, lat in preds[v]:
+                ready = end[p] + lat
+                if ready > t:
+                    t = ready
+            start[v] = t
+            end[v] = t + durations_s[v]
+        return Timeline(self, start, end, list(durations_s))
+
+
+@dataclass
+class Timeline:
+    """Start and end of every unit of one simulated (or measured) iteration."""
+
+    graph: PipelineGraph
+    start_s: list[float]
+    end_s: list[float]
+    duration_s: list[float]
+    _critical: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def iteration_time_s(self) -> float:
+        return max(self.end_s) if self.end_s else 0.0
+
+    def busy_s(self) -> list[float]:
+        busy = [0.0] * self.graph.schedule.num_stages
+        for v, s in enumerate(self.graph.stage_of):
+            busy[s] += self.duration_s[v]
+        return busy
+
+    def idle_s(self) -> list[float]:
+        t = self.iteration_time_s
+        return [t - b for b in self.busy_s()]
+
+    def recv_wait_s(self, v: int) -> float:
+        """How long unit ``v`` waited for a message after its own stage was free."""
+        if not self.graph.cross_preds[v]:
+            return 0.0
+        sp = self.graph.stage_pred[v]
+        free_at = self.end_s[sp] if sp >= 0 else 0.0
+        return max(0.0, self.start_s[v] - free_at)
+
+    def critical_path(self) -> list[int]:
+        """Node indices from the last-finishing unit back to a unit starting at 0.
+
+        At each unit we step to the predecessor that made it start when it did.
+        When the stage's own previous unit and a message were ready at the same
+        moment, the same-stage one wins, like EnvPipe's receive-wait threshold
+        (a unit that did not wait for its input is not limited by it).
+        """
+        if self._critical is not None:
+            return self._critical
+        graph = self.graph
+        t_end = self.iteration_time_s
+        tol = _TIGHT_RTOL * max(t_end, 1e-30)
+        # Prefer stage 0's last unit: EnvPipe's walk starts at B(0, M-1).
+        last0 = graph.index[(0, graph.schedule.orders[0][-1])]
+        v = last0 if self.end_s[last0] >= t_end - tol else max(range(len(self.end_s)), key=self.end_s.__getitem__)
+        path = [v]
+        while True:
+            start = self.start_s[v]
+            if start <= tol:
+                break
+            nxt = -1
+            sp = graph.stage_pred[v]
+            if sp >= 0 and abs(self.end_s[sp] - start) <= tol:
+                nxt = sp
+            else:
+                best = -1.0
+                for p, lat in graph.cross_preds[v]:
+                    ready = self.end_s[p] + lat
+                    if abs(ready - start) <= tol and ready > best:
+                        best, nxt = ready, p
+            if nxt < 0:  # numerical corner: take the latest-ready predecessor
+                nxt = max(graph.preds[v], key=lambda pl: self.end_s[pl[0]] + pl[1])[0]
+            path.append(nxt)
+            v = nxt
+        self._critical = path
+        return path
+
+    def critical_units(self) -> list[tuple[int, Unit]]:
+        return [self.graph.nodes[v] for v in self.critical_path()]
+
+
+@dataclass(frozen=True)
+class PlanScore:
+    """What a plan costs: time, energy split into compute and blocking, per stage."""
+
+    iteration_time_s: float
+    energy_j: float
+    compute_energy_j: float
+    blocking_energy_j: float
+    busy_s: tuple[float, ...]
+    stage_energy_j: tuple[float, ...]
+
+
+class PlanEvaluator:
+    """Scores per-unit clock assignments of one schedule against one profile, fast.
+
+    ``freqs`` is a flat list aligned with ``graph.nodes`` (stage by stage, in order).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        profile: Profile,
+        p2p_power_w: float = 0.0,
+        p2p_latency_s: float = 0.0,
+        extra_dependencies: Sequence[Dependency] = (),
+        graph: PipelineGraph | None = None,
+    ) -> None:
+        if profile.num_stages != schedule.num_stages:
+            raise ScheduleError(
+                f"profile {profile.source} has {profile.num_stages} stages but the schedule has "
+                f"{schedule.num_stages}"
+            )
+        if p2p_power_w < 0:
+            raise ValueError(f"P2P blocking power must be >= 0 W, got {p2p_power_w}")
+        self.schedule = schedule
+        self.profile = profile
+        self.p2p_power_w = p2p_power_w
+        self.graph = graph or PipelineGraph(schedule, p2p_latency_s, extra_dependencies)
+        self._time = {
+            (s, ins): {p.freq_mhz: p.time_s for p in profile.points(s, ins)}
+            for s in range(schedule.num_stages)
+            for ins in ("forward", "backward")
+        }
+        self._energy = {
+            (s, ins): {p.freq_mhz: p.energy_j for p in profile.points(s, ins)}
+            for s in range(schedule.num_stages)
+            for ins in ("forward", "backward")
+        }
+        self._keys = [(s, ins) for s, ins in zip(self.graph.stage_of, self.graph.instruction_of)]
+
+    def durations(self, freqs: Sequence[int]) -> list[float]:
+        try:
+            return [self._time[k][f] for k, f in zip(self._keys, freqs)]
+        except KeyError:
+            self._raise_unprofiled(freqs)
+            raise
+
+    def unit_energies(self, freqs: Sequence[int]) -> list[float]:
+        try:
+            return [self._energy[k][f] for k, f in zip(self._keys, freqs)]
+        except KeyError:
+            self._raise_unprofiled(freqs)
+            raise
+
+    def _raise_unprofiled(self, freqs: Sequence[int]) -> None:
+        for (s, unit), key, f in zip(self.graph.nodes, self._keys, freqs):
+            if f not in self._time[key]:
+                self.profile.point(s, key[1], f)  # raises ProfileError with the clock list
+
+    def simulate(self, freqs: Sequence[int]) -> Timeline:
+        return self.graph.simulate(self.durations(freqs))
+
+    def score(self, freqs: Sequence[int], timeline: Timeline | None = None) -> PlanScore:
+        timeline = timeline or self.simulate(freqs)
+        return score_timeline(timeline, self.unit_energies(freqs), self.p2p_power_w)
+
+
+def score_timeline(timeline: Timeline, unit_energy_j: Sequence[float], p2p_power_w: float) -> PlanScore:
+    """Perseus's iteration energy: compute energy + blocking power x non-compute time."""
+    t = timeline.iteration_time_s
+    num_stages = timeline.graph.schedule.num_stages
+    compute = [0.0] * num_stages
+    for v, s in enumerate(timeline.graph.stage_of):
+        compute[s] += unit_energy_j[v]
+    busy = timeline.busy_s()
+    blocking = [p2p_power_w * (t - b) for b in busy]
+    stage_energy = tuple(c + b for c, b in zip(compute, blocking))
+    return PlanScore(
+        iteration_time_s=t,
+        energy_j=sum(stage_energy),
+        compute_energy_j=sum(compute),
+        blocking_energy_j=sum(blocking),
+        busy_s=tuple(busy),
+        stage_energy_j=stage_energy,
+    )
+
+
+def outer_envelope(schedule: Schedule) -> frozenset[tuple[int, Unit]]:
+    """EnvPipe's outer envelope: the whole last stage, every F0, every B(M-1).
+
+    It is the critical path of an ideal pipeline whose inner units have slack:
+    the fill diagonal, the last stage, the drain diagonal (envpipe.md §3).
+    """
+    last = schedule.num_stages - 1
+    m_last = schedule.num_microbatches - 1
+    members = {(last, u) for u in schedule.orders[last]}
+    for s in range(schedule.num_stages):
+        members.add((s, F(0)))
+        members.add((s, B(m_last)))
+    return frozenset(members)

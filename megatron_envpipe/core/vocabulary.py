@@ -1,0 +1,65 @@
+"""The project's vocabulary: one ``str`` Enum per closed set of names.
+
+Each member *is* its string (``PlanType.ENVELOPE == "envelope"``, same hash,
+prints and serialises to JSON as ``envelope``), so flags, JSON keys and plan
+files keep their spelling while code compares against one definition.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class UnitKind(StrEnum):
+    """A pipeline unit: one micro-batch's forward or backward on one stage."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+    @property
+    def instruction(self) -> str:
+        """The name a Perseus-format profile uses: ``forward`` / ``backward``."""
+        return "forward" if self is UnitKind.FORWARD else "backward"
+
+    @classmethod
+    def from_instruction(cls, name: str) -> "UnitKind":
+        return cls.FORWARD if name == "forward" else cls.BACKWARD
+
+
+class PlanType(StrEnum):
+    """The initial clock plan (EnvPipe §3), or the optimal per-unit plan."""
+
+    BASELINE = "baseline"  # every unit at f_max
+    UNIFORM = "uniform"  # each stage at its energy-valley clock
+    ENVELOPE = "envelope"  # the outer envelope at f_max, the rest at the valley
+    OPTIMAL = "optimal"  # minimum energy per unit under an iteration-time deadline
+
+
+class Scheduling(StrEnum):
+    """The per-stage unit order."""
+
+    ONE_F_ONE_B = "1f1b"  # Megatron's non-interleaved 1F1B
+    OURS = "ours"  # EnvPipe: r_s extra warm-up forwards per stage
+
+
+class ReconfigPolicy(StrEnum):
+    """How clocks on the critical path are raised (EnvPipe §4)."""
+
+    DEFAULT = "default"  # none
+    GREEDY = "greedy"  # the first non-max unit from the path's end, 3 steps
+    BALANCED = "balanced"  # every path unit at the path's minimum clock, one step
+
+
+class CommModel(StrEnum):
+    """How neighbouring stages exchange messages."""
+
+    PER_DIRECTION = "per-direction"  # one channel per direction (our executor)
+    PAIRED = "paired"  # EnvPipe-KISTI / §8.5: an activation waits for a gradient
+
+
+UNIT_KINDS = tuple(UnitKind)
+PLAN_TYPES = tuple(PlanType)
+SCHEDULINGS = tuple(Scheduling)
+RECONFIG_POLICIES = tuple(ReconfigPolicy)
+COMM_MODELS = tuple(CommModel)
+INSTRUCTIONS = tuple(k.instruction for k in UnitKind)  # ("forward", "backward")

@@ -1,0 +1,356 @@
+"""What the executor runs each iteration: schedule, clock plan, and when to measure.
+
+One :class:`EnvPipeRuntime` per process holds EnvPipe's phases (envpipe.md §1):
+
+1. **profile** (clock control, no profile given, none cached): real training
+   iterations sweep the SM clock in lockstep on every stage (1F1B order) and
+   measure each stage's forward and backward time and energy per micro-batch
+   and the P2P-blocking power, until energy rises below the valley; the
+   profile is cached for the next run;
+   **measure** (no clock control, no profile): time 1F1B units at the one clock;
+2. **plan**: the schedule (``ours``: extra warm-up ``r_s``) and the clock plan;
+3. **reconfigure** (``greedy``/``balanced``): after each iteration, walk the
+   measured critical path and raise clocks, until the finish limit;
+4. **steady**: keep the plan.
+
+Decisions are made from data every stage of the pipeline has gathered, so all
+stages compute the same plan with no extra broadcast. Pure Python: the
+executor supplies the data.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
+from megatron_envpipe.core.instructions import StageProgram, build_programs
+from megatron_envpipe.core.measurement import IterationMeasurement
+from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
+from megatron_envpipe.core.profile import Profile, ProfilePoint
+from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.core.schedule import Schedule, one_f_one_b
+from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates
+from megatron_envpipe.planning.planner import plan_envpipe
+from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
+
+log = logging.getLogger("megatron_envpipe")
+
+# Label of the one clock a run without clock control has; it is never set.
+NOMINAL_CLOCK_MHZ = 1000
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """Everything the executor needs for one iteration of one stage."""
+
+    schedule: Schedule
+    plan: FrequencyPlan
+    programs: tuple[StageProgram, ...]
+    measure: bool  # time every unit and hand the measurement back
+    phase: str
+    profiling: bool = False  # attribute energy to every unit (sweep iteration)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the executor learned about the pipeline's GPUs at the first iteration."""
+
+    backend: str  # nvml | simulated | none
+    name: str
+    driver_version: str
+    clocks_mhz: tuple[int, ...]  # supported by every stage, fastest first
+    control: bool  # clocks can be locked on every stage
+    energy: bool  # energy is measured
+    simulated: bool = False
+
+
+@dataclass
+class EnergyReport:
+    """One logged iteration's energy, summed over the pipeline."""
+
+    iteration: int
+    time_s: float
+    energy_j: float
+    stage_power_w: tuple[float, ...]
+    predicted_baseline_j: float | None
+    simulated: bool
+
+    @property
+    def saving(self) -> float | None:
+        if not self.predicted_baseline_j:
+            return None
+        return 1.0 - self.energy_j / self.predicted_baseline_j
+
+    def line(self) -> str:
+        label = " (simulated)" if self.simulated else ""
+        parts = [
+            f"EnvPipe energy{label} | iteration {self.iteration} | {self.energy_j:.1f} J over the pipeline "
+            f"in {self.time_s:.3f} s",
+            "avg power per stage [" + ", ".join(f"{p:.0f}" for p in self.stage_power_w) + "] W",
+        ]
+        if self.saving is not None:
+            parts.append(f"saving {100 * self.saving:.2f}% vs the baseline plan's {self.predicted_baseline_j:.1f} J")
+        return " | ".join(parts)
+
+
+class EnvPipeRuntime:
+    def __init__(self, config: EnvPipeConfig, gpu: GpuSpec | None = None) -> None:
+        self.config = config.validate()
+        self.gpu = gpu if gpu is not None else _table_spec(config.gpu)
+        self.profile: Profile | None = (
+            Profile.from_csv(shipped_profile(config.profile)) if config.profile else None
+        )
+        self.profile_p2p_power_w: float | None = None
+        self.device: DeviceFacts | None = None
+        self.cache_key: Mapping[str, Any] | None = None
+        self.iteration = 0
+        self._by_m: dict[tuple[int, int], _PlanState] = {}
+        self._measured: dict[tuple[int, int], list[IterationMeasurement]] = {}
+        self._sweep = None
+        self._sweep_clock: int | None = None
+        self.last_result: PlanResult | None = None
+        self.planned_at: int | None = None  # iteration count when the plan took over
+        self.energy_log: list[EnergyReport] = []
+
+    # -- facts from the executor ---------------------------------------------------------
+    def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None) -> None:
+        """Called once, with facts every stage agrees on, before the first prepare()."""
+        self.device = facts
+        self.cache_key = cache_key
+        if self.gpu is None and facts.backend == "nvml":
+            self.gpu = spec_for_nvml_name(facts.name)
+        if self.profile is None and facts.control and not self.config.is_stock:
+            cached = self._cache_lookup()
+            if cached is not None:
+                self.profile = cached
+
+    @property
+    def profiling(self) -> bool:
+        return self._sweep is not None and not self._sweep.done
+
+    # -- per iteration ------------------------------------------------------------------
+    def prepare(self, num_stages: int, num_microbatches: int) -> IterationPlan:
+        key = (num_stages, num_microbatches)
+        state = self._by_m.get(key)
+        if state is None:
+            if self.profile is None and not self.config.is_stock:
+                if self.device is not None and self.device.control:
+                    sweep = self._sweep_for()
+                    if not sweep.done:
+                        f = sweep.next_clock()
+                        self._sweep_clock = f
+                        return self._uniform(num_stages, num_microbatches, f, measure=True, profiling=True,
+                                             phase=f"profile {f} MHz (iteration {sweep.iterations_used + 1})")
+                else:
+                    done = len(self._measured.get(key, []))
+                    if done < self.config.measure_iterations:
+                        return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=True,
+                                             phase=f"measure {done + 1}/{self.config.measure_iterations}")
+            state = self._make_state(num_stages, num_microbatches)
+            self._by_m[key] = state
+        rc = state.reconfigurer
+        measure = rc is not None and not rc.finished
+        plan = rc.plan if rc is not None else state.plan
+        programs = state.programs_for(plan, self.config.prefetch)
+        return IterationPlan(state.schedule, plan, programs, measure, "reconfigure" if measure else "steady")
+
+    def _uniform(self, p: int, m: int, freq: int, *, measure: bool, phase: str, profiling: bool = False) -> IterationPlan:
+        sched = one_f_one_b(p, m)
+        plan = FrequencyPlan.constant(sched, [freq] * p)
+        return IterationPlan(sched, plan, tuple(build_programs(sched, plan, self.config.prefetch)),
+                             measure, phase, profiling)
+
+    def finish(
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        measurements: Sequence[IterationMeasurement] | None,
+        samples: Sequence[Any] | None = None,
+    ) -> None:
+        """After an iteration: every stage's measurement (identical on all stages), if measured,
+        and in profiling iterations every stage's energy samples."""
+        self.iteration += 1
+        if samples is not None and self._sweep is not None and not self._sweep.done:
+            self._sweep.record(self._sweep_clock, samples)
+            if self._sweep.done:
+                self._finish_sweep()
+            return
+        if measurements is None:
+            return
+        key = (num_stages, num_microbatches)
+        state = self._by_m.get(key)
+        merged = IterationMeasurement(tuple(m.stages[0] for m in measurements))
+        if state is None:
+            self._measured.setdefault(key, []).append(merged)
+            return
+        if state.reconfigurer is not None and not state.reconfigurer.finished:
+            before = state.reconfigurer.plan
+            after = state.reconfigurer.observe(merged)
+            if after != before:
+                log.info("EnvPipe reconfiguration step %d changed the plan", state.reconfigurer.iterations)
+            if state.reconfigurer.finished:
+                log.info("EnvPipe reconfiguration finished after %d iterations:\n%s",
+                         state.reconfigurer.iterations, format_envpipe(state.reconfigurer.plan))
+
+    def report_energy(self, iteration: int, stage_energy: Sequence[Any]) -> EnergyReport | None:
+        """Per-stage :class:`~megatron_envpipe.gpu.energy.IterationEnergy` of one iteration -> a report."""
+        if not stage_energy or self.device is None or not self.device.energy:
+            return None
+        scale = self.config.sim_time_scale if self.device.simulated else 1.0
+        time_s = max(e.time_s for e in stage_energy) / scale
+        energy = sum(e.energy_j for e in stage_energy)
+        power = tuple(e.energy_j / (e.time_s / scale) if e.time_s > 0 else 0.0 for e in stage_energy)
+        predicted = self.last_result.baseline.energy_j if self.last_result is not None else None
+        report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated)
+        self.energy_log.append(report)
+        return report
+
+    # -- planning -----------------------------------------------------------------------
+    def _nominal_clock(self) -> int:
+        if self.device is not None and self.device.clocks_mhz:
+            return self.device.clocks_mhz[0]
+        return self.gpu.max_clock_mhz if self.gpu is not None else NOMINAL_CLOCK_MHZ
+
+    def _sweep_for(self):
+        if self._sweep is None:
+            from megatron_envpipe.gpu.sweep import ClockSweep, sweep_candidates
+
+            step = self.config.profile_step_mhz or (self.gpu.profile_step_mhz if self.gpu else 90)
+            candidates = sweep_candidates(self.device.clocks_mhz, step)
+            self._sweep = ClockSweep(candidates, iterations_per_clock=self.config.profile_iterations,
+                                     p2p_power_w=self.config.p2p_power_w)
+            log.info("EnvPipe profiler: sweeping %d clocks %s MHz, %d iteration(s) each, from %s",
+                     len(candidates), list(candidates), self.config.profile_iterations, self.device.name)
+        return self._sweep
+
+    def _finish_sweep(self) -> None:
+        sweep = self._sweep
+        self.profile = sweep.profile()
+        self.profile_p2p_power_w = sweep.p2p_power_w()
+        log.info("EnvPipe profiler: %s", sweep.summary())
+        self._cache_store(sweep)
+
+    def _cache(self):
+        if self.config.profile_cache == "off" or self.cache_key is None:
+            return None
+        from megatron_envpipe.gpu.profile_cache import ProfileCache
+
+        return ProfileCache(self.config.profile_cache) if self.config.profile_cache else ProfileCache()
+
+    def _cache_lookup(self) -> Profile | None:
+        cache = self._cache()
+        if cache is None:
+            return None
+        profile = cache.load(self.cache_key)
+        if profile is not None:
+            meta = cache.meta(self.cache_key) or {}
+            self.profile_p2p_power_w = meta.get("p2p_power_w")
+            log.info("EnvPipe profiler: reusing the cached profile %s", cache.describe(self.cache_key))
+        return profile
+
+    def _cache_store(self, sweep) -> None:
+        cache = self._cache()
+        if cache is None:
+            return
+        try:
+            path = cache.store(self.cache_key, self.profile, {
+                "iterations_used": sweep.iterations_used,
+                "p2p_power_w": self.profile_p2p_power_w,
+                "device": self.device.name if self.device else None,
+            })
+            log.info("EnvPipe profiler: profile cached at %s", path)
+        except OSError as exc:  # a read-only home must not stop training
+            log.warning("EnvPipe profiler: could not cache the profile: %s", exc)
+
+    def _profile_for(self, num_stages: int, num_microbatches: int) -> Profile:
+        if self.profile is not None:
+            if self.profile.num_stages != num_stages:
+                raise ValueError(
+                    f"--envpipe-profile {self.config.profile} has {self.profile.num_stages} stages but the "
+                    f"pipeline has {num_stages}: profile this model and parallel layout"
+                )
+            return self.profile
+        runs = self._measured.get((num_stages, num_microbatches), [])
+        clock = self._nominal_clock()
+        if not runs:  # stock run without a profile: a one-clock profile of unit times 1 s
+            points = {(s, i): [ProfilePoint(clock, 1.0, 0.0)] for s in range(num_stages) for i in ("forward", "backward")}
+            return Profile(points, source="<uniform>")
+        points = {}
+        for s in range(num_stages):
+            for kind, ins in (("F", "forward"), ("B", "backward")):
+                times = [t.end_s - t.start_s for run in runs for t in run.stages[s] if t.unit.kind == kind]
+                mean = sum(times) / len(times)
+                # Energy is unknown without clock control: time only.
+                points[(s, ins)] = [ProfilePoint(clock, max(mean, 1e-9), 0.0)]
+        return Profile(points, source=f"<measured at one clock over {len(runs)} iteration(s): no clock control>")
+
+    def _make_state(self, num_stages: int, num_microbatches: int) -> "_PlanState":
+        cfg = self.config
+        profile = self._profile_for(num_stages, num_microbatches)
+        p2p = cfg.p2p_power_w if cfg.p2p_power_w is not None else self.profile_p2p_power_w
+        pcfg = PlannerConfig(
+            plan_type=cfg.plan_type,
+            scheduling=cfg.scheduling,
+            # Offline we simulate the chosen policy on the profile; online it keeps
+            # correcting from measurements.
+            reconfig=cfg.reconfig,
+            gpu=self.gpu,
+            p2p_power_w=p2p,
+            reconfig_step_mhz=cfg.reconfig_step_mhz,
+            max_inflight=cfg.max_inflight,
+            extra_warmup=cfg.extra_warmup,
+            max_slowdown=cfg.max_slowdown,
+            target_time_s=cfg.target_time_s,
+        )
+        if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
+            pcfg = PlannerConfig(**{**pcfg.__dict__, "gpu": None})  # profile from another ladder: trust it
+        result = plan_envpipe(profile, num_microbatches, pcfg)
+        self.last_result = result
+        self.planned_at = self.iteration
+        log.info(
+            "EnvPipe plan %s/%s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, "
+            "peak in-flight activations %s, predicted energy saving %.2f%%, iteration time %+.2f%% (%s)",
+            cfg.plan_type, cfg.scheduling, cfg.reconfig, num_stages, num_microbatches, profile.source,
+            list(result.schedule.extra_warmup), list(result.schedule.peak_inflight()),
+            100 * result.energy_saving, 100 * result.slowdown, result.stop_reason,
+        )
+        log.info("EnvPipe plan:\n%s", format_envpipe(result.plan))
+        rc = None
+        control = self.device is None or self.device.control
+        if cfg.reconfig != "default" and len(profile.common_frequencies()) > 1 and control:
+            candidates = planner_candidates(profile, pcfg.gpu)
+            step = pcfg.effective_reconfig_step_mhz
+            target = None
+            if result.deadline_s is not None:  # "optimal": correct only iterations slower than its deadline
+                simulated = self.device is not None and self.device.simulated
+                target = result.deadline_s * (cfg.sim_time_scale if simulated else 1.0)
+            rc = Reconfigurer(result.plan, cfg.reconfig, ClockLadder(candidates, step),
+                              finish_limit=cfg.finish_limit, threshold_scale=cfg.threshold_scale,
+                              target_time_s=target)
+        return _PlanState(result.schedule, result.plan, rc)
+
+
+def _table_spec(key: str | None) -> GpuSpec | None:
+    if not key or key in ("auto", "none", "nvml"):
+        return None
+    if key.startswith("simulated"):
+        return spec_for_profile_source(key.partition(":")[2])
+    return get_gpu_spec(key)
+
+
+@dataclass
+class _PlanState:
+    schedule: Schedule
+    plan: FrequencyPlan
+    reconfigurer: Reconfigurer | None
+    _programs: dict = field(default_factory=dict)
+
+    def programs_for(self, plan: FrequencyPlan, prefetch: int) -> tuple[StageProgram, ...]:
+        progs = self._programs.get(plan)
+        if progs is None:
+            progs = tuple(build_programs(self.schedule, plan, prefetch))
+            self._programs = {plan: progs}  # keep only the current plan's programs
+        return progs

@@ -1,0 +1,221 @@
+"""What every planner starts from: its config, its result, and the planning basis.
+
+:class:`PlannerConfig` names a plan (type, unit order, reconfiguration policy,
+communication model, budgets); :func:`planning_basis` derives what both the
+EnvPipe planner and the optimal planner need from it (sizes, candidate clocks,
+the per-stage energy valley, and the 1F1B-at-f_max baseline they are scored
+against); :class:`PlanResult` is what a planner returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megatron_envpipe.core.gpu_specs import GpuSpec
+from megatron_envpipe.core.plan import FrequencyPlan
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.schedule import (
+    Schedule,
+    one_f_one_b,
+)
+from megatron_envpipe.core.timeline import Dependency, PlanEvaluator, PlanScore, Timeline
+from megatron_envpipe.core.vocabulary import (
+    PLAN_TYPES,
+    RECONFIG_POLICIES,
+)
+from megatron_envpipe.errors import UsageError
+
+DEFAULT_RECONFIG_STEP_MHZ = 30
+SLOWDOWN_WARNING = 0.01  # a plan slower than baseline by more than this carries a warning
+
+
+class PlannerError(UsageError, ValueError):
+    """Planner input that cannot give a plan (wrong names, sizes, budgets)."""
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    plan_type: str = "envelope"
+    scheduling: str = "ours"
+    reconfig: str = "balanced"
+    gpu: GpuSpec | None = None
+    p2p_power_w: float | None = None  # None: the GPU table's value (0 if unknown)
+    reconfig_step_mhz: int | None = None  # None: the GPU table's value (30 MHz)
+    max_inflight: int | tuple[int | None, ...] | None = None  # activation budget per stage
+    extra_warmup: tuple[int, ...] | None = None  # override EnvPipe's r_s (clamped anyway)
+    p2p_latency_s: float = 0.0
+    max_iterations: int = 100_000
+    extra_dependencies: tuple[Dependency, ...] = ()
+    # "per-direction" (what our executor runs: no extra dependency) or "paired"
+    # (EnvPipe-KISTI / §8.5: an activation is held until a gradient arrives).
+    comm: str = "per-direction"
+    # plan_type "optimal": deadline = (1 + max_slowdown) x 1F1B at f_max, or target_time_s
+    # (energy then counted until the target: faster plans block at P2P power).
+    max_slowdown: float = 0.0
+    target_time_s: float | None = None
+
+    def validate(self) -> "PlannerConfig":
+        if self.plan_type not in PLAN_TYPES:
+            raise PlannerError(f"unknown plan type {self.plan_type!r}; choose one of {', '.join(PLAN_TYPES)}")
+        if self.scheduling not in ("1f1b", "ours"):
+            raise PlannerError(f"unknown scheduling {self.scheduling!r}; choose 1f1b or ours")
+        if self.reconfig not in RECONFIG_POLICIES:
+            raise PlannerError(
+                f"unknown reconfiguration policy {self.reconfig!r}; choose one of {', '.join(RECONFIG_POLICIES)}"
+            )
+        if self.reconfig_step_mhz is not None and self.reconfig_step_mhz <= 0:
+            raise PlannerError(f"reconfiguration step must be positive, got {self.reconfig_step_mhz} MHz")
+        if self.p2p_power_w is not None and self.p2p_power_w < 0:
+            raise PlannerError(f"P2P blocking power must be >= 0 W, got {self.p2p_power_w}")
+        if self.max_iterations < 1:
+            raise PlannerError("max_iterations must be >= 1")
+        if self.comm not in ("per-direction", "paired"):
+            raise PlannerError(f"unknown communication model {self.comm!r}; choose per-direction or paired")
+        if not self.max_slowdown >= 0:
+            raise PlannerError(f"max_slowdown must be >= 0 (a fraction: 0.05 = 5 %), got {self.max_slowdown}")
+        if self.target_time_s is not None and not self.target_time_s > 0:
+            raise PlannerError(f"target iteration time must be > 0 s, got {self.target_time_s}")
+        if self.plan_type != "optimal" and (self.max_slowdown or self.target_time_s is not None):
+            raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
+        return self
+
+    @property
+    def effective_p2p_power_w(self) -> float:
+        if self.p2p_power_w is not None:
+            return self.p2p_power_w
+        return self.gpu.p2p_power_w if self.gpu is not None else 0.0
+
+    @property
+    def effective_reconfig_step_mhz(self) -> int:
+        if self.reconfig_step_mhz is not None:
+            return self.reconfig_step_mhz
+        return self.gpu.reconfig_step_mhz if self.gpu is not None else DEFAULT_RECONFIG_STEP_MHZ
+
+    def dependencies(self, schedule: Schedule) -> tuple[Dependency, ...]:
+        """Edges beyond the iteration DAG that plans of ``schedule`` are scored with."""
+        deps = tuple(self.extra_dependencies)
+        if self.comm == "paired":
+            from megatron_envpipe.core.instructions import paired_hold_dependencies
+
+            deps += tuple(paired_hold_dependencies(schedule))
+        return deps
+
+
+@dataclass
+class PlanResult:
+    """A plan, how it was found, and how it scores against 1F1B at f_max."""
+
+    config: PlannerConfig
+    plan: FrequencyPlan
+    score: PlanScore
+    timeline: Timeline
+    baseline_plan: FrequencyPlan
+    baseline: PlanScore
+    baseline_timeline: Timeline
+    f_max_mhz: int
+    valley_mhz: tuple[int, ...]
+    candidates_mhz: tuple[int, ...]
+    iterations: int
+    converged: bool
+    stop_reason: str
+    planner_seconds: float
+    warnings: list[str] = field(default_factory=list)
+    deadline_s: float | None = None  # plan type "optimal": the iteration time it had to meet
+    lower_bound_j: float | None = None  # "optimal": no plan meeting the deadline uses less
+    details: dict = field(default_factory=dict)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.plan.schedule
+
+    @property
+    def energy_saving(self) -> float:
+        """Fraction of the baseline's energy saved (0 when the profile has no energy data)."""
+        if self.baseline.energy_j <= 0:
+            return 0.0
+        return 1.0 - self.score.energy_j / self.baseline.energy_j
+
+    @property
+    def slowdown(self) -> float:
+        return self.score.iteration_time_s / self.baseline.iteration_time_s - 1.0
+
+
+
+def stage_valley_clocks(
+    profile: Profile, candidates_mhz: Sequence[int], p2p_power_w: float
+) -> tuple[int, ...]:
+    """Per stage, the clock minimising one micro-batch's F+B energy at fixed iteration time.
+
+    Slowing a unit by dt lengthens busy time by dt and shortens idle time by
+    the same dt, so the relevant cost is ``E(f) - P_p2p * t(f)`` — which is what
+    EnvPipe's whole-iteration measurement minimises too. Ties: the faster clock.
+    """
+    valley = []
+    for s in range(profile.num_stages):
+        best = min(
+            candidates_mhz,
+            key=lambda f: (
+                sum(
+                    profile.energy_j(s, ins, f) - p2p_power_w * profile.time_s(s, ins, f)
+                    for ins in ("forward", "backward")
+                ),
+                -f,
+            ),
+        )
+        valley.append(best)
+    return tuple(valley)
+
+
+def planner_candidates(profile: Profile, gpu: GpuSpec | None) -> tuple[int, ...]:
+    """Clocks profiled for every stage and instruction, within the GPU's range."""
+    common = profile.common_frequencies()
+    if not common:
+        raise PlannerError(f"{profile.source}: no clock is profiled for every stage and instruction")
+    return gpu.candidate_clocks(common) if gpu is not None else common
+
+
+@dataclass
+class PlanningBasis:
+    """What every plan type of one (profile, M, config) starts from: clocks and the baseline."""
+
+    num_stages: int
+    p2p_power_w: float
+    candidates_mhz: tuple[int, ...]
+    f_max_mhz: int
+    valley_mhz: tuple[int, ...]
+    warnings: list[str]
+    baseline_plan: FrequencyPlan  # 1F1B, every unit at f_max
+    baseline_timeline: Timeline
+    baseline: PlanScore
+
+
+def planning_basis(
+    profile: Profile, num_microbatches: int, config: PlannerConfig, num_stages: int | None = None
+) -> PlanningBasis:
+    """Check the sizes, pick the candidate clocks and score the baseline (``config`` already validated)."""
+    p = profile.num_stages if num_stages is None else num_stages
+    if p != profile.num_stages:
+        raise PlannerError(f"--stages {p} does not match the profile's {profile.num_stages} stages ({profile.source})")
+    if num_microbatches < 1:
+        raise PlannerError(f"need at least one micro-batch, got {num_microbatches}")
+    p2p_power = config.effective_p2p_power_w
+    candidates = tuple(planner_candidates(profile, config.gpu))
+    if not candidates:
+        raise PlannerError(f"{profile.source}: no candidate clocks: no profiled clock lies in {config.gpu.key}'s range")
+    f_max = max(candidates)
+    warnings: list[str] = []
+    if config.gpu is not None and f_max < config.gpu.max_clock_mhz:
+        warnings.append(
+            f"the profile stops at {f_max} MHz, below {config.gpu.key}'s maximum {config.gpu.max_clock_mhz} MHz: "
+            f"the baseline runs at {f_max} MHz"
+        )
+    valley = stage_valley_clocks(profile, candidates, p2p_power)
+    baseline_schedule = one_f_one_b(p, num_microbatches)
+    baseline_eval = PlanEvaluator(baseline_schedule, profile, p2p_power, config.p2p_latency_s)
+    baseline_plan = FrequencyPlan.constant(baseline_schedule, [f_max] * p)
+    baseline_timeline = baseline_eval.simulate(baseline_plan.flat())
+    baseline_score = baseline_eval.score(baseline_plan.flat(), baseline_timeline)
+    return PlanningBasis(p, p2p_power, candidates, f_max, valley, warnings, baseline_plan, baseline_timeline,
+                         baseline_score)
+

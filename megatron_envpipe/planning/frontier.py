@@ -1,0 +1,211 @@
+"""The iteration-time vs energy Pareto frontier of a schedule, and picking a plan for a target time.
+
+From the fastest plan (every unit at its fastest clock; for 1F1B that is the
+baseline's iteration time) to the energy valley (the slowest iteration worth
+running: beyond it, blocking power outweighs what slower clocks save), the
+frontier holds, for evenly spaced deadlines, the minimum-energy plan meeting
+each (:mod:`megatron_envpipe.planning.optimal`), each scored with the same formula as
+everything else, Pareto-filtered so energy strictly falls as time grows.
+
+**Target time.** When something else sets the pace — a straggler pipeline, a
+data-loader, a fixed step budget — every iteration lasts ``T_target`` anyway
+and a faster plan blocks at P2P power until then (Perseus's accounting):
+``E(T_target) = E_plan + P_p2p * P * (T_target - T_plan)``. The best frontier
+plan is then the slowest one not slower than the target. (At run time,
+``--envpipe-target-time`` plans directly for the target instead.)
+
+CSV columns: ``time_s,energy_j,saving,slowdown`` (saving and slowdown against
+1F1B at the maximum clock, as fractions).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from megatron_envpipe.core.atomic import write_atomic
+from megatron_envpipe.core.plan import FrequencyPlan
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.schedule import Schedule
+from megatron_envpipe.core.timeline import PlanScore
+from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
+from megatron_envpipe.planning.optimal import DEFAULT_SEARCH_WORK, InfeasibleDeadline, _rank_schedules, _setup
+
+DEFAULT_POINTS = 20
+CSV_COLUMNS = ("time_s", "energy_j", "saving", "slowdown")
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    time_s: float
+    energy_j: float
+    saving: float  # vs 1F1B at f_max (at the baseline's own iteration time)
+    slowdown: float  # time / baseline time - 1
+    plan: FrequencyPlan
+    deadline_s: float  # the deadline this plan was computed for (time_s <= deadline_s)
+
+    def energy_at(self, target_time_s: float, p2p_power_w: float, num_stages: int) -> float:
+        """Energy of an iteration stretched to ``target_time_s`` (blocking until then)."""
+        return self.energy_j + p2p_power_w * num_stages * max(0.0, target_time_s - self.time_s)
+
+
+@dataclass
+class Frontier:
+    schedule: Schedule
+    points: list[FrontierPoint]  # fastest first; energy strictly decreasing
+    baseline: PlanScore  # 1F1B at f_max
+    p2p_power_w: float
+    fastest_s: float  # every unit at its fastest clock
+    valley_s: float  # the LP's minimum-energy iteration time
+    planner_seconds: float
+    config: PlannerConfig
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    def pick(self, target_time_s: float) -> tuple[FrontierPoint, float, float]:
+        """The plan to run when iterations last ``target_time_s``: (point, its energy, baseline's energy), both
+        stretched to the target. Raises :class:`InfeasibleDeadline` if no plan is that fast."""
+        fits = [pt for pt in self.points if pt.time_s <= target_time_s * (1 + 1e-12)]
+        if not fits:
+            raise InfeasibleDeadline(
+                f"target iteration time {target_time_s:.6g} s is faster than the fastest plan "
+                f"({self.points[0].time_s:.6g} s, every unit at its fastest clock)"
+            )
+        p, n = self.p2p_power_w, self.num_stages
+        best = min(fits, key=lambda pt: (pt.energy_at(target_time_s, p, n), -pt.time_s))
+        base = self.baseline.energy_j + p * n * max(0.0, target_time_s - self.baseline.iteration_time_s)
+        return best, best.energy_at(target_time_s, p, n), base
+
+    def csv_text(self) -> str:
+        out = io.StringIO()
+        w = csv.writer(out, lineterminator="\n")
+        w.writerow(CSV_COLUMNS)
+        for pt in self.points:
+            w.writerow([repr(pt.time_s), repr(pt.energy_j), repr(pt.saving), repr(pt.slowdown)])
+        return out.getvalue()
+
+    def to_csv(self, path: str | Path) -> Path:
+        return write_atomic(path, self.csv_text())
+
+    def plot(self, path: str | Path, target_time_s: float | None = None,
+             others: Sequence[tuple[str, float, float]] = ()) -> Path:
+        """Energy vs iteration time: the frontier, the baseline, ``others`` (label, time, energy), the target."""
+        from megatron_envpipe.apps.plot import _matplotlib
+
+        _, plt = _matplotlib()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        xs = [pt.time_s for pt in self.points]
+        ys = [pt.energy_j for pt in self.points]
+        ax.plot(xs, ys, "o-", color="tab:blue", ms=3.5, lw=1.5,
+                label=f"optimal plans ({self.schedule.name}, {len(xs)} points)")
+        b = self.baseline
+        ax.plot([b.iteration_time_s], [b.energy_j], "s", color="black", ms=7, label="1F1B at f_max (baseline)")
+        styles = iter([("^", "tab:orange"), ("D", "tab:green"), ("v", "tab:purple"), ("P", "tab:brown")])
+        for label, t, e in others:
+            marker, color = next(styles, ("*", "tab:gray"))
+            ax.plot([t], [e], marker, color=color, ms=7, label=label)
+        if target_time_s is not None:
+            try:
+                pt, e_at, base_at = self.pick(target_time_s)
+            except InfeasibleDeadline:
+                pt = None
+            ax.axvline(target_time_s, color="tab:red", ls="--", lw=1, label=f"target {target_time_s:.4g} s")
+            if pt is not None:
+                ax.plot([pt.time_s], [pt.energy_j], "o", mfc="none", mec="tab:red", ms=11, mew=2,
+                        label=f"picked: {100 * (1 - e_at / base_at):.1f} % less energy at the target")
+        ax.set_xlabel("iteration time (s)")
+        ax.set_ylabel("iteration energy (J)")
+        ax.set_title(f"time-energy frontier: {self.num_stages} stages x {self.schedule.num_microbatches} "
+                     f"micro-batches, P2P {self.p2p_power_w:g} W")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def compute_frontier(
+    profile: Profile,
+    num_microbatches: int,
+    config: PlannerConfig = PlannerConfig("optimal", "ours", "default"),
+    points: int = DEFAULT_POINTS,
+    num_stages: int | None = None,
+    search_work: int = DEFAULT_SEARCH_WORK // 2,
+) -> Frontier:
+    """The Pareto frontier from the fastest plan to the energy valley, ``points`` deadlines apart.
+
+    ``config`` gives scheduling, GPU, P2P power, activation budget, extra
+    warm-up and communication model (its plan type, max_slowdown and
+    target_time_s are ignored). For ``ours`` the extra warm-up is chosen as
+    for the zero-slowdown optimal plan and kept along the frontier.
+    """
+    if points < 2:
+        raise PlannerError(f"a frontier needs at least 2 points, got {points}")
+    t0 = time.perf_counter()
+    config = PlannerConfig(**{**config.__dict__, "plan_type": "optimal", "max_slowdown": 0.0, "target_time_s": None})
+    setup = _setup(profile, num_microbatches, config, num_stages)
+    base = setup.baseline
+    # Schedule: the one the zero-slowdown plan would use (or, if even that is infeasible,
+    # the fastest candidate's deadline).
+    try:
+        ranked = _rank_schedules(setup, profile, config, base.iteration_time_s, padded=False)
+    except InfeasibleDeadline:
+        from megatron_envpipe.planning.optimal import TimeEnergyModel
+
+        slowest_ok = min(
+            TimeEnergyModel(s, profile, setup.candidates_mhz, setup.p2p_power_w, config.p2p_latency_s,
+                            config.dependencies(s)).fastest_time_s()
+            for _, s in setup.schedules
+        )
+        ranked = _rank_schedules(setup, profile, config, slowest_ok, padded=False)
+    _, _, _, schedule, model = ranked[0]
+    weight = setup.p2p_power_w * setup.num_stages
+    fastest = model.fastest_time_s()
+    slowest = model.slowest_time_s()
+    _, valley_lp, _ = model.solve_lp(max(slowest, fastest), weight)
+    valley_lp = max(valley_lp, fastest)
+    deadlines = [fastest + (valley_lp - fastest) * i / (points - 1) for i in range(points)]
+    raw = []
+    for d in deadlines:
+        sol = model.solve(d, padded=False, search_work=search_work)
+        raw.append((sol.score.iteration_time_s, sol.score.energy_j, d, sol.freqs_mhz))
+    # Pareto filter: keep a plan only if it uses less energy than every faster one.
+    raw.sort(key=lambda x: (x[0], x[1]))
+    kept = []
+    best_e = float("inf")
+    for t, e, d, freqs in raw:
+        if e < best_e * (1 - 1e-12):
+            kept.append((t, e, d, freqs))
+            best_e = e
+    pts = [
+        FrontierPoint(
+            time_s=t,
+            energy_j=e,
+            saving=1.0 - e / base.energy_j if base.energy_j > 0 else 0.0,
+            slowdown=t / base.iteration_time_s - 1.0,
+            plan=FrequencyPlan.from_flat(schedule, freqs),
+            deadline_s=d,
+        )
+        for t, e, d, freqs in kept
+    ]
+    return Frontier(
+        schedule=schedule,
+        points=pts,
+        baseline=base,
+        p2p_power_w=setup.p2p_power_w,
+        fastest_s=fastest,
+        valley_s=valley_lp,
+        planner_seconds=time.perf_counter() - t0,
+        config=config,
+        warnings=list(setup.warnings),
+    )

@@ -1,0 +1,30 @@
+"""configs/demo.toml: the embedded default of `envpipe demo`, validated on load."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_envpipe.apps.demo import DemoConfig, DemoError
+
+
+def test_shipped_demo_config_loads():
+    cfg = DemoConfig.load()
+    assert cfg.stages == 4 and cfg.profile == "a40/gpt3-175b"
+    assert (cfg.plan_type, cfg.scheduling, cfg.reconfig) == ("envelope", "ours", "balanced")
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ("[demo]\nstagez = 4\n", "unknown key 'stagez'"),
+        ("[demo]\nstages = 'four'\n", "stages = 'four' should be a int"),
+        ("[demo]\nstages = 1\n", "needs stages >= 2"),
+        ("[demo\n", "not valid TOML"),
+    ],
+)
+def test_bad_demo_config_names_file_and_key(tmp_path, body, needle):
+    path = tmp_path / "demo.toml"
+    path.write_text(body)
+    with pytest.raises(DemoError, match=needle) as info:
+        DemoConfig.load(path)
+    assert str(path) in str(info.value)

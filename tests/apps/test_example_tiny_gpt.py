@@ -1,0 +1,248 @@
+"""examples/train_tiny_gpt.py end to end, and the corpus/tokenizer/dataset it trains on.
+
+The end-to-end test launches the example with torchrun on 4 CPU ranks (gloo)
+twice, with Megatron's 1F1B order (``baseline``/``1f1b``) and with EnvPipe's
+(``envelope``/``ours``/``balanced``), and requires the per-iteration losses to
+be equal bit for bit: EnvPipe only reorders units, the arithmetic is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from megatron_envpipe.apps import tiny_data
+from megatron_envpipe.megatron.localhost import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "train_tiny_gpt.py"
+NPROC = 4
+ITERS = 3
+
+
+# --------------------------------------------------------------------------- corpus and tokenizer
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tokenizer-cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cache_dir: Path) -> tiny_data.TinyTokenizer:
+    return tiny_data.load_tokenizer(tiny_data.ensure_tokenizer(cache_dir=cache_dir))
+
+
+@pytest.fixture(scope="module")
+def stream(tokenizer: tiny_data.TinyTokenizer) -> torch.Tensor:
+    return tiny_data.tokenize_documents(tokenizer, tiny_data.read_documents())
+
+
+def test_shipped_corpus_is_small_plain_text_with_sources() -> None:
+    path = tiny_data.corpus_path()
+    raw = path.read_bytes()
+    assert 100_000 < len(raw) <= 300_000
+    assert raw.isascii()
+    assert len(tiny_data.read_documents(path)) > 500
+    sources = (path.parent / "SOURCES.md").read_text()
+    assert "Python Software Foundation" in sources and path.name in sources
+
+
+def test_tokenizer_is_cached_under_a_content_key(cache_dir: Path, tokenizer: tiny_data.TinyTokenizer) -> None:
+    path = tiny_data.tokenizer_path(cache_dir=cache_dir)
+    assert tokenizer.path == path and path.is_file()
+    assert f"-v{tiny_data.DEFAULT_VOCAB_SIZE}-" in path.name
+    stamp = path.stat().st_mtime_ns
+    assert tiny_data.ensure_tokenizer(cache_dir=cache_dir) == path  # cached: not retrained
+    assert path.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in cache_dir.iterdir()) == [path.name, path.name + ".lock"]
+    # Another vocabulary size is another file.
+    assert tiny_data.tokenizer_path(256, cache_dir=cache_dir) != path
+
+
+def test_tokenizer_training_is_deterministic(tokenizer: tiny_data.TinyTokenizer) -> None:
+    again = tiny_data._train_model_bytes(tiny_data.corpus_path(), tiny_data.DEFAULT_VOCAB_SIZE)
+    assert again == tokenizer.path.read_bytes()
+
+
+def test_tokenizer_round_trip(tokenizer: tiny_data.TinyTokenizer) -> None:
+    assert tokenizer.vocab_size == tiny_data.DEFAULT_VOCAB_SIZE
+    assert tokenizer.eod == 2
+    text = "Return a new list containing all items from the iterable in ascending order."
+    ids = tokenizer.encode(text)
+    assert 0 < len(ids) < len(text) / 2  # BPE merges: well under a token per character
+    assert 0 not in ids  # no <unk>: the corpus covers plain English text
+    assert tokenizer.decode(ids) == text
+
+
+def test_concurrent_callers_train_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four ranks asking at once: one trains, all get the same complete file, no leftovers."""
+    real_train = tiny_data._train_model_bytes
+    calls: list[int] = []
+
+    def counting_train(corpus: Path, vocab_size: int) -> bytes:
+        calls.append(vocab_size)
+        time.sleep(0.3)  # keep the others waiting on the lock while "training"
+        return real_train(corpus, vocab_size)
+
+    monkeypatch.setattr(tiny_data, "_train_model_bytes", counting_train)
+    results: list[Path] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def rank() -> None:
+        try:
+            start.wait()
+            results.append(tiny_data.ensure_tokenizer(128, cache_dir=tmp_path / "cache"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert len(results) == 4 and len(set(results)) == 1
+    assert calls == [128]
+    files = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert files == [results[0].name, results[0].name + ".lock"]
+    assert tiny_data.load_tokenizer(results[0]).vocab_size == 128
+
+
+# --------------------------------------------------------------------------- dataset
+
+
+def test_samples_are_next_token_windows_with_eod_mask(stream: torch.Tensor, tokenizer: tiny_data.TinyTokenizer) -> None:
+    seq = 32
+    dataset = tiny_data.TinyLMDataset(stream, seq, seed=7, eod=tokenizer.eod)
+    assert dataset.samples_per_epoch == (len(stream) - 1) // seq
+    saw_eod = False
+    for index in range(0, 400, 7):
+        sample = dataset.sample(index)
+        start = int(dataset._permutation(0)[index]) * seq
+        assert torch.equal(sample["tokens"], stream[start : start + seq])
+        assert torch.equal(sample["labels"], stream[start + 1 : start + seq + 1])
+        eod = sample["tokens"] == tokenizer.eod
+        saw_eod |= bool(eod.any())
+        assert torch.equal(sample["loss_mask"], (~eod).float())
+    assert saw_eod  # the mask is exercised
+
+
+def test_epochs_are_seeded_permutations(stream: torch.Tensor) -> None:
+    dataset = tiny_data.TinyLMDataset(stream[:2001], 10, seed=3)
+    n = dataset.samples_per_epoch
+    assert n == 200
+    assert sorted(dataset._permutation(0).tolist()) == list(range(n))
+    assert not torch.equal(dataset._permutation(0), dataset._permutation(1))
+    assert torch.equal(dataset.sample(n + 5)["tokens"], dataset.sample(n + 5)["tokens"])
+
+
+def test_microbatches_are_deterministic(stream: torch.Tensor, tokenizer: tiny_data.TinyTokenizer) -> None:
+    def iteration(seed: int, it: int) -> list[dict[str, torch.Tensor]]:
+        dataset = tiny_data.TinyLMDataset(stream, 16, seed=seed, eod=tokenizer.eod)
+        torch.manual_seed(12345 + it)  # the global RNG must not matter
+        return list(dataset.microbatches(it, num_microbatches=3, micro_batch_size=2))
+
+    first = iteration(1234, 1)
+    assert len(first) == 3
+    batch = first[0]
+    assert batch["tokens"].shape == batch["labels"].shape == batch["loss_mask"].shape == (2, 16)
+    assert batch["tokens"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
+    assert torch.equal(batch["position_ids"], torch.arange(16).expand(2, 16))
+    assert batch["attention_mask"].shape == (1, 1, 16, 16) and bool(batch["attention_mask"][0, 0, 0, 1])
+    again = iteration(1234, 1)
+    for a, b in zip(first, again, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Iteration 1, micro-batch 2, row 1 is global sample (1*3 + 2)*2 + 1 = 11.
+    dataset = tiny_data.TinyLMDataset(stream, 16, seed=1234, eod=tokenizer.eod)
+    assert torch.equal(first[2]["tokens"][1], dataset.sample(11)["tokens"])
+    assert not torch.equal(iteration(1235, 1)[0]["tokens"], batch["tokens"])
+    assert not torch.equal(iteration(1234, 0)[0]["tokens"], batch["tokens"])
+
+
+# --------------------------------------------------------------------------- the example
+
+
+def _example_module() -> ModuleType:
+    from megatron_envpipe.apps import train_tiny_gpt
+
+    return train_tiny_gpt
+
+
+def test_example_arguments() -> None:
+    example = _example_module()
+    args = example.parse_args(["--global-batch-size", "12", "--micro-batch-size", "3",
+                               "--envpipe-type", "envelope", "--envpipe-scheduling", "ours"])
+    assert args.num_microbatches == 4 and args.pipeline_model_parallel_size == 4
+    assert args.envpipe_plan_type == "envelope" and args.envpipe_scheduling == "ours"
+    for bad in (["--num-layers", "6"], ["--global-batch-size", "5"], ["--hidden-size", "30"]):
+        with pytest.raises(SystemExit):
+            example.parse_args(bad)
+
+
+def _run_example(envpipe_flags: list[str], cache: Path, out: Path, iters: int = ITERS) -> tuple[dict, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(EXAMPLE), "--pipeline-model-parallel-size", str(NPROC), "--device", "cpu",
+        "--train-iters", str(iters), "--cache-dir", str(cache), "--losses-out", str(out),
+        *envpipe_flags,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
+    return json.loads(out.read_text()), output
+
+
+def test_envpipe_schedule_trains_bitwise_like_megatron_1f1b(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    baseline, base_log = _run_example(
+        ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b"], cache, tmp_path / "baseline.json")
+    envpipe, env_log = _run_example(
+        ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced"],
+        cache, tmp_path / "envpipe.json")
+    for result, log in ((baseline, base_log), (envpipe, env_log)):
+        losses = result["losses"]
+        assert len(losses) == ITERS and all(math.isfinite(x) for x in losses)
+        assert abs(losses[0] - math.log(tiny_data.DEFAULT_VOCAB_SIZE)) < 0.5  # near-uniform at init
+        assert losses[-1] < losses[0]  # every stage's optimizer stepped
+        assert f"iteration {ITERS}/{ITERS} | lm loss {losses[-1]!r}" in log
+    assert envpipe["envpipe"] == {"type": "envelope", "scheduling": "ours", "reconfig": "balanced"}
+    assert baseline["tokens"] == envpipe["tokens"]
+    # Exact: same floats, bit for bit (JSON round-trips Python floats exactly).
+    assert [x.hex() for x in envpipe["losses"]] == [x.hex() for x in baseline["losses"]]
+
+
+def test_simulated_gpu_profiles_plans_trains_and_reports_energy(tmp_path: Path) -> None:
+    """Issue 4's loop on CPU: start-up profiler on the simulated GPU, plan, train, energy log."""
+    cache = tmp_path / "cache"
+    iters = 9  # 1 warm-up + 4 swept clocks (300 MHz apart, 1 iteration each), then 4 planned
+    flags = ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced",
+             "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.1",
+             "--envpipe-profile-step", "300", "--envpipe-profile-iterations", "1",
+             "--envpipe-profile-cache", str(tmp_path / "profiles"), "--envpipe-log-interval", "1"]
+    simulated, log = _run_example(flags, cache, tmp_path / "sim.json", iters)
+    assert "EnvPipe profiler: start-up profiler" in log and "profile cached at" in log
+    assert "EnvPipe plan envelope/ours/balanced for 4 stages x 8 micro-batches from <start-up profiler" in log
+    energy_lines = [line for line in log.splitlines() if "EnvPipe energy (simulated)" in line]
+    assert energy_lines and all("W | saving" in line for line in energy_lines[-2:])
+    # Same math: the simulated GPU changes clocks and timing, never the losses.
+    baseline, _ = _run_example(["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b"], cache,
+                               tmp_path / "base.json", iters)
+    assert [x.hex() for x in simulated["losses"]] == [x.hex() for x in baseline["losses"]]
+    # The next run reuses the cached profile: no profiling iterations.
+    _, again = _run_example(flags, cache, tmp_path / "again.json", 2)
+    assert "reusing the cached profile" in again and "start-up profiler:" not in again.split("reusing")[0]

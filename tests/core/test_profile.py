@@ -1,0 +1,124 @@
+"""Profiles: the Perseus CSV format, validation with file:line, Pareto, scaling."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_envpipe.core.profile import Profile, ProfileError, ProfilePoint, pareto_front
+
+GOOD = """stage,instruction,frequency,time,energy
+0,forward,1410,0.10,30.0
+0,backward,1410,0.20,60.0
+0,forward,1200,0.12,25.0
+0,backward,1200,0.24,50.0
+1,forward,1410,0.11,31.0
+1,backward,1410,0.21,61.0
+1,forward,1200,0.13,26.0
+1,backward,1200,0.25,51.0
+"""
+
+
+def write(tmp_path, text, name="p.csv"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_shipped_profiles_load(gpt3_profile, bloom_profile):
+    for prof in (gpt3_profile, bloom_profile):
+        assert prof.num_stages == 8
+        assert prof.max_frequency() == 1740
+        assert len(prof.common_frequencies()) == 60
+        assert prof.common_frequencies()[-1] == 855
+        # SOURCES.md: emulation inputs, stages 0-6 identical row for row; stage 7 differs.
+        for s in range(1, 7):
+            assert prof.points(s, "forward") == prof.points(0, "forward")
+        assert prof.points(7, "backward") != prof.points(0, "backward")
+    assert gpt3_profile.time_s(0, "forward", 1740) == pytest.approx(0.11248032760620108)
+
+
+def test_roundtrip(tmp_path, gpt3_profile):
+    out = tmp_path / "sub" / "copy.csv"
+    gpt3_profile.to_csv(out)
+    again = Profile.from_csv(out)
+    for s in range(8):
+        for ins in ("forward", "backward"):
+            assert again.points(s, ins) == gpt3_profile.points(s, ins)
+    assert not list(out.parent.glob(".copy.csv.*")), "temp file left behind"
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (lambda t: t.replace("stage,instruction", "stg,instruction"), r"p\.csv:1: header lacks column\(s\) stage"),
+        (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,forward,1200,abc,25.0"), r"p\.csv:4: time 'abc' is not a number"),
+        (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,forward,1200,-0.12,25.0"), r"p\.csv:4: time must be > 0"),
+        (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,forward,1200,0.12,-1"), r"p\.csv:4: energy must be >= 0"),
+        (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,forward,1200,0.12,nan"), r"p\.csv:4: energy 'nan' is not finite"),
+        (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,forward,,0.12,25.0"), r"p\.csv:4: missing frequency"),
+        (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,forward,1200.5,0.12,25.0"), r"p\.csv:4: frequency .* whole number"),
+        (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,sideways,1200,0.12,25.0"), r"p\.csv:4: instruction 'sideways'"),
+        (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,forward,1200,0.12"), r"p\.csv:4: 4 fields where the header"),
+        (lambda t: t + "1,backward,1200,0.25,51.0\n", r"p\.csv:10: duplicate row for stage 1 backward at 1200 MHz \(first at line 9\)"),
+        (lambda t: t.replace("1,", "2,"), r"stage\(s\) \[1\] missing"),
+        (lambda t: "\n".join(l for l in t.splitlines() if "1,backward" not in l), r"stage 1 has no backward rows"),
+        (lambda t: "", r"empty profile"),
+        (lambda t: t.splitlines()[0] + "\n", r"header but no rows"),
+    ],
+)
+def test_corrupt_profiles_name_file_and_line(tmp_path, mutate, needle):
+    path = write(tmp_path, mutate(GOOD))
+    with pytest.raises(ProfileError, match=needle):
+        Profile.from_csv(path)
+
+
+def test_missing_file_is_clear(tmp_path):
+    with pytest.raises(ProfileError, match=r"nope\.csv: cannot read profile"):
+        Profile.from_csv(tmp_path / "nope.csv")
+
+
+def test_rank_columns_aggregate_tp_ranks(tmp_path):
+    text = "rank,dp_rank,pp_rank,tp_rank,stage,instruction,frequency,time,energy\n"
+    for tp, (t, e) in enumerate([(0.10, 30.0), (0.12, 34.0)]):
+        text += f"{tp},0,0,{tp},0,forward,1410,{t},{e}\n{tp},0,0,{tp},0,backward,1410,{2 * t},{2 * e}\n"
+    prof = Profile.from_csv(write(tmp_path, text))
+    # Max time over the TP group, mean energy per GPU.
+    assert prof.time_s(0, "forward", 1410) == pytest.approx(0.12)
+    assert prof.energy_j(0, "forward", 1410) == pytest.approx(32.0)
+
+
+def test_unprofiled_clock_error_lists_clocks(tmp_path):
+    prof = Profile.from_csv(write(tmp_path, GOOD))
+    with pytest.raises(ProfileError, match="not profiled at 1300 MHz; profiled clocks: 2 clocks, 1200..1410"):
+        prof.time_s(0, "forward", 1300)
+
+
+def test_pareto_and_valley():
+    pts = [
+        ProfilePoint(1500, 1.0, 10.0),
+        ProfilePoint(1400, 1.1, 9.0),
+        ProfilePoint(1300, 1.2, 9.5),  # slower and hungrier than 1400: dominated
+        ProfilePoint(1200, 1.3, 8.0),
+        ProfilePoint(1100, 1.5, 8.0),  # as cheap as 1200 but slower: dominated
+    ]
+    assert [p.freq_mhz for p in pareto_front(pts)] == [1500, 1400, 1200]
+    prof = Profile({(0, "forward"): pts, (0, "backward"): pts})
+    assert prof.min_energy_frequency(0, "forward") == 1200  # tie with 1100 -> the faster clock
+
+
+def test_scaled(tmp_path):
+    prof = Profile.from_csv(write(tmp_path, GOOD)).scaled(10, 80)
+    assert prof.time_s(1, "backward", 1200) == pytest.approx(2.5)
+    assert prof.energy_j(1, "backward", 1200) == pytest.approx(51.0 * 80)
+    with pytest.raises(ProfileError, match="positive"):
+        prof.scaled(0, 1)
+
+
+def test_for_pipeline_keeps_the_last_stage(gpt3_profile):
+    four = gpt3_profile.for_pipeline(4)
+    assert four.num_stages == 4
+    assert four.points(3, "backward") == gpt3_profile.points(7, "backward")
+    assert four.points(1, "forward") == gpt3_profile.points(1, "forward")
+    assert gpt3_profile.for_pipeline(8) is gpt3_profile
+    with pytest.raises(ProfileError, match="cannot emulate 9 stages"):
+        gpt3_profile.for_pipeline(9)

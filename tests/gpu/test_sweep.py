@@ -1,0 +1,426 @@
+"""Start-up profiler: sweep decisions, attribution, the profile cache, and the acceptance
+test: profiling simulated GPUs reproduces the profile that drives them within 2 %."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from megatron_envpipe.core.profile import Profile, ProfilePoint
+from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.gpu.energy import EnergyMonitor
+from megatron_envpipe.gpu.profile_cache import ProfileCache, ProfileKey, ProfileMeta, key_digest
+from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.sweep import (
+    BlockingSample,
+    ClockSweep,
+    ProfileRow,
+    StageSamples,
+    blocking_power_w,
+    robust_mean,
+    stage_samples,
+    sweep_candidates,
+)
+
+A40_P2P_W = 70.38
+
+
+# -- candidates and statistics ---------------------------------------------------------
+def test_sweep_candidates_start_at_the_true_maximum():
+    a40 = range(1740, 209, -15)
+    cands = sweep_candidates(a40, 90)
+    assert cands[:4] == (1740, 1650, 1560, 1470) and cands[-1] == 210 and len(cands) == 18
+    assert sweep_candidates(a40, 90, min_mhz=855)[-1] == 930
+    # A100: 1410 is not a multiple of 90, and it is still the first clock (EnvPipe swept from 1350).
+    assert sweep_candidates(range(1410, 209, -15), 90)[:2] == (1410, 1320)
+    # V100's 7.5 MHz ladder is off any integer grid: snap to the nearest supported clock.
+    v100 = [int(1530 - 7.5 * k) for k in range(186)]
+    got = sweep_candidates(v100, 90, min_mhz=800)
+    assert got[0] == 1530 and all(f in v100 for f in got) and got[-1] >= 800
+    assert all(abs((a - b) - 90) <= 8 for a, b in zip(got, got[1:]))
+    assert sweep_candidates([1000], 90) == (1000,)
+    with pytest.raises(ValueError):
+        sweep_candidates([], 90)
+    with pytest.raises(ValueError):
+        sweep_candidates([1000], 0)
+
+
+def test_robust_mean_drops_the_odd_unit_out():
+    assert robust_mean([1.0, 1.0, 1.0, 1.0, 9.0]) == 1.0  # e.g. the backward that all-reduces
+    assert robust_mean([2.0, 4.0]) == 3.0
+    assert robust_mean([5.0]) == 5.0
+    with pytest.raises(ValueError):
+        robust_mean([])
+
+
+# -- the sweep, fed exact samples ------------------------------------------------------
+VALLEY_CLOCKS = (1800, 1650, 1500, 1350, 1200, 1050, 900, 750)
+_TIME_X = (1.00, 1.08, 1.18, 1.30, 1.45, 1.62, 1.85, 2.10)
+_ENERGY_X = (1.00, 0.90, 0.82, 0.76, 0.80, 0.90, 1.02, 1.15)
+
+
+def valley_profile(num_stages: int = 2) -> Profile:
+    """A clear energy valley at 1350 MHz (also after subtracting P2P power x time)."""
+    pts = {}
+    for s in range(num_stages):
+        for ins, t, e in (("forward", 0.05, 15.0), ("backward", 0.10, 29.0)):
+            t, e = t * (1 + 0.2 * s), e * (1 + 0.2 * s)
+            pts[(s, ins)] = [ProfilePoint(f, t * tx, e * ex) for f, tx, ex in zip(VALLEY_CLOCKS, _TIME_X, _ENERGY_X)]
+    return Profile(pts, source="<valley>")
+
+
+def exact_samples(prof: Profile, freq: int, microbatches: int = 3) -> list[StageSamples]:
+    kinds = (("F", "forward"), ("B", "backward"))
+    return [
+        StageSamples.of(
+            [(k, prof.time_s(s, i, freq), prof.energy_j(s, i, freq)) for _ in range(microbatches) for k, i in kinds],
+            [(0.2, 0.2 * A40_P2P_W)],
+        )
+        for s in range(prof.num_stages)
+    ]
+
+
+def run_exact(prof: Profile, sweep: ClockSweep) -> list[int]:
+    clocks = []
+    while not sweep.done:
+        f = sweep.next_clock()
+        clocks.append(f)
+        sweep.record(f, exact_samples(prof, f))
+    return clocks
+
+
+def test_sweep_order_warmup_rows_and_early_stop_below_the_valley():
+    prof = valley_profile()
+    sweep = ClockSweep(VALLEY_CLOCKS, iterations_per_clock=2, warmup_iterations=1, stop_after_rising=3)
+    clocks = run_exact(prof, sweep)
+    # Warm-up at the maximum, then two iterations per clock, highest first, in lockstep.
+    assert clocks == [1800, 1800, 1800, 1650, 1650, 1500, 1500, 1350, 1350, 1200, 1200, 1050, 1050, 900, 900]
+    assert sweep.done and sweep.stopped_early and sweep.next_clock() is None
+    assert sweep.valley_clock_mhz() == 1350
+    assert sweep.measured_clocks_mhz() == (1800, 1650, 1500, 1350, 1200, 1050, 900)  # 3 below the valley, not 750
+    assert "below the energy valley" in sweep.stop_reason and "1350 MHz" in sweep.stop_reason
+    assert sweep.iterations_used == 15 < sweep.envpipe_iterations() == 48
+    for row in sweep.rows():
+        assert row.time_s == pytest.approx(prof.time_s(row.stage, row.instruction, row.freq_mhz))
+        assert row.energy_j == pytest.approx(prof.energy_j(row.stage, row.instruction, row.freq_mhz))
+    assert sweep.rows()[0] == ProfileRow(0, "forward", 1800, pytest.approx(0.05), pytest.approx(15.0))
+    assert sweep.p2p_power_w() == pytest.approx(A40_P2P_W)
+    assert "15 iterations (EnvPipe: 48)" in sweep.summary()
+    again = sweep.profile()
+    assert again.common_frequencies() == sweep.measured_clocks_mhz()
+    with pytest.raises(RuntimeError, match="done"):
+        sweep.record(900, exact_samples(prof, 900))
+
+
+def test_no_early_stop_without_a_clear_valley_and_when_disabled():
+    prof = valley_profile()
+    full = ClockSweep(VALLEY_CLOCKS, stop_after_rising=0)
+    run_exact(prof, full)
+    assert not full.stopped_early and full.measured_clocks_mhz() == VALLEY_CLOCKS
+    assert full.stop_reason == "swept all 8 candidate clocks"
+    # The metric creeps up just below f_max before falling (A40 GPT-3 at 15 MHz steps): no stop there.
+    a40 = Profile.from_csv(shipped_profile("a40/gpt3-175b"))
+    sweep = ClockSweep(sweep_candidates(a40.common_frequencies(), 15), iterations_per_clock=1, p2p_power_w=A40_P2P_W)
+    run_exact(a40, sweep)
+    assert sweep.measured_clocks_mhz()[-1] == 855
+    metrics = sweep.metrics_j()
+    # A bare "rose 3 times in a row" rule would have stopped near the top, above every valley.
+    naive = next(i for i in range(3, len(metrics)) if all(metrics[i - k] > metrics[i - k - 1] for k in range(3)))
+    assert sweep.measured_clocks_mhz()[naive] >= 1600 and min(metrics[: naive + 1]) == metrics[0]
+
+
+def test_p2p_aware_stop_keeps_the_clocks_the_planner_wants():
+    """Raw F+B energy bottoms out above the clock that minimises E - P_p2p t (what the
+    planner uses); stopping on raw energy would cut that clock off."""
+    a40 = Profile.from_csv(shipped_profile("a40/gpt3-175b"))
+    cands = sweep_candidates(a40.common_frequencies(), 15)
+    raw = ClockSweep(cands, iterations_per_clock=1, p2p_aware=False)
+    run_exact(a40, raw)
+    aware = ClockSweep(cands, iterations_per_clock=1, p2p_power_w=A40_P2P_W)
+    run_exact(a40, aware)
+    assert raw.stopped_early and raw.measured_clocks_mhz()[-1] == 900 and raw.valley_clock_mhz() == 945
+    assert aware.valley_clock_mhz() == 870 and 870 not in raw.measured_clocks_mhz()
+    # Measured P2P power (the blocking windows) gives the same decisions as the given one.
+    measured = ClockSweep(cands, iterations_per_clock=1)
+    run_exact(a40, measured)
+    assert measured.measured_clocks_mhz() == aware.measured_clocks_mhz()
+
+
+def test_record_checks_what_it_is_given():
+    prof = valley_profile()
+    sweep = ClockSweep(VALLEY_CLOCKS[:3], warmup_iterations=0)
+    with pytest.raises(ValueError, match="asked for 1800"):
+        sweep.record(1650, exact_samples(prof, 1650))
+    with pytest.raises(ValueError, match="unknown unit kind"):
+        sweep.record(1800, [StageSamples.of([("X", 1.0, 1.0)])])
+    with pytest.raises(ValueError, match="invalid unit sample"):
+        sweep.record(1800, [StageSamples.of([("F", 0.0, 1.0)])])
+    sweep.record(1800, exact_samples(prof, 1800))
+    with pytest.raises(ValueError, match="1 stages, earlier iterations had 2"):
+        sweep.record(1800, exact_samples(prof, 1800)[:1])
+    only_f = ClockSweep((1000,), iterations_per_clock=1, warmup_iterations=0)
+    with pytest.raises(ValueError, match="no backward samples for stage 0"):
+        only_f.record(1000, [([("F", 0.1, 1.0)], [])])  # plain (units, blocking) tuples are accepted
+    with pytest.raises(ValueError, match="fastest first"):
+        ClockSweep((900, 1000))
+    with pytest.raises(ValueError):
+        ClockSweep(())
+
+
+def test_blocking_power_removes_the_per_window_edge_bias():
+    # Every window carries the same extra 0.5 J from its edges; the slope ignores it.
+    windows = [BlockingSample(t, 70.0 * t + 0.5) for t in (0.05, 0.1, 0.2, 0.4)]
+    assert blocking_power_w(windows) == pytest.approx(70.0)
+    # Equal lengths: no slope to fit, total energy over total time.
+    same = [BlockingSample(0.1, 7.5)] * 3
+    assert blocking_power_w(same) == pytest.approx(75.0)
+    assert blocking_power_w([]) is None
+
+
+# -- attribution on a simulated GPU with a fake clock ----------------------------------
+class FakeTime:
+    """Fake clock whose sleeps tick in 1 ms steps, polling the monitors on the way."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.monitors: list[EnergyMonitor] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, dt: float) -> None:
+        end = self.now + dt
+        while self.now < end:
+            self.now = min(end, self.now + 0.001)
+            for m in self.monitors:
+                m.sample()
+
+
+@pytest.mark.parametrize("method,rel", [("regress", 1e-6), ("interpolate", 0.05)])
+def test_stage_samples_on_a_fake_clock(method, rel):
+    prof = valley_profile(1)
+    ft = FakeTime()
+    gpu = SimulatedGpu(prof, 0, time_scale=0.1, p2p_power_w=A40_P2P_W, clock=ft.clock, sleep=ft.sleep)
+    mon = EnergyMonitor(gpu, poll_interval_s=0.001, clock=ft.clock)
+    ft.monitors.append(mon)
+    mon.sample()
+    ft.sleep(0.004)
+    units, blocking = [], []
+    for m in range(3):
+        for kind in "FB":
+            if kind == "B":
+                w0 = ft.now
+                ft.sleep(0.002 * (m + 1))
+                blocking.append((w0, ft.now))
+            t0 = ft.now
+            gpu.unit_begin(0, kind)
+            gpu.unit_end(0, kind)
+            units.append((kind, t0, ft.now))
+    ft.sleep(0.003)
+    got = stage_samples(mon, units, blocking, time_scale=0.1, method=method)
+    for u in got.units:
+        ins = "forward" if u.kind == "F" else "backward"
+        assert u.time_s == pytest.approx(prof.time_s(0, ins, 1800))
+        assert u.energy_j == pytest.approx(prof.energy_j(0, ins, 1800), rel=rel)
+    assert blocking_power_w(got.blocking) == pytest.approx(A40_P2P_W, rel=max(rel, 1e-6) * 4)
+    with pytest.raises(ValueError, match="method"):
+        stage_samples(mon, units, method="guess")
+
+
+def test_stage_samples_falls_back_to_interpolation_when_powers_are_inseparable():
+    prof = valley_profile(1)
+    ft = FakeTime()
+    gpu = SimulatedGpu(prof, 0, p2p_power_w=A40_P2P_W, clock=ft.clock, sleep=ft.sleep)
+    mon = EnergyMonitor(gpu, clock=ft.clock)
+    mon.sample()
+    units = []
+    for kind in "FB":
+        t0 = ft.now
+        gpu.unit_begin(0, kind)
+        gpu.unit_end(0, kind)
+        units.append((kind, t0, ft.now))
+    mon.sample()  # two samples for three unknowns (F, B, the rest)
+    got = stage_samples(mon, units)
+    interpolated = stage_samples(mon, units, method="interpolate")
+    assert [u.energy_j for u in got.units] == pytest.approx([u.energy_j for u in interpolated.units])
+    with pytest.raises(ValueError, match="overlap"):  # a caller's bug is not hidden by the fallback
+        stage_samples(mon, units, blocking=[(units[0][1], units[0][2])])
+
+
+# -- the acceptance test ---------------------------------------------------------------
+def a40_three_stages() -> Profile:
+    """Three distinct real A40 stages (GPT-3 first and last, Bloom last), at every
+    180 MHz from 1740 down to the profile's 855 MHz floor (6 clocks)."""
+    gpt3 = Profile.from_csv(shipped_profile("a40/gpt3-175b"))
+    bloom = Profile.from_csv(shipped_profile("a40/bloom-176b"))
+    clocks = sweep_candidates(gpt3.common_frequencies(), 180)
+    sources = ((gpt3, 0), (gpt3, 7), (bloom, 7))
+    points = {
+        (s, ins): [src.point(st, ins, f) for f in clocks]
+        for s, (src, st) in enumerate(sources)
+        for ins in ("forward", "backward")
+    }
+    return Profile(points, source="<A40 3 stages>")
+
+
+def profile_simulated_pipeline(prof: Profile, sweep: ClockSweep, time_scale: float, microbatches: int,
+                               timing: str = "device", poll_interval_s: float = 0.002) -> None:
+    """What the runtime does per profiling iteration, on simulated GPUs in real time:
+    lock the sweep's clock on every stage, run each stage's units (stages one after
+    another; a stage waits 2, 4, 6, ... ms for each gradient: the P2P blocking
+    windows), attribute energy from each stage's poller, record.
+
+    ``timing="device"``: unit windows as the device ran them (the simulated GPU's
+    counterpart of CUDA events); ``"host"``: host clock read around unit_begin/unit_end.
+    """
+    gpus = [SimulatedGpu(prof, s, time_scale=time_scale, p2p_power_w=A40_P2P_W) for s in range(prof.num_stages)]
+    monitors = [EnergyMonitor(g, poll_interval_s=poll_interval_s).start() for g in gpus]
+    try:
+        while not sweep.done:
+            freq = sweep.next_clock()
+            for g in gpus:
+                g.set_locked_clocks(freq)
+            windows = []
+            for s, g in enumerate(gpus):
+                units, blocking = [], []
+                for m in range(microbatches):
+                    for kind in "FB":
+                        if kind == "B":
+                            w0 = time.monotonic()
+                            time.sleep(0.002 * (m + 1))
+                            blocking.append((w0, time.monotonic()))
+                        t0 = time.monotonic()
+                        g.unit_begin(s, kind)
+                        g.unit_end(s, kind)
+                        units.append((kind, t0, time.monotonic()) if timing == "host" else g.last_unit_window())
+                windows.append((units, blocking))
+            per_stage = [stage_samples(monitors[s], u, b, time_scale=time_scale) for s, (u, b) in enumerate(windows)]
+            sweep.record(freq, per_stage)
+    finally:
+        for m in monitors:
+            m.stop()
+
+
+def max_relative_errors(prof: Profile, rows: list[ProfileRow]) -> tuple[float, float]:
+    worst_t = worst_e = 0.0
+    for r in rows:
+        worst_t = max(worst_t, abs(r.time_s / prof.time_s(r.stage, r.instruction, r.freq_mhz) - 1))
+        worst_e = max(worst_e, abs(r.energy_j / prof.energy_j(r.stage, r.instruction, r.freq_mhz) - 1))
+    return worst_t, worst_e
+
+
+def test_acceptance_profiler_reproduces_the_driving_profile(tmp_path):
+    """Device-side unit windows (as CUDA events give on GPUs): the time and energy the
+    profiler reports are exactly what the simulated GPUs did, whatever the host load."""
+    prof = a40_three_stages()
+    cands = prof.common_frequencies()
+    assert cands == (1740, 1560, 1380, 1200, 1020, 855)
+    sweep = ClockSweep(cands, iterations_per_clock=2, warmup_iterations=1, stop_after_rising=3)
+    t0 = time.monotonic()
+    profile_simulated_pipeline(prof, sweep, time_scale=0.02, microbatches=4)
+    wall = time.monotonic() - t0
+    rows = sweep.rows()
+    assert len(rows) == 3 * 2 * len(cands)  # every (stage, instruction, clock)
+    worst_t, worst_e = max_relative_errors(prof, rows)
+    print(f"\n[acceptance] {sweep.summary()}\n[acceptance] device timing: max relative error time "
+              f"{100 * worst_t:.3f} %, energy {100 * worst_e:.3f} %, P2P {sweep.p2p_power_w():.2f} W "
+              f"(true {A40_P2P_W}), {wall:.1f} s wall")
+    assert worst_t < 0.02 and worst_e < 0.02
+    assert sweep.p2p_power_w() == pytest.approx(A40_P2P_W, rel=0.02)
+    assert sweep.iterations_used == 1 + 2 * len(cands) < 6 * len(cands)
+    # The measured profile goes through the cache and back unchanged.
+    cache = ProfileCache(tmp_path)
+    key = {"model": "a40-3-stage test", "pp": 3}
+    meta = ProfileMeta(sweep.iterations_used, sweep.p2p_power_w(), sweep.measured_clocks_mhz(), sweep.stop_reason)
+    cache.store(key, sweep.profile(), meta)
+    again = cache.load(key)
+    for r in rows:
+        assert again.time_s(r.stage, r.instruction, r.freq_mhz) == r.time_s
+
+
+def test_acceptance_with_host_timestamps():
+    """Host clock around unit_begin/unit_end (what a CPU run measures without device
+    timestamps): within 2 % on a quiet machine (host overhead ~0.3 %). Other processes
+    competing for the CPU delay the host and inflate unit times without bound, so the
+    test retries once, then skips rather than fails on an overloaded machine."""
+    prof = a40_three_stages()
+    for attempt in range(2):
+        sweep = ClockSweep(prof.common_frequencies())
+        profile_simulated_pipeline(prof, sweep, time_scale=0.02, microbatches=4, timing="host")
+        worst_t, worst_e = max_relative_errors(prof, sweep.rows())
+        print(f"\n[acceptance] host timing: max relative error time {100 * worst_t:.3f} %, "
+                  f"energy {100 * worst_e:.3f} %")
+        if worst_t < 0.02 and worst_e < 0.02:
+            return
+    load = os.getloadavg()[0]
+    if load > 0.75 * (os.cpu_count() or 1):
+        pytest.skip(f"host timing off by {100 * worst_t:.1f} % with load average {load:.1f} on "
+                    f"{os.cpu_count()} CPUs: the machine is too busy for wall-clock timing")
+    pytest.fail(f"host timing off by {100 * worst_t:.2f} % (time) / {100 * worst_e:.2f} % (energy) on a quiet machine")
+
+
+def test_acceptance_early_stop_below_a_clear_valley_in_real_time():
+    prof = valley_profile(2)
+    sweep = ClockSweep(VALLEY_CLOCKS)  # P2P power measured, not given
+    profile_simulated_pipeline(prof, sweep, time_scale=0.02, microbatches=3)
+    assert sweep.stopped_early and sweep.valley_clock_mhz() == 1350
+    assert sweep.measured_clocks_mhz()[-1] == 900  # three clocks below the valley; 750 never run
+    assert sweep.iterations_used == 15
+    worst_t, worst_e = max_relative_errors(prof, sweep.rows())
+    assert worst_t < 0.03 and worst_e < 0.02  # 1-2 ms units: host overhead weighs more in time
+
+
+# -- the profile cache -----------------------------------------------------------------
+def gpt_key(**over) -> ProfileKey:
+    base = dict(model={"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50304}, tensor_parallel=1,
+                pipeline_parallel=4, micro_batch_size=2, seq_length=1024, dtype="bf16",
+                gpu_name="NVIDIA A40", driver_version="550.54.15")
+    base.update(over)
+    return ProfileKey(**base)
+
+
+def test_cache_key_is_stable_and_sensitive():
+    a = gpt_key()
+    b = gpt_key(model={"vocab": 50304, "heads": 16, "hidden": 2048, "layers": 24})  # dict order
+    assert key_digest(a) == key_digest(b)
+    for change in ({"pipeline_parallel": 8}, {"micro_batch_size": 4}, {"driver_version": "555.42"},
+                   {"gpu_name": "NVIDIA A100-SXM4-40GB"}, {"model": {"layers": 25}}, {"extra": {"recompute": True}}):
+        assert key_digest(gpt_key(**change)) != key_digest(a), change
+    assert key_digest({"b": 1, "a": [1, 2]}) == key_digest({"a": [1, 2], "b": 1})
+    with pytest.raises(ValueError, match="not plain JSON"):
+        key_digest({"a": object()})
+
+
+def test_cache_store_lookup_describe(tmp_path, monkeypatch):
+    prof = valley_profile()
+    cache = ProfileCache(tmp_path / "c")
+    key = gpt_key()
+    assert cache.lookup(key) is None and cache.load(key) is None
+    assert cache.describe(key).startswith("profile cache miss")
+    path = cache.store(key, prof, ProfileMeta(iterations_used=15, p2p_power_w=70.4, clocks_mhz=(1800, 900)))
+    assert cache.lookup(key) == path and path.suffix == ".csv"
+    assert cache.load(key).points(1, "backward") == prof.points(1, "backward")
+    sidecar = json.loads(path.with_suffix(".json").read_text())
+    assert sidecar["key"]["driver_version"] == "550.54.15" and sidecar["key"]["format"] == 1
+    assert sidecar["meta"]["iterations_used"] == 15 and sidecar["meta"]["created_utc"]
+    text = cache.describe(key)
+    assert text.startswith("profile cache hit") and "15 iterations" in text and "70.4 W" in text
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")], "temp files left behind"
+    assert cache.lookup(gpt_key(driver_version="555.42")) is None
+    # A sidecar naming another key (edited, or a collision) or a corrupt CSV is a miss, not a crash.
+    path.write_text("stage,instruction\nbroken")
+    assert cache.lookup(key) == path and cache.load(key) is None
+    sidecar["key"]["seq_length"] = 4096
+    path.with_suffix(".json").write_text(json.dumps(sidecar))
+    assert cache.lookup(key) is None
+    path.with_suffix(".json").write_text("{not json")
+    assert cache.lookup(key) is None
+    # Root: $MEGATRON_ENVPIPE_CACHE, else ~/.cache/megatron-envpipe/profiles.
+    monkeypatch.setenv("MEGATRON_ENVPIPE_CACHE", str(tmp_path / "env"))
+    assert ProfileCache().root == tmp_path / "env"
+    monkeypatch.delenv("MEGATRON_ENVPIPE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ProfileCache().root == tmp_path / "xdg" / "megatron-envpipe" / "profiles"

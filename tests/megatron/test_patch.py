@@ -1,0 +1,47 @@
+"""install()/uninstall(): idempotent, reversible rebinding of Megatron's schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+import megatron_envpipe
+from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError
+
+
+def test_install_uninstall_roundtrip():
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+
+    from megatron_envpipe.megatron import executor
+
+    original = schedules.forward_backward_pipelining_without_interleaving
+    assert not megatron_envpipe.is_installed()
+    try:
+        megatron_envpipe.install(EnvPipeConfig(plan_type="envelope", scheduling="ours", profile="a40/gpt3-175b"))
+        megatron_envpipe.install(EnvPipeConfig())  # idempotent: re-configures, never double-wraps
+        assert schedules.forward_backward_pipelining_without_interleaving is executor.envpipe_forward_backward
+        # Megatron's dispatcher now returns our executor for PP > 1 without virtual stages...
+        assert get_forward_backward_func(pp_size=2, vp_size=None) is executor.envpipe_forward_backward
+        # ...and leaves the interleaved and no-pipelining schedules alone.
+        assert get_forward_backward_func(pp_size=2, vp_size=2) is schedules.forward_backward_pipelining_with_interleaving
+        assert get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
+        assert executor._State.original is original
+        assert executor._State.runtime.config == EnvPipeConfig()
+    finally:
+        megatron_envpipe.uninstall()
+    assert schedules.forward_backward_pipelining_without_interleaving is original
+    assert not megatron_envpipe.is_installed()
+    megatron_envpipe.uninstall()  # safe when not installed
+
+
+def test_install_validates_config():
+    with pytest.raises(EnvPipeConfigError, match="only applies to --envpipe-scheduling ours"):
+        megatron_envpipe.install(EnvPipeConfig(extra_warmup=(1, 0)))
+    assert not megatron_envpipe.is_installed()
+
+
+def test_executor_without_install_is_a_clear_error():
+    from megatron_envpipe.megatron.executor import envpipe_forward_backward
+
+    with pytest.raises(RuntimeError, match="before megatron_envpipe.install"):
+        envpipe_forward_backward(forward_step_func=None, data_iterator=None, model=[object(), object()],
+                                 num_microbatches=1, seq_length=1, micro_batch_size=1)
