@@ -45,8 +45,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works without installing
 
+from megatron_envpipe.core.gpu_specs import spec_for_nvml_name  # noqa: E402
+from megatron_envpipe.core.profile import Profile, ProfileError  # noqa: E402
 from megatron_envpipe.gpu.base import PERMISSION_HINT, GpuError  # noqa: E402
 from megatron_envpipe.gpu.nvml import NvmlGpu, clock_permission, nvml_acquire, nvml_release  # noqa: E402
+from megatron_envpipe.gpu.safety import ClockGuard  # noqa: E402
 
 
 def fail(message: str, status: int = 2) -> None:
@@ -366,16 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     floor = args.min_mhz
     if floor is None:
         try:
-            from megatron_envpipe.core.gpu_specs import spec_for_nvml_name
-
             spec = spec_for_nvml_name(info.name)
         except Exception:
             spec = None
         floor = spec.min_clock_mhz if spec is not None and spec.min_clock_mhz > clocks[0] // 3 else clocks[0] // 2
     targets = pick_clocks(clocks, args.step, floor)
-
-    from megatron_envpipe.gpu.safety import ClockGuard
-
     guard = ClockGuard(args.state_dir)
     try:
         kernel = ProbeKernel(torch, args.kernel, args.kernel_ms, clocks[0], dtype)
@@ -387,8 +385,6 @@ def main(argv: list[str] | None = None) -> int:
             slug = "".join(ch if ch.isalnum() else "-" for ch in info.name.lower()).strip("-")
             out = Path(args.out or f"out/gpu_probe_{slug}.csv")
             write_csv(out, rows)
-            from megatron_envpipe.core.profile import Profile, ProfileError
-
             print(f"\nwrote {out} ({len(rows)} clocks x forward/backward, Perseus format)")
             try:
                 Profile.from_csv(out)  # what envpipe plan will read

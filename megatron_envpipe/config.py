@@ -3,7 +3,8 @@
 ``add_envpipe_args(parser)`` adds the flags to any argparse parser (Megatron's
 included); ``EnvPipeConfig.from_args(args)`` turns them into a validated
 config, failing at start-up with one clear message on impossible
-combinations. Pure Python.
+combinations; ``EnvPipeConfig.planner_config(gpu)`` is the planner's view of
+it. Pure Python.
 """
 
 from __future__ import annotations
@@ -13,9 +14,19 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from megatron_envpipe.core.gpu_specs import GpuSpecError, get_gpu_spec
-from megatron_envpipe.core.vocabulary import PLAN_TYPES, RECONFIG_POLICIES, SCHEDULINGS
+from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
+from megatron_envpipe.core.resources import shipped_profiles
+from megatron_envpipe.core.vocabulary import (
+    PLAN_TYPES,
+    RECONFIG_POLICIES,
+    SCHEDULINGS,
+    PlanType,
+    ReconfigPolicy,
+    Scheduling,
+    coerce_enum,
+)
 from megatron_envpipe.errors import UsageError
+from megatron_envpipe.planning.basis import PlannerConfig
 
 
 class EnvPipeConfigError(UsageError, ValueError):
@@ -24,9 +35,9 @@ class EnvPipeConfigError(UsageError, ValueError):
 
 @dataclass(frozen=True)
 class EnvPipeConfig:
-    plan_type: str = "baseline"
-    scheduling: str = "1f1b"
-    reconfig: str = "default"
+    plan_type: PlanType = PlanType.BASELINE
+    scheduling: Scheduling = Scheduling.ONE_F_ONE_B
+    reconfig: ReconfigPolicy = ReconfigPolicy.DEFAULT
     # "auto" (NVML when this rank drives a CUDA device, else none), "none", "nvml",
     # "simulated:<profile>" (a GPU model on CPU), or a GPU table key (NVML + that table).
     gpu: str | None = None
@@ -50,6 +61,11 @@ class EnvPipeConfig:
     max_slowdown: float = 0.0  # --envpipe-type optimal: allowed iteration-time increase (fraction)
     target_time_s: float | None = None  # --envpipe-type optimal: plan for iterations lasting this long
 
+    def __post_init__(self) -> None:
+        # Flag strings become the vocabulary's members (equal to them); unknown names stay for validate().
+        for name, enum in (("plan_type", PlanType), ("scheduling", Scheduling), ("reconfig", ReconfigPolicy)):
+            object.__setattr__(self, name, coerce_enum(enum, getattr(self, name)))
+
     def validate(self) -> "EnvPipeConfig":
         def bad(msg: str) -> None:
             raise EnvPipeConfigError(msg)
@@ -60,7 +76,7 @@ class EnvPipeConfig:
             bad(f"--envpipe-scheduling {self.scheduling!r}: choose one of {', '.join(SCHEDULINGS)}")
         if self.reconfig not in RECONFIG_POLICIES:
             bad(f"--envpipe-reconfig {self.reconfig!r}: choose one of {', '.join(RECONFIG_POLICIES)}")
-        if self.extra_warmup is not None and self.scheduling != "ours":
+        if self.extra_warmup is not None and self.scheduling != Scheduling.OURS:
             bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours")
         if self.max_inflight is not None and self.max_inflight < 1:
             bad(f"--envpipe-max-inflight must be >= 1, got {self.max_inflight}")
@@ -69,8 +85,6 @@ class EnvPipeConfig:
                 _, _, source = self.gpu.partition(":")
                 if not source:
                     bad("--envpipe-gpu simulated needs a profile: simulated:<profile.csv or a40/gpt3-175b>")
-                from megatron_envpipe.core.resources import shipped_profiles
-
                 if source not in shipped_profiles() and not Path(source).is_file():
                     bad(f"--envpipe-gpu {self.gpu}: no such profile (give a Perseus-format CSV or a shipped name)")
             else:
@@ -79,8 +93,6 @@ class EnvPipeConfig:
                 except GpuSpecError as exc:
                     bad(f"--envpipe-gpu: {exc}; or use auto, none, nvml, simulated:<profile>")
         if self.profile is not None and not Path(self.profile).is_file():
-            from megatron_envpipe.core.resources import shipped_profiles
-
             if self.profile not in shipped_profiles():
                 bad(f"--envpipe-profile {self.profile}: no such file (give a Perseus-format CSV)")
         if self.p2p_power_w is not None and self.p2p_power_w < 0:
@@ -111,7 +123,7 @@ class EnvPipeConfig:
             bad("--envpipe-max-slowdown must be >= 0 (a fraction: 0.05 = 5 %)")
         if self.target_time_s is not None and not self.target_time_s > 0:
             bad("--envpipe-target-time must be > 0 seconds")
-        if (self.max_slowdown or self.target_time_s is not None) and self.plan_type != "optimal":
+        if (self.max_slowdown or self.target_time_s is not None) and self.plan_type != PlanType.OPTIMAL:
             bad("--envpipe-max-slowdown and --envpipe-target-time need --envpipe-type optimal")
         return self
 
@@ -119,14 +131,14 @@ class EnvPipeConfig:
         """Checks that need Megatron's own flags (virtual pipelines, PP size)."""
         self.validate()
         vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-        if vpp is not None and (self.scheduling != "1f1b" or self.plan_type != "baseline"):
+        if vpp is not None and (self.scheduling != Scheduling.ONE_F_ONE_B or self.plan_type != PlanType.BASELINE):
             raise EnvPipeConfigError(
                 "EnvPipe has no interleaved (virtual-pipeline) schedule: drop "
                 "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage, "
                 "or run --envpipe-type baseline --envpipe-scheduling 1f1b"
             )
         pp = getattr(args, "pipeline_model_parallel_size", None)
-        if pp is not None and pp < 2 and self.scheduling == "ours":
+        if pp is not None and pp < 2 and self.scheduling == Scheduling.OURS:
             raise EnvPipeConfigError(
                 "--envpipe-scheduling ours needs pipeline parallelism: set --pipeline-model-parallel-size >= 2"
             )
@@ -135,7 +147,35 @@ class EnvPipeConfig:
     @property
     def is_stock(self) -> bool:
         """baseline + 1f1b + default: exactly what Megatron does on its own."""
-        return self.plan_type == "baseline" and self.scheduling == "1f1b" and self.reconfig == "default"
+        return (
+            self.plan_type == PlanType.BASELINE
+            and self.scheduling == Scheduling.ONE_F_ONE_B
+            and self.reconfig == ReconfigPolicy.DEFAULT
+        )
+
+    def planner_config(self, gpu: GpuSpec | None = None, **overrides: Any) -> PlannerConfig:
+        """The planner's config for these flags on ``gpu`` (what the run-time plans with).
+
+        Plan type, scheduling, reconfiguration policy, P2P power, reconfiguration
+        step, activation budget, extra warm-up, maximum slowdown and target time
+        carry over; everything else keeps the planner's default. ``overrides``
+        replace single fields, e.g. ``p2p_power_w`` measured by the profiler when
+        no ``--envpipe-p2p-power`` was given.
+        """
+        values: dict[str, Any] = {
+            "plan_type": self.plan_type,
+            "scheduling": self.scheduling,
+            "reconfig": self.reconfig,
+            "gpu": gpu,
+            "p2p_power_w": self.p2p_power_w,
+            "reconfig_step_mhz": self.reconfig_step_mhz,
+            "max_inflight": self.max_inflight,
+            "extra_warmup": self.extra_warmup,
+            "max_slowdown": self.max_slowdown,
+            "target_time_s": self.target_time_s,
+        }
+        values.update(overrides)
+        return PlannerConfig(**values)
 
     @classmethod
     def from_args(cls, args: Any) -> "EnvPipeConfig":
@@ -147,6 +187,12 @@ class EnvPipeConfig:
         if values.get("extra_warmup") is not None:
             values["extra_warmup"] = tuple(values["extra_warmup"])
         return cls(**values).validate()
+
+
+# argparse lists its choices with repr() in "invalid choice" errors: give it the plain names.
+_PLAN_TYPE_NAMES = tuple(t.value for t in PLAN_TYPES)
+_SCHEDULING_NAMES = tuple(s.value for s in SCHEDULINGS)
+_RECONFIG_NAMES = tuple(r.value for r in RECONFIG_POLICIES)
 
 
 def int_list(text: str) -> list[int]:
@@ -161,13 +207,14 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     """Add the ``--envpipe-*`` flags; returns the parser (Megatron's extra_args_provider shape)."""
     d = EnvPipeConfig()
     g = parser.add_argument_group("EnvPipe", "energy-saving pipeline schedule and GPU clock plan")
-    g.add_argument("--envpipe-type", dest="envpipe_plan_type", choices=PLAN_TYPES, default=d.plan_type,
+    g.add_argument("--envpipe-type", dest="envpipe_plan_type", choices=_PLAN_TYPE_NAMES, default=d.plan_type.value,
                    help="initial clock plan: all at f_max (baseline), each stage at its energy-valley clock "
                         "(uniform), outer envelope at f_max and the rest at the valley (envelope), or the "
                         "minimum-energy plan meeting the baseline's iteration time (optimal; needs highspy or scipy)")
-    g.add_argument("--envpipe-scheduling", dest="envpipe_scheduling", choices=SCHEDULINGS, default=d.scheduling,
+    g.add_argument("--envpipe-scheduling", dest="envpipe_scheduling", choices=_SCHEDULING_NAMES,
+                   default=d.scheduling.value,
                    help="unit order: Megatron's 1F1B, or EnvPipe's extended warm-up (ours)")
-    g.add_argument("--envpipe-reconfig", dest="envpipe_reconfig", choices=RECONFIG_POLICIES, default=d.reconfig,
+    g.add_argument("--envpipe-reconfig", dest="envpipe_reconfig", choices=_RECONFIG_NAMES, default=d.reconfig.value,
                    help="online reconfiguration from measured critical paths")
     g.add_argument("--envpipe-gpu", dest="envpipe_gpu", default=d.gpu,
                    help="auto (default: NVML on CUDA devices, else none), none, nvml, "

@@ -22,13 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_envpipe.apps.plot import PlotUnavailableError, draw_timelines
+from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.plan import format_envpipe
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import configs_dir, shipped_profile
+from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.megatron.localhost import free_port
-from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 
 
@@ -47,9 +49,9 @@ class DemoConfig:
     sim_time_scale: float = 0.3
     profile_step_mhz: int = 150
     profile_iterations: int = 1
-    plan_type: str = "envelope"
-    scheduling: str = "ours"
-    reconfig: str = "balanced"
+    plan_type: str = PlanType.ENVELOPE.value  # TOML strings; EnvPipeConfig turns them into the vocabulary's members
+    scheduling: str = Scheduling.OURS.value
+    reconfig: str = ReconfigPolicy.BALANCED.value
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "DemoConfig":
@@ -80,6 +82,10 @@ class DemoConfig:
         if cfg.stages < 2 or cfg.microbatches < cfg.stages or cfg.iterations < 1:
             raise DemoError(f"{path}: [demo] needs stages >= 2, microbatches >= stages, iterations >= 1")
         return cfg
+
+    def envpipe_config(self) -> EnvPipeConfig:
+        """The EnvPipe flags of the demo's EnvPipe run (plan type, scheduling, reconfiguration)."""
+        return EnvPipeConfig(plan_type=self.plan_type, scheduling=self.scheduling, reconfig=self.reconfig)
 
 
 def _gpus() -> int:
@@ -146,7 +152,7 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     # 1. What EnvPipe will do, planned on the profile of the simulated GPUs.
     profile = Profile.from_csv(shipped_profile(cfg.profile)).for_pipeline(nproc)
     gpu_key = cfg.profile.split("/")[0]
-    pcfg = PlannerConfig(cfg.plan_type, cfg.scheduling, cfg.reconfig, gpu=get_gpu_spec(gpu_key))
+    pcfg = cfg.envpipe_config().planner_config(get_gpu_spec(gpu_key))
     plan = plan_envpipe(profile, cfg.microbatches, pcfg)
     print("Schedule ('ours': extra warm-up forwards put the slack right after them):")
     print(plan.schedule)
@@ -157,13 +163,11 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     print(format_envpipe(plan.plan, None, plan.timeline.critical_units()))
     print(f"predicted: energy -{100 * plan.energy_saving:.1f}% at {100 * plan.slowdown:+.2f}% iteration time\n")
     try:
-        from megatron_envpipe.apps.plot import draw_timelines
-
         png = draw_timelines([("baseline: 1F1B, every unit at f_max", plan.baseline_plan, plan.baseline_timeline),
                               (f"EnvPipe: {cfg.plan_type}/{cfg.scheduling}/{cfg.reconfig}", plan.plan, plan.timeline)],
                              out / "timeline.png")
         print(f"timeline picture (baseline vs EnvPipe): {png}\n")
-    except SystemExit as exc:  # matplotlib missing: the rest still runs
+    except PlotUnavailableError as exc:  # matplotlib missing: the rest still runs
         print(f"(no timeline picture: {exc})\n")
 
     # 2. Train twice, measure.

@@ -6,11 +6,18 @@ when a picture is asked for.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.timeline import Timeline
+from megatron_envpipe.errors import UsageError
+from megatron_envpipe.planning.frontier import Frontier
+from megatron_envpipe.planning.optimal import InfeasibleDeadline
+
+
+class PlotUnavailableError(UsageError):
+    """A picture was asked for but matplotlib is not installed."""
 
 
 def _matplotlib():
@@ -20,7 +27,7 @@ def _matplotlib():
         matplotlib.use("Agg")  # files only; never needs a display
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit(
+        raise PlotUnavailableError(
             "drawing needs matplotlib: pip install 'megatron-envpipe[plot]' (or pip install matplotlib)"
         ) from None
     return matplotlib, plt
@@ -81,3 +88,45 @@ def draw_timelines(
     fig.savefig(out, dpi=130, bbox_inches="tight")
     plt.close(fig)
     return out
+
+
+def draw_frontier(
+    frontier: Frontier,
+    path: str | Path,
+    target_time_s: float | None = None,
+    others: Sequence[tuple[str, float, float]] = (),
+) -> Path:
+    """Energy vs iteration time: the frontier, the baseline, ``others`` (label, time, energy), the target."""
+    _, plt = _matplotlib()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    xs = [pt.time_s for pt in frontier.points]
+    ys = [pt.energy_j for pt in frontier.points]
+    ax.plot(xs, ys, "o-", color="tab:blue", ms=3.5, lw=1.5,
+            label=f"optimal plans ({frontier.schedule.name}, {len(xs)} points)")
+    b = frontier.baseline
+    ax.plot([b.iteration_time_s], [b.energy_j], "s", color="black", ms=7, label="1F1B at f_max (baseline)")
+    styles = iter([("^", "tab:orange"), ("D", "tab:green"), ("v", "tab:purple"), ("P", "tab:brown")])
+    for label, t, e in others:
+        marker, color = next(styles, ("*", "tab:gray"))
+        ax.plot([t], [e], marker, color=color, ms=7, label=label)
+    if target_time_s is not None:
+        try:
+            pt, e_at, base_at = frontier.pick(target_time_s)
+        except InfeasibleDeadline:
+            pt = None
+        ax.axvline(target_time_s, color="tab:red", ls="--", lw=1, label=f"target {target_time_s:.4g} s")
+        if pt is not None:
+            ax.plot([pt.time_s], [pt.energy_j], "o", mfc="none", mec="tab:red", ms=11, mew=2,
+                    label=f"picked: {100 * (1 - e_at / base_at):.1f} % less energy at the target")
+    ax.set_xlabel("iteration time (s)")
+    ax.set_ylabel("iteration energy (J)")
+    ax.set_title(f"time-energy frontier: {frontier.num_stages} stages x {frontier.schedule.num_microbatches} "
+                 f"micro-batches, P2P {frontier.p2p_power_w:g} W")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

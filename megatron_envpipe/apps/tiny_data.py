@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from megatron_envpipe.core.atomic import write_atomic
+from megatron_envpipe.core.resources import data_dir
 
 __all__ = [
     "CORPUS_FILE",
@@ -81,8 +82,6 @@ _TRAINER_OPTIONS: dict[str, Any] = {
 
 def corpus_path() -> Path:
     """The shipped corpus, in a source checkout (``data/``) or an installed package."""
-    from megatron_envpipe.core.resources import data_dir
-
     path = data_dir() / "corpus" / CORPUS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"shipped corpus {path} is missing; reinstall megatron-envpipe")

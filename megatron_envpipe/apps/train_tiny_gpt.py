@@ -33,6 +33,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpi
 from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims, model_parallel_manual_seed
 from megatron_envpipe.megatron.localhost import free_port
+from megatron_envpipe.megatron.state import STATE
 
 # CPU runs have neither Transformer Engine nor apex; Megatron says so once per module.
 warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
@@ -320,11 +322,7 @@ def write_losses(path: Path, args: argparse.Namespace, records: list[dict[str, A
 
 def _envpipe_summary() -> dict[str, Any]:
     """What EnvPipe planned and measured in this process (for --losses-out)."""
-    from dataclasses import asdict
-
-    from megatron_envpipe.megatron import executor
-
-    runtime = executor._State.runtime
+    runtime = STATE.runtime
     if runtime is None:
         return {}
     out: dict[str, Any] = {"energy": [dict(asdict(r), saving=r.saving) for r in runtime.energy_log],

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable
 
 from megatron_envpipe.core.resources import configs_dir
 from megatron_envpipe.errors import UsageError

@@ -26,8 +26,9 @@ stages, instructions and peers if the programs can block forever.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Sequence
+from typing import ClassVar
 
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit
@@ -203,7 +204,8 @@ def build_programs(
         first, last = s == 0, s == p - 1
         next_act = next_grad = 0  # next receive to post, per channel
 
-        def post(kind: str, upto: int) -> None:
+        # Bound per stage (defaults): the closure never outlives this iteration.
+        def post(kind: str, upto: int, out: list[Instruction] = out, first: bool = first, last: bool = last) -> None:
             nonlocal next_act, next_grad
             if kind == ACT and not first:
                 while next_act < min(m, upto):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any
 
 from megatron_envpipe.core.schedule import Schedule, ScheduleError, Unit
 

@@ -14,9 +14,10 @@ import csv
 import io
 import math
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, TypeVar
 
 from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS, UnitKind
@@ -276,14 +277,30 @@ class Profile:
 
 def pareto_front(points: Iterable[ProfilePoint]) -> tuple[ProfilePoint, ...]:
     """Non-dominated points (strictly better in one of time/energy, no worse in the other)."""
-    ordered = sorted(points, key=lambda p: (p.time_s, p.energy_j, -p.freq_mhz))
-    front: list[ProfilePoint] = []
-    best_energy = math.inf
-    for p in ordered:
-        if p.energy_j < best_energy:
-            front.append(p)
-            best_energy = p.energy_j
+    front = pareto_filter(points, key=lambda p: (p.time_s, p.energy_j, -p.freq_mhz), cost=lambda p: p.energy_j)
     return tuple(sorted(front, key=lambda p: -p.freq_mhz))
+
+
+_T = TypeVar("_T")
+
+
+def pareto_filter(
+    items: Iterable[_T], key: Callable[[_T], Any], cost: Callable[[_T], float], rtol: float = 0.0
+) -> list[_T]:
+    """The items in ``key`` order (fastest first), each kept only if it costs less than every kept one before it.
+
+    With ``key`` sorting by time (ties: cheaper first), these are the
+    time/cost trade-offs worth having: no kept item is slower *and* costlier
+    than another. ``rtol``: a kept item must be cheaper by more than this fraction.
+    """
+    kept: list[_T] = []
+    best = math.inf
+    for item in sorted(items, key=key):
+        c = cost(item)
+        if c < best * (1 - rtol):
+            kept.append(item)
+            best = c
+    return kept
 
 
 def _parse_int(row: Mapping[str, str], column: str, source: str, lineno: int) -> int:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
-from megatron_envpipe.core.vocabulary import SCHEDULINGS, UnitKind
+from megatron_envpipe.core.graph import topological_order
+from megatron_envpipe.core.vocabulary import SCHEDULINGS, Scheduling, UnitKind
 from megatron_envpipe.errors import UsageError
 
 FORWARD = UnitKind.FORWARD
@@ -137,10 +138,9 @@ class Schedule:
                 shown = " ".join(str(u) for u in missing[:6])
                 raise ScheduleError(f"stage {s}: missing {shown}{' ...' if len(missing) > 6 else ''}")
         # Cross-stage feasibility: the dependency graph must be acyclic, otherwise
-        # the stages wait on each other forever. The timeline owns that graph.
-        from megatron_envpipe.core.timeline import PipelineGraph  # local import: timeline imports schedule
-
-        PipelineGraph(self)
+        # the stages wait on each other forever.
+        dag = unit_dag(self)
+        execution_order(dag.nodes, dag.preds())
         return self
 
     def __str__(self) -> str:
@@ -183,6 +183,72 @@ class Schedule:
         num_mb = 1 + max((u.microbatch for order in rows.values() for u in order), default=-1)
         schedule = cls(num_mb, tuple(rows[s] for s in range(len(rows))), name=name)
         return schedule.validate()
+
+
+@dataclass(frozen=True)
+class UnitDag:
+    """A schedule's units as DAG nodes (stage by stage, in order) and the dependencies the schedule implies.
+
+    Edges: the same stage's previous unit (a GPU runs one unit at a time) and
+    the message a unit receives, ``F(s-1, m) -> F(s, m)`` (activation) and
+    ``B(s+1, m) -> B(s, m)`` (gradient).
+    """
+
+    nodes: tuple[tuple[int, Unit], ...]
+    index: dict[tuple[int, Unit], int]
+    stage_pred: tuple[int, ...]  # the same stage's previous unit, or -1
+    message_pred: tuple[int, ...]  # the unit whose activation or gradient this one receives, or -1
+
+    def preds(self) -> list[list[tuple[int, float]]]:
+        """Per node ``(u, latency_s)``, no latencies: the stage predecessor first, then the message's sender."""
+        return [
+            [(u, 0.0) for u in (self.stage_pred[v], self.message_pred[v]) if u >= 0] for v in range(len(self.nodes))
+        ]
+
+
+def unit_dag(schedule: Schedule) -> UnitDag:
+    """The units of ``schedule`` and their dependencies; ScheduleError if a message's sender is missing."""
+    nodes: list[tuple[int, Unit]] = []
+    index: dict[tuple[int, Unit], int] = {}
+    for s, order in enumerate(schedule.orders):
+        for unit in order:
+            index[(s, unit)] = len(nodes)
+            nodes.append((s, unit))
+    stage_pred = [-1] * len(nodes)
+    for s, order in enumerate(schedule.orders):
+        for i in range(1, len(order)):
+            stage_pred[index[(s, order[i])]] = index[(s, order[i - 1])]
+    message_pred = [-1] * len(nodes)
+    last = schedule.num_stages - 1
+    for v, (s, unit) in enumerate(nodes):
+        if unit.is_forward and s > 0:
+            message_pred[v] = unit_index(index, (s - 1, unit), "dependency source")
+        elif not unit.is_forward and s < last:
+            message_pred[v] = unit_index(index, (s + 1, unit), "dependency source")
+    return UnitDag(tuple(nodes), index, tuple(stage_pred), tuple(message_pred))
+
+
+def unit_index(index: dict[tuple[int, Unit], int], key: tuple[int, Unit], role: str) -> int:
+    """``index[key]``, or ScheduleError naming the ``role`` of the missing unit."""
+    v = index.get(key)
+    if v is None:
+        raise ScheduleError(f"{role} S{key[0]} {key[1]} is not in the schedule")
+    return v
+
+
+def execution_order(nodes: Sequence[tuple[int, Unit]], preds: Sequence[Sequence[tuple[int, float]]]) -> list[int]:
+    """A topological order of the unit DAG; ScheduleError naming the deadlocked stages if it has a cycle."""
+    order = topological_order(preds)
+    if len(order) != len(nodes):
+        done = set(order)
+        stuck = [node for v, node in enumerate(nodes) if v not in done]
+        stages = sorted({s for s, _ in stuck})
+        first = ", ".join(f"S{s} {u}" for s, u in stuck[:4])
+        raise ScheduleError(
+            f"the schedule cannot execute: stages {stages} wait on each other in a cycle "
+            f"(deadlock), e.g. at {first}"
+        )
+    return order
 
 
 def _stage_order(num_microbatches: int, warmup: int) -> tuple[Unit, ...]:
@@ -326,9 +392,9 @@ def build_schedule(
     extra_warmup: Sequence[int] | None = None,
 ) -> Schedule:
     """Schedule by name: ``1f1b`` or ``ours`` (``ours`` needs clamped ``extra_warmup``)."""
-    if scheduling == "1f1b":
+    if scheduling == Scheduling.ONE_F_ONE_B:
         return one_f_one_b(num_stages, num_microbatches)
-    if scheduling == "ours":
+    if scheduling == Scheduling.OURS:
         if extra_warmup is None:
             raise ScheduleError("scheduling 'ours' needs the extra warm-up per stage")
         return envpipe_schedule(num_stages, num_microbatches, extra_warmup)

@@ -15,11 +15,12 @@ profiled energy, everything else (bubbles, waiting, P2P) the blocking power.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
+from megatron_envpipe.core.graph import critical_path, earliest_times
 from megatron_envpipe.core.profile import Profile, instruction_of
-from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit
+from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit, execution_order, unit_dag, unit_index
 
 # Relative tolerance when deciding which predecessor made a unit wait.
 _TIGHT_RTOL = 1e-9
@@ -53,71 +54,28 @@ class PipelineGraph:
         self.schedule = schedule
         self.p2p_latency_s = p2p_latency_s
         self.extra_dependencies = tuple(extra_dependencies)
-        self.nodes: list[tuple[int, Unit]] = []
-        self.index: dict[tuple[int, Unit], int] = {}
-        for s, order in enumerate(schedule.orders):
-            for unit in order:
-                self.index[(s, unit)] = len(self.nodes)
-                self.nodes.append((s, unit))
+        dag = unit_dag(schedule)
+        self.nodes: list[tuple[int, Unit]] = list(dag.nodes)
+        self.index: dict[tuple[int, Unit], int] = dag.index
         n = len(self.nodes)
         # Per node: the same-stage predecessor (or -1) and the cross-stage ones.
-        self.stage_pred: list[int] = [-1] * n
-        self.cross_preds: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        for s, order in enumerate(schedule.orders):
-            for i in range(1, len(order)):
-                self.stage_pred[self.index[(s, order[i])]] = self.index[(s, order[i - 1])]
-        last = schedule.num_stages - 1
-        for v, (s, unit) in enumerate(self.nodes):
-            if unit.is_forward and s > 0:
-                self._add_cross(v, (s - 1, unit), p2p_latency_s)
-            elif not unit.is_forward and s < last:
-                self._add_cross(v, (s + 1, unit), p2p_latency_s)
+        self.stage_pred: list[int] = list(dag.stage_pred)
+        self.cross_preds: list[list[tuple[int, float]]] = [
+            [(u, p2p_latency_s)] if u >= 0 else [] for u in dag.message_pred
+        ]
         for dep in self.extra_dependencies:
             if dep.latency_s < 0:
                 raise ScheduleError(f"dependency latency must be >= 0 s: {dep}")
-            dst = self.index.get((dep.dst_stage, dep.dst))
-            if dst is None:
-                raise ScheduleError(f"dependency target S{dep.dst_stage} {dep.dst} is not in the schedule")
-            self._add_cross(dst, (dep.src_stage, dep.src), dep.latency_s)
+            dst = unit_index(self.index, (dep.dst_stage, dep.dst), "dependency target")
+            src = unit_index(self.index, (dep.src_stage, dep.src), "dependency source")
+            self.cross_preds[dst].append((src, dep.latency_s))
         self.preds: list[tuple[tuple[int, float], ...]] = [
             tuple(([(self.stage_pred[v], 0.0)] if self.stage_pred[v] >= 0 else []) + self.cross_preds[v])
             for v in range(n)
         ]
-        self.order = self._topological_order()
+        self.order = execution_order(self.nodes, self.preds)
         self.stage_of = [s for s, _ in self.nodes]
         self.instruction_of = [instruction_of(u.kind) for _, u in self.nodes]
-
-    def _add_cross(self, dst: int, src_key: tuple[int, Unit], latency_s: float) -> None:
-        src = self.index.get(src_key)
-        if src is None:
-            raise ScheduleError(f"dependency source S{src_key[0]} {src_key[1]} is not in the schedule")
-        self.cross_preds[dst].append((src, latency_s))
-
-    def _topological_order(self) -> list[int]:
-        n = len(self.nodes)
-        indegree = [len(p) for p in self.preds]
-        succs: list[list[int]] = [[] for _ in range(n)]
-        for v, preds in enumerate(self.preds):
-            for p, _ in preds:
-                succs[p].append(v)
-        ready = [v for v in range(n) if indegree[v] == 0]
-        order: list[int] = []
-        while ready:
-            v = ready.pop()
-            order.append(v)
-            for w in succs[v]:
-                indegree[w] -= 1
-                if indegree[w] == 0:
-                    ready.append(w)
-        if len(order) != n:
-            stuck = [self.nodes[v] for v in range(n) if indegree[v] > 0]
-            stages = sorted({s for s, _ in stuck})
-            first = ", ".join(f"S{s} {u}" for s, u in stuck[:4])
-            raise ScheduleError(
-                f"the schedule cannot execute: stages {stages} wait on each other in a cycle "
-                f"(deadlock), e.g. at {first}"
-            )
-        return order
 
     def node(self, stage: int, unit: Unit) -> int:
         return self.index[(stage, unit)]
@@ -127,17 +85,7 @@ class PipelineGraph:
         n = len(self.nodes)
         if len(durations_s) != n:
             raise ValueError(f"need {n} unit durations, got {len(durations_s)}")
-        start = [0.0] * n
-        end = [0.0] * n
-        preds = self.preds
-        for v in self.order:
-            t = 0.0
-            for p, lat in preds[v]:
-                ready = end[p] + lat
-                if ready > t:
-                    t = ready
-            start[v] = t
-            end[v] = t + durations_s[v]
+        start, end = earliest_times(self.order, self.preds, durations_s)
         return Timeline(self, start, end, list(durations_s))
 
 
@@ -189,25 +137,7 @@ class Timeline:
         # Prefer stage 0's last unit: EnvPipe's walk starts at B(0, M-1).
         last0 = graph.index[(0, graph.schedule.orders[0][-1])]
         v = last0 if self.end_s[last0] >= t_end - tol else max(range(len(self.end_s)), key=self.end_s.__getitem__)
-        path = [v]
-        while True:
-            start = self.start_s[v]
-            if start <= tol:
-                break
-            nxt = -1
-            sp = graph.stage_pred[v]
-            if sp >= 0 and abs(self.end_s[sp] - start) <= tol:
-                nxt = sp
-            else:
-                best = -1.0
-                for p, lat in graph.cross_preds[v]:
-                    ready = self.end_s[p] + lat
-                    if abs(ready - start) <= tol and ready > best:
-                        best, nxt = ready, p
-            if nxt < 0:  # numerical corner: take the latest-ready predecessor
-                nxt = max(graph.preds[v], key=lambda pl: self.end_s[pl[0]] + pl[1])[0]
-            path.append(nxt)
-            v = nxt
+        path = critical_path(v, self.start_s, self.end_s, graph.preds, tol, preferred=graph.stage_pred)
         self._critical = path
         return path
 
@@ -280,7 +210,7 @@ class PlanEvaluator:
             raise
 
     def _raise_unprofiled(self, freqs: Sequence[int]) -> None:
-        for (s, unit), key, f in zip(self.graph.nodes, self._keys, freqs):
+        for (s, _unit), key, f in zip(self.graph.nodes, self._keys, freqs):
             if f not in self._time[key]:
                 self.profile.point(s, key[1], f)  # raises ProfileError with the clock list
 

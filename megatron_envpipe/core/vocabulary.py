@@ -10,6 +10,17 @@ from __future__ import annotations
 from enum import StrEnum
 
 
+def coerce_enum(enum: type[StrEnum], value: object) -> object:
+    """``value`` as a member of the str Enum ``enum`` if it names one; anything else unchanged
+    (left for ``validate()`` to report in its own words)."""
+    if isinstance(value, enum):
+        return value
+    try:
+        return enum(value)
+    except (ValueError, TypeError):
+        return value
+
+
 class UnitKind(StrEnum):
     """A pipeline unit: one micro-batch's forward or backward on one stage."""
 

@@ -9,6 +9,11 @@ simulated), or a GPU-table key (NVML, with that table's steps and P2P power).
 
 from __future__ import annotations
 
+import time
+
+from megatron_envpipe.core.gpu_specs import spec_for_profile_source
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.gpu.base import (
     PERMISSION_HINT,
     GpuDevice,
@@ -17,6 +22,9 @@ from megatron_envpipe.gpu.base import (
     GpuNotSupportedError,
     GpuPermissionError,
 )
+from megatron_envpipe.gpu.none import NoGpu
+from megatron_envpipe.gpu.nvml import NvmlGpu
+from megatron_envpipe.gpu.simulated import SimulatedGpu
 
 __all__ = [
     "PERMISSION_HINT",
@@ -46,17 +54,10 @@ def open_gpu(
     For ``simulated:<profile>``, ``stage``/``num_stages`` choose the profile rows
     (a longer profile emulates a shorter pipeline: first P-1 stages and the last).
     """
-    from megatron_envpipe.gpu.none import NoGpu
-
     spec = spec or "auto"
     if spec == "none":
         return NoGpu()
     if spec.startswith("simulated"):
-        from megatron_envpipe.core.gpu_specs import spec_for_profile_source
-        from megatron_envpipe.core.profile import Profile
-        from megatron_envpipe.core.resources import shipped_profile
-        from megatron_envpipe.gpu.simulated import SimulatedGpu
-
         source = spec.partition(":")[2]
         profile = Profile.from_csv(shipped_profile(source))
         if num_stages is not None:
@@ -64,15 +65,11 @@ def open_gpu(
         if p2p_power_w is None:  # a custom profile names no GPU of the table: no blocking power
             table_spec = spec_for_profile_source(source)
             p2p_power_w = table_spec.p2p_power_w if table_spec else 0.0
-        import time
-
         # perf_counter: the executor's and the energy monitor's clock.
         return SimulatedGpu(profile, stage, time_scale=time_scale, p2p_power_w=p2p_power_w,
                             name=f"Simulated GPU ({source})", clock=time.perf_counter)
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")
-    from megatron_envpipe.gpu.nvml import NvmlGpu
-
     try:
         return NvmlGpu.for_torch_device(local_rank)
     except GpuNotSupportedError as exc:  # no driver, no nvidia-ml-py, or a MIG slice

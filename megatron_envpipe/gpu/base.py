@@ -65,6 +65,11 @@ class GpuDevice(ABC):
     def can_set_clocks(self) -> bool:
         """Whether :meth:`set_locked_clocks` will be permitted (checked without changing anything)."""
 
+    def permission_reason(self) -> str:
+        """Why :meth:`can_set_clocks` says what it says, as one phrase for error messages
+        (e.g. the missing capability); empty when the backend has nothing to add."""
+        return ""
+
     @abstractmethod
     def set_locked_clocks(self, freq_mhz: int) -> None:
         """Lock the SM clock to ``freq_mhz`` (min = max). Raises GpuPermissionError."""
@@ -91,6 +96,12 @@ class GpuDevice(ABC):
 
     def unit_end(self, stage: int, kind: str) -> None:
         """The unit's compute was issued (host side)."""
+
+    def last_unit_window(self) -> tuple[str, float, float] | None:
+        """``(kind, start_s, end_s)`` of the last finished unit as the device itself ran it,
+        on the executor's host clock; None when the device cannot tell (real GPUs: the
+        executor's own marks are used) or before the first unit."""
+        return None
 
     def close(self) -> None:
         """Release the device handle (does not reset clocks: the clock guard does)."""

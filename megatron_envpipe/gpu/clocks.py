@@ -144,6 +144,11 @@ class ClockController:
     def error(self) -> BaseException | None:
         return self._error
 
+    @property
+    def worker_alive(self) -> bool:
+        """Whether the worker thread still runs (False once :meth:`close` returned)."""
+        return self._thread.is_alive()
+
     def stats(self) -> dict[str, Any]:
         return {
             "requested": self.requested,

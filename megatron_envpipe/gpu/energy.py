@@ -22,8 +22,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.base import GpuDevice

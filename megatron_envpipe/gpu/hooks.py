@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.gpu.base import GpuDevice
+from megatron_envpipe.gpu.clocks import ClockController
 from megatron_envpipe.gpu.energy import EnergyMonitor, IterationEnergy, IterationEnergyMeter
 from megatron_envpipe.gpu.sweep import StageSamples, UnitWindow, stage_samples
 
@@ -39,10 +41,8 @@ class GpuHooks(ExecutionHooks):
         self.cuda = cuda
         self.time_scale = time_scale
         self.clock = time.perf_counter  # the executor's host clock: windows and monitor agree
-        self.controller = None
+        self.controller: ClockController | None = None
         if control:
-            from megatron_envpipe.gpu.clocks import ClockController
-
             self.controller = ClockController(device, guard)
         self.monitor: EnergyMonitor | None = None
         if device.backend != "none":
@@ -68,7 +68,7 @@ class GpuHooks(ExecutionHooks):
             return
         after = None
         if self.cuda:
-            import torch
+            import torch  # only CUDA runs get here: this layer imports without torch
 
             after = torch.cuda.Event()
             after.record()
@@ -83,9 +83,9 @@ class GpuHooks(ExecutionHooks):
 
     def unit_end(self, unit: Unit) -> None:
         self.device.unit_end(self.stage, unit.kind)
-        window = getattr(self.device, "last_unit_window", None)
+        window = self.device.last_unit_window()
         if window is not None:
-            self._device_windows.append(window())
+            self._device_windows.append(window)
 
     def iteration_end(self, measurement: IterationMeasurement | None) -> None:
         if self._meter is not None:
@@ -102,6 +102,11 @@ class GpuHooks(ExecutionHooks):
             self.device.close()
 
     # -- profiling -------------------------------------------------------------------
+    @property
+    def device_windows(self) -> tuple[tuple[str, float, float], ...]:
+        """This iteration's unit windows as the device ran them (simulated GPU only)."""
+        return tuple(self._device_windows)
+
     def stage_samples(self, windows: Sequence[tuple[str, float, float]],
                       blocking: Sequence[tuple[float, float]]) -> StageSamples:
         """Time (device seconds) and energy of each unit and P2P wait of one iteration."""

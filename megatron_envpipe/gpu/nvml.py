@@ -23,9 +23,10 @@ import importlib
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from megatron_envpipe.gpu.base import (
     PERMISSION_HINT,
@@ -295,7 +296,7 @@ def _resolve_visible(m: ModuleType, local_index: int) -> tuple[Any, str]:
 def torch_pci_bus_id(local_index: int) -> str | None:
     """The PCI bus id torch/CUDA reports for a local CUDA device, or None without it."""
     try:
-        import torch
+        import torch  # optional: the gpu layer imports without torch
     except ImportError:
         return None
     if not torch.cuda.is_available():
@@ -387,7 +388,7 @@ class NvmlGpu(GpuDevice):
         """The GPU of torch's CUDA device ``local_index`` (default: the current one), by PCI bus id."""
         pci = None
         try:
-            import torch
+            import torch  # optional: the gpu layer imports without torch
 
             if torch.cuda.is_available():
                 if local_index is None:

@@ -16,9 +16,10 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.profile import Profile, ProfileError
@@ -142,7 +143,7 @@ class ProfileCache:
         csv_path, meta_path = self.paths(key)
         meta_d = meta.as_dict() if isinstance(meta, ProfileMeta) else dict(meta)
         if not meta_d.get("created_utc"):
-            meta_d["created_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            meta_d["created_utc"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         sidecar = {"key": key_dict(key), "meta": meta_d, "csv": csv_path.name}
         text = json.dumps(sidecar, sort_keys=True, indent=2, allow_nan=False) + "\n"
         profile.to_csv(csv_path)  # atomic (temp file + rename); creates the directory

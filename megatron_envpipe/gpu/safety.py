@@ -5,7 +5,7 @@ process locked. When it first locks a device it
 
 1. writes ``<state_dir>/<uuid>.json`` (atomically, before touching the clock) so
    that a run killed by SIGKILL or a node crash can be repaired with one
-   command, ``envpipe reset-clocks`` (:func:`reset_clocks_from_state`);
+   command, ``envpipe reset-clocks`` (:mod:`megatron_envpipe.gpu.repair`);
 2. makes sure the clocks are reset at normal exit (``atexit``), after exceptions
    (the caller's ``try/finally`` or ``with``, then ``atexit``), and on SIGTERM and
    SIGINT: a handler, installed from the main thread, resets every guarded GPU and
@@ -21,7 +21,7 @@ that for interactive use.
 The default state directory is ``/var/tmp/megatron-envpipe/locked-clocks``
 (survives reboots of the job, is node-local); override with ``ENVPIPE_STATE_DIR``
 or the ``state_dir`` argument. Only the ``nvml`` backend writes state files.
-Pure Python; NVML is reached through :mod:`megatron_envpipe.gpu.nvml`.
+Pure Python: the guard drives whatever :class:`~megatron_envpipe.gpu.base.GpuDevice` it is given.
 """
 
 from __future__ import annotations
@@ -37,19 +37,22 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from megatron_envpipe.core.atomic import write_json_atomic
-from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuNotSupportedError, GpuPermissionError
+from megatron_envpipe.gpu.base import GpuDevice, GpuError
 
 __all__ = [
     "ClockGuard",
     "DEFAULT_STATE_DIR",
+    "REPAIR_COMMAND",
+    "REPAIR_HINT",
     "STATE_DIR_ENV",
     "default_guard",
+    "device_label",
+    "hostname",
     "install_signal_handlers",
-    "reset_all_gpus",
-    "reset_clocks_from_state",
+    "pid_alive",
     "resolve_state_dir",
 ]
 
@@ -57,7 +60,7 @@ DEFAULT_STATE_DIR = "/var/tmp/megatron-envpipe/locked-clocks"
 STATE_DIR_ENV = "ENVPIPE_STATE_DIR"
 STATE_VERSION = 1
 REPAIR_COMMAND = "envpipe reset-clocks"
-_REPAIR_HINT = (
+REPAIR_HINT = (
     "resetting GPU clocks needs root or CAP_SYS_ADMIN: run `sudo envpipe reset-clocks` "
     "(keep --state-dir if you used one), or `sudo nvidia-smi -rgc`"
 )
@@ -75,7 +78,7 @@ def resolve_state_dir(state_dir: str | os.PathLike[str] | None = None) -> Path:
 # ---------------------------------------------------------------------------
 
 
-def _hostname() -> str:
+def hostname() -> str:
     return socket.gethostname()
 
 
@@ -100,7 +103,7 @@ def _proc_start_ticks(pid: int) -> int | None:
         return None
 
 
-def _pid_alive(pid: int, start_ticks: int | None = None, boot_id: str | None = None) -> bool:
+def pid_alive(pid: int, start_ticks: int | None = None, boot_id: str | None = None) -> bool:
     if boot_id is not None and _boot_id() is not None and boot_id != _boot_id():
         return False  # the node rebooted since
     try:
@@ -280,7 +283,7 @@ class ClockGuard:
                     entry.device.reset_locked_clocks()
                 except Exception as exc:  # keep going: the other GPUs must be reset too
                     where = f" (state file {entry.state_path})" if entry.state_path else ""
-                    problems.append(f"{_label(entry.device)}: {exc}{where}")
+                    problems.append(f"{device_label(entry.device)}: {exc}{where}")
                     continue
                 self._forget(entry)
         return problems
@@ -327,7 +330,7 @@ class ClockGuard:
             "backend": info.backend,
             "pid": pid,
             "pid_start_ticks": _proc_start_ticks(pid),
-            "hostname": _hostname(),
+            "hostname": hostname(),
             "boot_id": _boot_id(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
             "unix_time": now,
@@ -360,7 +363,7 @@ class ClockGuard:
                 _say(f"could not remove {entry.state_path}: {exc}")
 
 
-def _label(device: GpuDevice) -> str:
+def device_label(device: GpuDevice) -> str:
     try:
         return device.info().label()
     except Exception:
@@ -373,7 +376,7 @@ def _note_stale(path: Path) -> None:
         pid = int(old.get("pid"))
     except (OSError, ValueError, TypeError):
         return
-    if pid != os.getpid() and old.get("hostname") == _hostname() and _pid_alive(
+    if pid != os.getpid() and old.get("hostname") == hostname() and pid_alive(
         pid, old.get("pid_start_ticks"), old.get("boot_id")
     ):
         _say(f"{path}: pid {pid} ({old.get('command', '?')}) also holds this GPU's clocks locked; taking over")
@@ -464,140 +467,3 @@ def default_guard() -> ClockGuard:
         if _DEFAULT is None or _DEFAULT.released == "closed":
             _DEFAULT = ClockGuard()
         return _DEFAULT
-
-
-# ---------------------------------------------------------------------------
-# repair after SIGKILL / node crash
-# ---------------------------------------------------------------------------
-
-
-def _default_factory(uuid: str) -> GpuDevice:
-    from megatron_envpipe.gpu.nvml import NvmlGpu
-
-    return NvmlGpu.for_uuid(uuid, refuse_mig=False)
-
-
-def _reset_one(device: GpuDevice, what: str) -> None:
-    try:
-        device.reset_locked_clocks()
-    except GpuPermissionError as exc:
-        raise GpuPermissionError(f"{what}: {_REPAIR_HINT}") from exc
-
-
-def reset_clocks_from_state(
-    state_dir: str | os.PathLike[str] | None = None,
-    device_factory: Callable[[str], GpuDevice] | None = None,
-    force: bool = False,
-) -> list[str]:
-    """Reset the GPUs a crashed run left locked (``envpipe reset-clocks``).
-
-    For each state file of this host: reset that GPU's locked clocks (found by
-    UUID) and delete the file. Files of other hosts are skipped with a note; a
-    file whose owner process is still running is reported and left alone unless
-    ``force``. Returns one human-readable line per file. Raises
-    :class:`GpuPermissionError` (with how to fix it) when resetting is not
-    permitted.
-    """
-    directory = resolve_state_dir(state_dir)
-    if not directory.is_dir():
-        return [f"{directory}: no such directory: no GPU was left locked by megatron-envpipe here"]
-    files = sorted(directory.glob("*.json"))
-    if not files:
-        return [f"{directory}: no state files: no GPU was left locked by megatron-envpipe here"]
-    factory = device_factory or _default_factory
-    me = _hostname()
-    lines: list[str] = []
-    for path in files:
-        try:
-            data = json.loads(path.read_text())
-            uuid = str(data["uuid"])
-            pid = int(data["pid"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            lines.append(f"{path}: unreadable state file ({exc}): left in place; remove it by hand")
-            continue
-        host = data.get("hostname")
-        what = f"{uuid} ({data.get('name', '?')}, PCI {data.get('pci_bus_id', '?')})"
-        if host != me:
-            lines.append(f"{what}: locked on host {host}, not this one ({me}): skipped; run {REPAIR_COMMAND} there")
-            continue
-        since = data.get("time", "?")
-        alive = pid == os.getpid() or _pid_alive(pid, data.get("pid_start_ticks"), data.get("boot_id"))
-        if alive and not force:
-            lines.append(f"{what}: its owner pid {pid} (since {since}) is still running: left alone "
-                         "(--force resets it anyway)")
-            continue
-        try:
-            device = factory(uuid)
-        except GpuError as exc:
-            lines.append(f"{what}: cannot open it ({exc}): state file {path} kept")
-            continue
-        try:
-            _reset_one(device, what)
-        except GpuPermissionError:
-            raise
-        except GpuError as exc:
-            lines.append(f"{what}: reset failed ({exc}): state file {path} kept")
-            continue
-        finally:
-            device.close()
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        owner = "still running, reset forced" if alive else "no longer running"
-        lines.append(f"{what}: locked clocks reset (locked at {data.get('locked_mhz', '?')} MHz since {since} "
-                     f"by pid {pid}, {owner})")
-    return lines
-
-
-def reset_all_gpus(
-    state_dir: str | os.PathLike[str] | None = None,
-    devices: Callable[[], list[GpuDevice]] | None = None,
-) -> list[str]:
-    """Reset the locked clocks of every GPU on this node through NVML (``envpipe reset-clocks --all``).
-
-    Ignores state files when choosing GPUs, then removes this host's state files
-    of the GPUs it reset. Resets GPUs other jobs may have locked on purpose: the
-    big hammer after a node-level mishap.
-    """
-    if devices is None:
-        from megatron_envpipe.gpu.nvml import open_nvml_devices
-
-        devices = open_nvml_devices
-    lines: list[str] = []
-    reset_uuids: set[str] = set()
-    opened = devices()
-    try:
-        for i, device in enumerate(opened):
-            what = _label(device)
-            try:
-                _reset_one(device, what)
-            except GpuPermissionError:
-                raise
-            except GpuNotSupportedError as exc:
-                lines.append(f"GPU {i} {what}: not supported ({exc})")
-                continue
-            except GpuError as exc:
-                lines.append(f"GPU {i} {what}: reset failed ({exc})")
-                continue
-            reset_uuids.add(device.info().uuid)
-            lines.append(f"GPU {i} {what}: locked clocks reset")
-    finally:
-        for device in opened:
-            device.close()
-    directory = resolve_state_dir(state_dir)
-    me = _hostname()
-    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and data.get("hostname") == me and data.get("uuid") in reset_uuids:
-            try:
-                path.unlink()
-                lines.append(f"removed state file {path}")
-            except OSError:
-                pass
-    if not opened:
-        lines.append("NVML sees no GPU on this node")
-    return lines

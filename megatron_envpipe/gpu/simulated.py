@@ -17,8 +17,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from megatron_envpipe.core.profile import Profile, ProfileError, instruction_of
 from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo

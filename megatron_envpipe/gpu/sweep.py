@@ -16,8 +16,9 @@ Deterministic, so every rank fed the same gathered samples decides the same.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS

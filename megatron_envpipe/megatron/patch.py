@@ -15,6 +15,9 @@ from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.hooks import ExecutionHooks
+from megatron_envpipe.megatron.executor import envpipe_forward_backward
+from megatron_envpipe.megatron.runtime import EnvPipeRuntime
+from megatron_envpipe.megatron.state import STATE
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -23,15 +26,13 @@ _saved: dict[str, Any] = {}
 
 def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = None) -> None:
     """Install (or re-configure) EnvPipe's executor. Idempotent; undone by :func:`uninstall`."""
+    # Megatron-core is imported here, not at module level: this module loads with torch alone.
     from megatron.core.pipeline_parallel import schedules
-
-    from megatron_envpipe.megatron import executor
-    from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
     config = (config or EnvPipeConfig()).validate()
     if "schedule" not in _saved:
         _saved["schedule"] = schedules.forward_backward_pipelining_without_interleaving
-        schedules.forward_backward_pipelining_without_interleaving = executor.envpipe_forward_backward
+        schedules.forward_backward_pipelining_without_interleaving = envpipe_forward_backward
         try:  # megatron.training (>= 0.17 in the wheel, or a Megatron-LM checkout)
             from megatron.training import training as mtraining
         except Exception:  # noqa: BLE001 - absent or not importable here (e.g. Python 3.11 + 0.19)
@@ -45,18 +46,10 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
                 # Today this already resolves through `schedules`; the wrapper keeps
                 # the routing if a release ever binds the schedule at import time.
                 func = original_gffb(*args, **kwargs)
-                return executor.envpipe_forward_backward if func is original_schedule else func
+                return envpipe_forward_backward if func is original_schedule else func
 
             mtraining.get_forward_backward_func = get_forward_backward_func
-    old_hooks = executor._State.hooks
-    executor._State.original = _saved["schedule"]
-    executor._State.runtime = EnvPipeRuntime(config)
-    executor._State.hooks = hooks or ExecutionHooks()
-    executor._State.user_hooks = hooks is not None
-    executor._State.device_ready = False
-    executor._State.warned = set()
-    if old_hooks is not executor._State.hooks:
-        old_hooks.close()
+    STATE.configure(EnvPipeRuntime(config), _saved["schedule"], hooks)
     log.info(
         "EnvPipe installed: type %s, scheduling %s, reconfig %s%s",
         config.plan_type, config.scheduling, config.reconfig,
@@ -66,23 +59,15 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
 
 def uninstall() -> None:
     """Restore Megatron's own schedule. Safe to call when not installed."""
-    from megatron_envpipe.megatron import executor
-
     if "schedule" in _saved:
-        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.pipeline_parallel import schedules  # installed: megatron is loaded
 
         schedules.forward_backward_pipelining_without_interleaving = _saved.pop("schedule")
     if "training_gffb" in _saved:
         from megatron.training import training as mtraining
 
         mtraining.get_forward_backward_func = _saved.pop("training_gffb")
-    executor._State.hooks.close()
-    executor._State.runtime = None
-    executor._State.hooks = ExecutionHooks()
-    executor._State.user_hooks = False
-    executor._State.device_ready = False
-    executor._State.original = None
-    executor._State.channels = {}
+    STATE.reset()
 
 
 def is_installed() -> bool:

@@ -30,9 +30,12 @@ import os
 import re
 import runpy
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
+import megatron_envpipe
+from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
 from megatron_envpipe.errors import EnvPipeError
 
 PROG = "pretrain_gpt (megatron-envpipe)"
@@ -79,8 +82,6 @@ def check_megatron_training() -> None:
 
 
 def _envpipe_parser() -> argparse.ArgumentParser:
-    from megatron_envpipe.config import add_envpipe_args
-
     parser = argparse.ArgumentParser(add_help=False)
     add_envpipe_args(parser)
     # The Megatron flags EnvPipe's start-up checks need.
@@ -136,6 +137,7 @@ def _teach_megatron_parser(add_args: Callable[[argparse.ArgumentParser], argpars
     and ``initialize_megatron``; up to 0.17, ``pretrain(extra_args_provider=...)``
     is wrapped too, for releases whose initialize bound ``parse_args`` at import.
     """
+    # megatron.training is imported only once check_megatron_training() said it can be.
     import megatron.training as mtraining
     from megatron.training import arguments as marguments
 
@@ -163,8 +165,6 @@ def _teach_megatron_parser(add_args: Callable[[argparse.ArgumentParser], argpars
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
-
     pre, _ = _envpipe_parser().parse_known_args(argv)
     try:
         check_megatron_training()
@@ -173,9 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EntryError, EnvPipeConfigError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    import megatron_envpipe
-
     _teach_megatron_parser(add_envpipe_args)
+    # Resolved on first use (megatron_envpipe.__getattr__): torch loads only past the checks above.
     megatron_envpipe.install(config)
     # Megatron-LM's entry imports its siblings (gpt_builders, model_provider).
     sys.path.insert(0, str(script.parent))

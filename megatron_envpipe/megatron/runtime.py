@@ -20,9 +20,11 @@ executor supplies the data.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
@@ -32,7 +34,11 @@ from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.schedule import Schedule, one_f_one_b
-from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates
+from megatron_envpipe.core.vocabulary import ReconfigPolicy
+from megatron_envpipe.gpu.profile_cache import ProfileCache
+from megatron_envpipe.gpu.startup import DeviceFacts
+from megatron_envpipe.gpu.sweep import ClockSweep, sweep_candidates
+from megatron_envpipe.planning.basis import PlanResult, planner_candidates
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
 
@@ -52,19 +58,6 @@ class IterationPlan:
     measure: bool  # time every unit and hand the measurement back
     phase: str
     profiling: bool = False  # attribute energy to every unit (sweep iteration)
-
-
-@dataclass(frozen=True)
-class DeviceFacts:
-    """What the executor learned about the pipeline's GPUs at the first iteration."""
-
-    backend: str  # nvml | simulated | none
-    name: str
-    driver_version: str
-    clocks_mhz: tuple[int, ...]  # supported by every stage, fastest first
-    control: bool  # clocks can be locked on every stage
-    energy: bool  # energy is measured
-    simulated: bool = False
 
 
 @dataclass
@@ -109,7 +102,7 @@ class EnvPipeRuntime:
         self.iteration = 0
         self._by_m: dict[tuple[int, int], _PlanState] = {}
         self._measured: dict[tuple[int, int], list[IterationMeasurement]] = {}
-        self._sweep = None
+        self._sweep: ClockSweep | None = None
         self._sweep_clock: int | None = None
         self.last_result: PlanResult | None = None
         self.planned_at: int | None = None  # iteration count when the plan took over
@@ -214,10 +207,8 @@ class EnvPipeRuntime:
             return self.device.clocks_mhz[0]
         return self.gpu.max_clock_mhz if self.gpu is not None else NOMINAL_CLOCK_MHZ
 
-    def _sweep_for(self):
+    def _sweep_for(self) -> ClockSweep:
         if self._sweep is None:
-            from megatron_envpipe.gpu.sweep import ClockSweep, sweep_candidates
-
             step = self.config.profile_step_mhz or (self.gpu.profile_step_mhz if self.gpu else 90)
             candidates = sweep_candidates(self.device.clocks_mhz, step)
             self._sweep = ClockSweep(candidates, iterations_per_clock=self.config.profile_iterations,
@@ -233,11 +224,9 @@ class EnvPipeRuntime:
         log.info("EnvPipe profiler: %s", sweep.summary())
         self._cache_store(sweep)
 
-    def _cache(self):
+    def _cache(self) -> ProfileCache | None:
         if self.config.profile_cache == "off" or self.cache_key is None:
             return None
-        from megatron_envpipe.gpu.profile_cache import ProfileCache
-
         return ProfileCache(self.config.profile_cache) if self.config.profile_cache else ProfileCache()
 
     def _cache_lookup(self) -> Profile | None:
@@ -251,7 +240,7 @@ class EnvPipeRuntime:
             log.info("EnvPipe profiler: reusing the cached profile %s", cache.describe(self.cache_key))
         return profile
 
-    def _cache_store(self, sweep) -> None:
+    def _cache_store(self, sweep: ClockSweep) -> None:
         cache = self._cache()
         if cache is None:
             return
@@ -291,22 +280,10 @@ class EnvPipeRuntime:
         cfg = self.config
         profile = self._profile_for(num_stages, num_microbatches)
         p2p = cfg.p2p_power_w if cfg.p2p_power_w is not None else self.profile_p2p_power_w
-        pcfg = PlannerConfig(
-            plan_type=cfg.plan_type,
-            scheduling=cfg.scheduling,
-            # Offline we simulate the chosen policy on the profile; online it keeps
-            # correcting from measurements.
-            reconfig=cfg.reconfig,
-            gpu=self.gpu,
-            p2p_power_w=p2p,
-            reconfig_step_mhz=cfg.reconfig_step_mhz,
-            max_inflight=cfg.max_inflight,
-            extra_warmup=cfg.extra_warmup,
-            max_slowdown=cfg.max_slowdown,
-            target_time_s=cfg.target_time_s,
-        )
+        # Offline we simulate the chosen policy on the profile; online it keeps correcting from measurements.
+        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p)
         if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
-            pcfg = PlannerConfig(**{**pcfg.__dict__, "gpu": None})  # profile from another ladder: trust it
+            pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
         result = plan_envpipe(profile, num_microbatches, pcfg)
         self.last_result = result
         self.planned_at = self.iteration
@@ -320,7 +297,7 @@ class EnvPipeRuntime:
         log.info("EnvPipe plan:\n%s", format_envpipe(result.plan))
         rc = None
         control = self.device is None or self.device.control
-        if cfg.reconfig != "default" and len(profile.common_frequencies()) > 1 and control:
+        if cfg.reconfig != ReconfigPolicy.DEFAULT and len(profile.common_frequencies()) > 1 and control:
             candidates = planner_candidates(profile, pcfg.gpu)
             step = pcfg.effective_reconfig_step_mhz
             target = None

@@ -9,10 +9,11 @@ against); :class:`PlanResult` is what a planner returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from megatron_envpipe.core.gpu_specs import GpuSpec
+from megatron_envpipe.core.instructions import paired_hold_dependencies
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import (
@@ -23,6 +24,12 @@ from megatron_envpipe.core.timeline import Dependency, PlanEvaluator, PlanScore,
 from megatron_envpipe.core.vocabulary import (
     PLAN_TYPES,
     RECONFIG_POLICIES,
+    SCHEDULINGS,
+    CommModel,
+    PlanType,
+    ReconfigPolicy,
+    Scheduling,
+    coerce_enum,
 )
 from megatron_envpipe.errors import UsageError
 
@@ -36,9 +43,9 @@ class PlannerError(UsageError, ValueError):
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    plan_type: str = "envelope"
-    scheduling: str = "ours"
-    reconfig: str = "balanced"
+    plan_type: PlanType = PlanType.ENVELOPE
+    scheduling: Scheduling = Scheduling.OURS
+    reconfig: ReconfigPolicy = ReconfigPolicy.BALANCED
     gpu: GpuSpec | None = None
     p2p_power_w: float | None = None  # None: the GPU table's value (0 if unknown)
     reconfig_step_mhz: int | None = None  # None: the GPU table's value (30 MHz)
@@ -49,16 +56,22 @@ class PlannerConfig:
     extra_dependencies: tuple[Dependency, ...] = ()
     # "per-direction" (what our executor runs: no extra dependency) or "paired"
     # (EnvPipe-KISTI / §8.5: an activation is held until a gradient arrives).
-    comm: str = "per-direction"
+    comm: CommModel = CommModel.PER_DIRECTION
     # plan_type "optimal": deadline = (1 + max_slowdown) x 1F1B at f_max, or target_time_s
     # (energy then counted until the target: faster plans block at P2P power).
     max_slowdown: float = 0.0
     target_time_s: float | None = None
 
+    def __post_init__(self) -> None:
+        # Strings ("optimal", "ours") become the vocabulary's members, which compare equal to them.
+        for name, enum in (("plan_type", PlanType), ("scheduling", Scheduling), ("reconfig", ReconfigPolicy),
+                           ("comm", CommModel)):
+            object.__setattr__(self, name, coerce_enum(enum, getattr(self, name)))
+
     def validate(self) -> "PlannerConfig":
         if self.plan_type not in PLAN_TYPES:
             raise PlannerError(f"unknown plan type {self.plan_type!r}; choose one of {', '.join(PLAN_TYPES)}")
-        if self.scheduling not in ("1f1b", "ours"):
+        if self.scheduling not in SCHEDULINGS:
             raise PlannerError(f"unknown scheduling {self.scheduling!r}; choose 1f1b or ours")
         if self.reconfig not in RECONFIG_POLICIES:
             raise PlannerError(
@@ -76,7 +89,7 @@ class PlannerConfig:
             raise PlannerError(f"max_slowdown must be >= 0 (a fraction: 0.05 = 5 %), got {self.max_slowdown}")
         if self.target_time_s is not None and not self.target_time_s > 0:
             raise PlannerError(f"target iteration time must be > 0 s, got {self.target_time_s}")
-        if self.plan_type != "optimal" and (self.max_slowdown or self.target_time_s is not None):
+        if self.plan_type != PlanType.OPTIMAL and (self.max_slowdown or self.target_time_s is not None):
             raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
         return self
 
@@ -95,9 +108,7 @@ class PlannerConfig:
     def dependencies(self, schedule: Schedule) -> tuple[Dependency, ...]:
         """Edges beyond the iteration DAG that plans of ``schedule`` are scored with."""
         deps = tuple(self.extra_dependencies)
-        if self.comm == "paired":
-            from megatron_envpipe.core.instructions import paired_hold_dependencies
-
+        if self.comm == CommModel.PAIRED:
             deps += tuple(paired_hold_dependencies(schedule))
         return deps
 

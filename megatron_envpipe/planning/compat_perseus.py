@@ -83,9 +83,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
+from megatron_envpipe.core.graph import earliest_times, latest_times, successors
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.schedule import Unit, one_f_one_b
@@ -225,31 +226,25 @@ class PerseusCompatResult:
         )
 
 
-class _PerseusDag:
+class PerseusDag:
     """The 1F1B DAG with Perseus's durations, critical path and report."""
 
     def __init__(self, graph: PipelineGraph) -> None:
         self.graph = graph
-        sched = graph.schedule
         n = len(graph.nodes)
         self.n = n
-        self.order = list(graph.order)
-        self.stage_pred = list(graph.stage_pred)
-        cross = [lst[0][0] if lst else -1 for lst in graph.cross_preds]
         if any(len(lst) > 1 for lst in graph.cross_preds):
             raise PlannerError("perseus compat expects plain 1F1B dependencies")
-        self.cross_pred = cross
-        # Successors in Lowtime's AON insertion order: same-stage next, then cross.
-        nxt = [-1] * n
-        for v, p in enumerate(self.stage_pred):
-            if p >= 0:
-                nxt[p] = v
-        cross_succ = [-1] * n
-        for v, p in enumerate(cross):
-            if p >= 0:
-                cross_succ[p] = v
-        aon_succs = [[w for w in (nxt[v], cross_succ[v]) if w >= 0] for v in range(n)]
-        sources = [v for v in range(n) if self.stage_pred[v] < 0 and cross[v] < 0]
+        self.order = list(graph.order)
+        self.preds = graph.preds
+        self.succs_with_latency = successors(graph.preds)
+        # Successors in Lowtime's AON insertion order: same-stage next, then cross-stage.
+        stage_of = graph.stage_of
+        aon_succs = [
+            sorted((w for w, _ in succ), key=lambda w, s=stage_of[v]: stage_of[w] != s)
+            for v, succ in enumerate(self.succs_with_latency)
+        ]
+        sources = [v for v in range(n) if not graph.preds[v]]
         sinks = [v for v in range(n) if not aon_succs[v]]
         if len(sources) != 1 or len(sinks) != 1:
             raise PlannerError("perseus compat expects a 1F1B DAG with one first and one last unit")
@@ -268,45 +263,26 @@ class _PerseusDag:
                     counter += 1
                     queue.append(w)
         self.succs = [sorted(s, key=rank.__getitem__) for s in aon_succs]
-        self.reverse_order = self.order[::-1]
-        # Flat neighbour arrays for the two passes; -1 becomes the sentinel n.
-        self._pred_a = [p if p >= 0 else n for p in self.stage_pred]
-        self._pred_b = [p if p >= 0 else n for p in cross]
-        self._succ_a = [nxt[v] if nxt[v] >= 0 else n for v in range(n)]
-        self._succ_b = [cross_succ[v] if cross_succ[v] >= 0 else n for v in range(n)]
         # Perseus's envelope test is our outer envelope: last stage, every F0, every B(M-1).
-        envelope = outer_envelope(sched)
+        envelope = outer_envelope(graph.schedule)
         self.is_envelope = [node in envelope for node in graph.nodes]
 
     def critical_path(self, dur: Sequence[int]) -> list[int]:
         """Perseus's chosen zero-slack path (node indices, source to sink).
 
-        ``head[v]`` is v's earliest finish, ``tail[v]`` the longest duration from
-        v's start to the end; the arc v -> w is critical iff
-        ``head[v] + tail[w] == makespan`` (EF(v) == LS(w)). Index ``n`` is a
-        sentinel "no neighbour" entry holding 0.
+        The arc v -> w is critical iff v's earliest finish is w's latest start
+        for the makespan (EF(v) == LS(w)). Durations are whole time units, so
+        the float sums are exact and the test is an exact equality.
         """
-        n = self.n
-        head = [0] * (n + 1)
-        sp, cp = self._pred_a, self._pred_b
-        for v in self.order:
-            a = head[sp[v]]
-            b = head[cp[v]]
-            head[v] = (a if a > b else b) + dur[v]
-        tail = [0] * (n + 1)
-        sa, sb = self._succ_a, self._succ_b
-        for v in self.reverse_order:
-            a = tail[sa[v]]
-            b = tail[sb[v]]
-            tail[v] = (a if a > b else b) + dur[v]
-        total = head[self.sink]
+        _, finish = earliest_times(self.order, self.preds, dur)
+        latest_start, _ = latest_times(self.order, self.succs_with_latency, dur, finish[self.sink])
         succs = self.succs
         v = self.source
         path = [v]
         while v != self.sink:
-            ef = head[v]
+            ef = finish[v]
             for w in succs[v]:
-                if ef + tail[w] == total:
+                if ef == latest_start[w]:
                     v = w
                     break
             else:  # pragma: no cover - impossible for a consistent DAG
@@ -379,7 +355,7 @@ def plan_envpipe_perseus(
 
     schedule = one_f_one_b(num_stages, num_microbatches)
     graph = PipelineGraph(schedule)
-    dag = _PerseusDag(graph)
+    dag = PerseusDag(graph)
     keys = list(zip(graph.stage_of, graph.instruction_of))
     knob = [f_max if env else starts[key] for key, env in zip(keys, dag.is_envelope)]
     dur = [quants[key][f] for key, f in zip(keys, knob)]

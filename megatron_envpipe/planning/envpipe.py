@@ -18,7 +18,7 @@ and say why; online (measured, noisy) the :class:`Reconfigurer` stops after
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
@@ -31,6 +31,7 @@ from megatron_envpipe.core.schedule import (
     raw_extra_warmup,
 )
 from megatron_envpipe.core.timeline import PlanEvaluator, outer_envelope
+from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
 from megatron_envpipe.planning.basis import SLOWDOWN_WARNING, PlannerConfig, PlannerError, PlanResult, planning_basis
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
 
@@ -48,9 +49,9 @@ def plan_reconfigured(
     p, p2p_power, candidates = basis.num_stages, basis.p2p_power_w, basis.candidates_mhz
     f_max, valley, warnings = basis.f_max_mhz, basis.valley_mhz, basis.warnings
     ladder = ClockLadder(candidates, config.effective_reconfig_step_mhz)
-    inner = valley if config.plan_type != "baseline" else (f_max,) * p
+    inner = valley if config.plan_type != PlanType.BASELINE else (f_max,) * p
 
-    if config.scheduling == "ours":
+    if config.scheduling == Scheduling.OURS:
         raw = (
             list(config.extra_warmup)
             if config.extra_warmup is not None
@@ -73,7 +74,7 @@ def plan_reconfigured(
     reconf = Reconfigurer(plan, config.reconfig, ladder)
     iterations, converged, reason = 0, False, ""
     timeline = evaluator.simulate(plan.flat())
-    if config.reconfig == "default":
+    if config.reconfig == ReconfigPolicy.DEFAULT:
         converged = reconf.on_envelope(timeline.critical_units())
         reason = "no reconfiguration (policy 'default')"
     else:
@@ -124,9 +125,9 @@ def plan_reconfigured(
             f"this plan is {100 * result.slowdown:.2f}% slower than the baseline (1F1B at {f_max} MHz); "
             + (
                 "reconfiguration stalled before reaching the envelope"
-                if not converged and config.reconfig != "default"
+                if not converged and config.reconfig != ReconfigPolicy.DEFAULT
                 else "try --reconfig balanced or --type optimal"
-                if config.reconfig == "default"
+                if config.reconfig == ReconfigPolicy.DEFAULT
                 else "the envelope itself is slower than the baseline"
             )
         )
@@ -136,11 +137,11 @@ def plan_reconfigured(
 
 def initial_plan(schedule: Schedule, plan_type: str, f_max: int, inner_mhz: Sequence[int]) -> FrequencyPlan:
     """The plan before any reconfiguration (envpipe.md §3)."""
-    if plan_type == "baseline":
+    if plan_type == PlanType.BASELINE:
         return FrequencyPlan.constant(schedule, [f_max] * schedule.num_stages)
-    if plan_type == "uniform":
+    if plan_type == PlanType.UNIFORM:
         return FrequencyPlan.constant(schedule, inner_mhz)
-    if plan_type == "envelope":
+    if plan_type == PlanType.ENVELOPE:
         env = outer_envelope(schedule)
         return FrequencyPlan(
             schedule,

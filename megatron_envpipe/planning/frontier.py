@@ -21,19 +21,22 @@ CSV columns: ``time_s,energy_j,saving,slowdown`` (saving and slowdown against
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.plan import FrequencyPlan
-from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.profile import Profile, pareto_filter
 from megatron_envpipe.core.schedule import Schedule
 from megatron_envpipe.core.timeline import PlanScore
+from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
-from megatron_envpipe.planning.optimal import DEFAULT_SEARCH_WORK, InfeasibleDeadline, _rank_schedules, _setup
+from megatron_envpipe.planning.optimal.deadline import InfeasibleDeadline
+from megatron_envpipe.planning.optimal.entry import optimal_setup, rank_schedules
+from megatron_envpipe.planning.optimal.search import DEFAULT_SEARCH_WORK
 
 DEFAULT_POINTS = 20
 CSV_COLUMNS = ("time_s", "energy_j", "saving", "slowdown")
@@ -94,45 +97,6 @@ class Frontier:
     def to_csv(self, path: str | Path) -> Path:
         return write_atomic(path, self.csv_text())
 
-    def plot(self, path: str | Path, target_time_s: float | None = None,
-             others: Sequence[tuple[str, float, float]] = ()) -> Path:
-        """Energy vs iteration time: the frontier, the baseline, ``others`` (label, time, energy), the target."""
-        from megatron_envpipe.apps.plot import _matplotlib
-
-        _, plt = _matplotlib()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(7.5, 4.8))
-        xs = [pt.time_s for pt in self.points]
-        ys = [pt.energy_j for pt in self.points]
-        ax.plot(xs, ys, "o-", color="tab:blue", ms=3.5, lw=1.5,
-                label=f"optimal plans ({self.schedule.name}, {len(xs)} points)")
-        b = self.baseline
-        ax.plot([b.iteration_time_s], [b.energy_j], "s", color="black", ms=7, label="1F1B at f_max (baseline)")
-        styles = iter([("^", "tab:orange"), ("D", "tab:green"), ("v", "tab:purple"), ("P", "tab:brown")])
-        for label, t, e in others:
-            marker, color = next(styles, ("*", "tab:gray"))
-            ax.plot([t], [e], marker, color=color, ms=7, label=label)
-        if target_time_s is not None:
-            try:
-                pt, e_at, base_at = self.pick(target_time_s)
-            except InfeasibleDeadline:
-                pt = None
-            ax.axvline(target_time_s, color="tab:red", ls="--", lw=1, label=f"target {target_time_s:.4g} s")
-            if pt is not None:
-                ax.plot([pt.time_s], [pt.energy_j], "o", mfc="none", mec="tab:red", ms=11, mew=2,
-                        label=f"picked: {100 * (1 - e_at / base_at):.1f} % less energy at the target")
-        ax.set_xlabel("iteration time (s)")
-        ax.set_ylabel("iteration energy (J)")
-        ax.set_title(f"time-energy frontier: {self.num_stages} stages x {self.schedule.num_microbatches} "
-                     f"micro-batches, P2P {self.p2p_power_w:g} W")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
-
 
 def compute_frontier(
     profile: Profile,
@@ -152,23 +116,17 @@ def compute_frontier(
     if points < 2:
         raise PlannerError(f"a frontier needs at least 2 points, got {points}")
     t0 = time.perf_counter()
-    config = PlannerConfig(**{**config.__dict__, "plan_type": "optimal", "max_slowdown": 0.0, "target_time_s": None})
-    setup = _setup(profile, num_microbatches, config, num_stages)
+    config = dataclasses.replace(config, plan_type=PlanType.OPTIMAL, max_slowdown=0.0, target_time_s=None)
+    setup = optimal_setup(profile, num_microbatches, config, num_stages)
     base = setup.baseline
     # Schedule: the one the zero-slowdown plan would use (or, if even that is infeasible,
     # the fastest candidate's deadline).
     try:
-        ranked = _rank_schedules(setup, profile, config, base.iteration_time_s, padded=False)
+        ranked = rank_schedules(setup, profile, config, base.iteration_time_s, padded=False)
     except InfeasibleDeadline:
-        from megatron_envpipe.planning.optimal import TimeEnergyModel
-
-        slowest_ok = min(
-            TimeEnergyModel(s, profile, setup.candidates_mhz, setup.p2p_power_w, config.p2p_latency_s,
-                            config.dependencies(s)).fastest_time_s()
-            for _, s in setup.schedules
-        )
-        ranked = _rank_schedules(setup, profile, config, slowest_ok, padded=False)
-    _, _, _, schedule, model = ranked[0]
+        slowest_ok = min(setup.model(s, profile, config).fastest_time_s() for _, s in setup.schedules)
+        ranked = rank_schedules(setup, profile, config, slowest_ok, padded=False)
+    schedule, model = ranked[0].schedule, ranked[0].model
     weight = setup.p2p_power_w * setup.num_stages
     fastest = model.fastest_time_s()
     slowest = model.slowest_time_s()
@@ -180,13 +138,7 @@ def compute_frontier(
         sol = model.solve(d, padded=False, search_work=search_work)
         raw.append((sol.score.iteration_time_s, sol.score.energy_j, d, sol.freqs_mhz))
     # Pareto filter: keep a plan only if it uses less energy than every faster one.
-    raw.sort(key=lambda x: (x[0], x[1]))
-    kept = []
-    best_e = float("inf")
-    for t, e, d, freqs in raw:
-        if e < best_e * (1 - 1e-12):
-            kept.append((t, e, d, freqs))
-            best_e = e
+    kept = pareto_filter(raw, key=lambda x: (x[0], x[1]), cost=lambda x: x[1], rtol=1e-12)
     pts = [
         FrontierPoint(
             time_s=t,

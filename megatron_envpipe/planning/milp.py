@@ -1,7 +1,7 @@
 """Exact reference for small instances: the clock-plan problem as a MILP (HiGHS).
 
 One binary per (unit, clock option) — the same options as the optimal planner
-(:func:`~megatron_envpipe.planning.optimal.clock_options`: Pareto-optimal in time and
+(:func:`~megatron_envpipe.planning.optimal.options.clock_options`: Pareto-optimal in time and
 effective energy, which loses no optimal plan) — exactly one per unit, one end
 time per unit, precedence rows of the iteration DAG, ``end_v <= T <= deadline``:
 
@@ -23,7 +23,9 @@ import time
 from dataclasses import dataclass
 
 from megatron_envpipe.core.timeline import PlanScore, Timeline
-from megatron_envpipe.planning.optimal import TimeEnergyModel, _lp_backend, _Rows
+from megatron_envpipe.planning.optimal.lp import lp_backend
+from megatron_envpipe.planning.optimal.model import TimeEnergyModel
+from megatron_envpipe.planning.optimal.rows import ConstraintRows
 
 
 @dataclass
@@ -67,11 +69,11 @@ def solve_milp(
             integer.append(1)
         xcols.append(range(first, len(cost)))
     # Duration: the chosen option's time; then exactly one option per unit.
-    rows = _Rows()
+    rows = ConstraintRows()
     rows.add_schedule(model.preds, n, lambda v: (list(zip(xcols[v], model.times[v])), 0.0),
                       unit_rows=lambda v: rows.add([(j, 1.0) for j in xcols[v]], 1.0, 1.0))
     start, index, value = rows.csc(np, len(cost))
-    backend = _lp_backend(
+    backend = lp_backend(
         np.asarray(cost, float), start, index, value, np.asarray(rows.lo, float), np.asarray(rows.up, float),
         np.asarray(col_lo, float), np.asarray(col_up, float), integer=integer,
         time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,

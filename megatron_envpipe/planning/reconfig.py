@@ -9,7 +9,7 @@ after ``finish_limit`` iterations without progress, as EnvPipe does.
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.plan import FrequencyPlan
@@ -17,7 +17,7 @@ from megatron_envpipe.core.schedule import (
     Unit,
 )
 from megatron_envpipe.core.timeline import outer_envelope
-from megatron_envpipe.core.vocabulary import RECONFIG_POLICIES
+from megatron_envpipe.core.vocabulary import RECONFIG_POLICIES, ReconfigPolicy
 from megatron_envpipe.planning.basis import PlannerError
 
 GREEDY_STEP_FACTOR = 3  # EnvPipe: greedy raises 3 steps so it moves as fast as balanced
@@ -80,7 +80,7 @@ class Reconfigurer:
         self.finish_count = 0
         self.iterations = 0
         # "default" never reconfigures: EnvPipe starts it finished.
-        self.finished = policy == "default"
+        self.finished = policy == ReconfigPolicy.DEFAULT
 
     @property
     def plan(self) -> FrequencyPlan:
@@ -99,11 +99,11 @@ class Reconfigurer:
         changes nothing (unless the reconfigurer has a target time: then an
         empty path, i.e. an iteration on time, is what changes nothing).
         """
-        if self.policy == "default" or not path or (self.target_time_s is None and self.on_envelope(path)):
+        if self.policy == ReconfigPolicy.DEFAULT or not path or (self.target_time_s is None and self.on_envelope(path)):
             return False
         index = self._index
         f_max = self.ladder.f_max
-        if self.policy == "greedy":
+        if self.policy == ReconfigPolicy.GREEDY:
             for s, u in path:
                 i = index[s][u]
                 if self.freqs[s][i] < f_max:

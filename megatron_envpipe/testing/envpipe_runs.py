@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,10 @@ import torch
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.core.hooks import RecordingHooks
+from megatron_envpipe.megatron.executor import envpipe_forward_backward
+from megatron_envpipe.megatron.patch import install
+from megatron_envpipe.megatron.state import STATE
+from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec, synthetic_batches
 
 _installed: dict[str, Any] = {"config": None, "hooks": None, "calls": 0}
 
@@ -31,13 +36,8 @@ def _live_tensors() -> int:
 
 def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_rank: int | None = None,
          force_forward_only: bool = False, **kwargs: Any) -> list[Any]:
-    from megatron_envpipe import install
-    from megatron_envpipe.megatron import executor
-
     if stall_rank == torch.distributed.get_rank():
         # This stage hangs (as a crashed or wedged GPU would) past its peers' timeout.
-        import time
-
         time.sleep(3 * config.comm_timeout_s)
         return []
     if force_forward_only:
@@ -50,20 +50,18 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
         _installed["calls"] = 0
     hooks: RecordingHooks = _installed["hooks"]
     start = len(hooks.instructions)
-    runtime = executor._State.runtime
+    runtime = STATE.runtime
     m, p = kwargs["num_microbatches"], torch.distributed.get_world_size()
     plan = runtime.prepare(p, m)  # what the executor will be given (prepare is pure)
-    store = executor.envpipe_forward_backward(**kwargs)
+    store = envpipe_forward_backward(**kwargs)
     live = [_live_tensors()]
     if repeat > 1:
         # More iterations on the same model, as a training loop would run them.
-        from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec, synthetic_batches
-
         model = kwargs["model"][0] if isinstance(kwargs["model"], list) else kwargs["model"]
-        for i in range(1, repeat):
+        for _i in range(1, repeat):
             model.zero_grad(set_to_none=True)
             again = dict(kwargs, data_iterator=synthetic_batches(TinyGPTSpec(), kwargs["num_microbatches"]))
-            executor.envpipe_forward_backward(**again)
+            envpipe_forward_backward(**again)
             live.append(_live_tensors())
     rank = torch.distributed.get_rank()
     if record_dir is not None:
@@ -94,20 +92,14 @@ def envpipe_schedule(config: EnvPipeConfig, record_dir: str | None = None, repea
 
 def _bench(config: EnvPipeConfig, iterations: int, out_path: str, **kwargs: Any) -> list[Any]:
     """Alternate Megatron's schedule and EnvPipe's executor on one model; time each."""
-    import time
-
-    from megatron_envpipe import install
-    from megatron_envpipe.megatron import executor
-    from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec, synthetic_batches
-
     install(config)
-    native = executor._State.original
+    native = STATE.original
     model = kwargs["model"][0] if isinstance(kwargs["model"], list) else kwargs["model"]
     m = kwargs["num_microbatches"]
     times: dict[str, list[float]] = {"native": [], "envpipe": []}
     store: list[Any] = []
     for i in range(iterations + 2):  # the first two rounds warm up (allocator, group creation)
-        for name, fn in (("native", native), ("envpipe", executor.envpipe_forward_backward)):
+        for name, fn in (("native", native), ("envpipe", envpipe_forward_backward)):
             model.zero_grad(set_to_none=True)
             args = dict(kwargs, data_iterator=synthetic_batches(TinyGPTSpec(), m))
             torch.distributed.barrier()

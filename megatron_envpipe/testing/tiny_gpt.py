@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_envpipe.megatron.compat import model_parallel_manual_seed
+
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -83,8 +85,6 @@ def build_model(spec: TinyGPTSpec, config: TransformerConfig) -> GPTModel:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from megatron_envpipe.megatron.compat import model_parallel_manual_seed
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
     model_parallel_manual_seed(spec.seed + 100 * stage)

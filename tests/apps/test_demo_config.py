@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_envpipe.apps.demo import DemoConfig, DemoError
+from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.planning.basis import PlannerConfig
 
 
 def test_shipped_demo_config_loads():
@@ -28,3 +30,9 @@ def test_bad_demo_config_names_file_and_key(tmp_path, body, needle):
     with pytest.raises(DemoError, match=needle) as info:
         DemoConfig.load(path)
     assert str(path) in str(info.value)
+
+
+def test_demo_plans_through_envpipe_config():
+    cfg = DemoConfig.load()
+    gpu = get_gpu_spec("a40")
+    assert cfg.envpipe_config().planner_config(gpu) == PlannerConfig(cfg.plan_type, cfg.scheduling, cfg.reconfig, gpu=gpu)

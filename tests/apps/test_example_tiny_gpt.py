@@ -19,7 +19,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 
 from megatron_envpipe.apps import tiny_data
 from megatron_envpipe.megatron.localhost import free_port

@@ -44,6 +44,9 @@ def test_readme_envpipe_commands_run(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_readme_python_blocks_run(index, capsys):
+    if any(word in blocks("python")[index] for word in ("megatron.core", "import torch", ".install(")):
+        pytest.importorskip("torch", reason="this README example trains with torch + megatron-core")
+        pytest.importorskip("megatron.core", reason="this README example trains with torch + megatron-core")
     exec(compile(blocks("python")[index], f"README.md python block {index}", "exec"), {})
     assert capsys.readouterr().out
 

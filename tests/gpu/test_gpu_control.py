@@ -14,7 +14,7 @@ from megatron_envpipe.gpu import GpuPermissionError, open_gpu
 from megatron_envpipe.gpu.hooks import GpuHooks
 from megatron_envpipe.gpu.none import NoGpu
 from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.megatron.executor import clock_control
+from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control, combine_stage_devices
 
 
 class _Unprivileged(SimulatedGpu):
@@ -51,6 +51,34 @@ def test_baseline_and_no_gpu_need_no_control(profile):
     assert clock_control(SimulatedGpu(profile, 0), EnvPipeConfig(plan_type="envelope"), stage=0) is True
 
 
+def test_device_capabilities_have_base_defaults(profile):
+    # Declared on GpuDevice: every backend answers, with "nothing to add" by default.
+    assert NoGpu().permission_reason() == ""
+    assert NoGpu().last_unit_window() is None
+    gpu = SimulatedGpu(profile, 0, time_scale=0.001)
+    assert gpu.last_unit_window() is None  # before the first unit
+    gpu.unit_begin(0, "F")
+    gpu.unit_end(0, "F")
+    kind, start_s, end_s = gpu.last_unit_window()
+    assert kind == "F" and end_s > start_s
+
+
+def test_stage_devices_combine_to_what_every_stage_has(profile):
+    sim = StageDevice.of(SimulatedGpu(profile, 0), control=True)
+    assert sim.backend == "simulated" and sim.energy and sim.simulated and sim.clocks_mhz[0] == 1740
+    narrower = StageDevice(backend="nvml", name="A40", driver_version="550", clocks_mhz=(1740, 1500, 1200),
+                           control=True, energy=True)
+    facts = combine_stage_devices([narrower, sim])
+    assert facts == DeviceFacts(backend="nvml", name="A40", driver_version="550",
+                                clocks_mhz=tuple(sorted(set(sim.clocks_mhz) & {1740, 1500, 1200}, reverse=True)),
+                                control=True, energy=True, simulated=True)
+    # One stage without control, energy or any common clock: none for the pipeline.
+    absent = combine_stage_devices([narrower, StageDevice.absent()])
+    assert absent.clocks_mhz == () and not absent.control and not absent.energy
+    no_control = combine_stage_devices([narrower, StageDevice.of(SimulatedGpu(profile, 0), control=False)])
+    assert not no_control.control and no_control.energy
+
+
 def test_open_gpu_backends():
     assert open_gpu("none").backend == "none"
     assert open_gpu("auto", cuda=False).backend == "none"  # a CPU rank never grabs some GPU
@@ -72,7 +100,7 @@ def test_gpu_hooks_lock_clocks_and_measure_energy(profile, tmp_path, monkeypatch
         for unit in (F(0), F(1), B(0), B(1)):
             hooks.unit_begin(unit)
             hooks.unit_end(unit)
-        windows = list(hooks._device_windows)
+        windows = list(hooks.device_windows)
         hooks.iteration_end(None)
         energy = hooks.last_energy
         # The model's own accounting, whatever the CPU load: each unit at its profiled power

@@ -28,13 +28,8 @@ from nvml_double import STATE_ENV, NvmlDouble, node  # noqa: E402
 from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError  # noqa: E402
 from megatron_envpipe.gpu.clocks import ClockController  # noqa: E402
 from megatron_envpipe.gpu.nvml import NvmlGpu  # noqa: E402
-from megatron_envpipe.gpu.safety import (  # noqa: E402
-    ClockGuard,
-    install_signal_handlers,
-    reset_all_gpus,
-    reset_clocks_from_state,
-    resolve_state_dir,
-)
+from megatron_envpipe.gpu.repair import reset_all_gpus, reset_clocks_from_state  # noqa: E402
+from megatron_envpipe.gpu.safety import ClockGuard, install_signal_handlers, resolve_state_dir  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parents[1]
@@ -124,7 +119,7 @@ def test_requests_apply_in_order_on_one_worker_thread(guard):
     assert gpu.threads == {"envpipe-clocks"}
     assert ctl.applied == 5 and ctl.skipped == 0
     ctl.close()
-    assert gpu.history[-1] is None and not ctl._thread.is_alive()
+    assert gpu.history[-1] is None and not ctl.worker_alive
 
 
 def test_redundant_requests_are_skipped(guard):

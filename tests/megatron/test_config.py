@@ -7,6 +7,9 @@ import argparse
 import pytest
 
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
+from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.vocabulary import CommModel, PlanType, ReconfigPolicy, Scheduling
+from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
 
 
 def parse(argv):
@@ -52,4 +55,88 @@ def test_megatron_args_checks():
 def test_bad_choice_is_argparse_error(capsys):
     with pytest.raises(SystemExit):
         parse(["--envpipe-type", "turbo"])
-    assert "invalid choice: 'turbo'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "invalid choice: 'turbo' (choose from 'baseline', 'uniform', 'envelope', 'optimal')" in err
+
+
+# -- the vocabulary's Enums in both configs ---------------------------------------------
+
+
+def test_flags_become_vocabulary_members_equal_to_their_strings():
+    cfg = parse(["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "greedy"])
+    assert cfg.plan_type is PlanType.ENVELOPE and cfg.scheduling is Scheduling.OURS
+    assert cfg.reconfig is ReconfigPolicy.GREEDY and cfg.reconfig == "greedy"
+    defaults = parse([])
+    assert (defaults.plan_type, defaults.scheduling, defaults.reconfig) == (
+        PlanType.BASELINE, Scheduling.ONE_F_ONE_B, ReconfigPolicy.DEFAULT)
+    # Megatron's own args namespace keeps plain strings (it prints and saves them).
+    ns = add_envpipe_args(argparse.ArgumentParser()).parse_args([])
+    assert type(ns.envpipe_plan_type) is str and type(ns.envpipe_scheduling) is str and type(ns.envpipe_reconfig) is str
+
+
+def test_unknown_names_keep_their_messages():
+    with pytest.raises(EnvPipeConfigError, match=r"--envpipe-type 'turbo': choose one of baseline, uniform, envelope"):
+        EnvPipeConfig(plan_type="turbo").validate()
+    with pytest.raises(EnvPipeConfigError, match=r"--envpipe-scheduling 'zb': choose one of 1f1b, ours"):
+        EnvPipeConfig(scheduling="zb").validate()
+    with pytest.raises(PlannerError, match=r"unknown plan type 'turbo'; choose one of baseline"):
+        PlannerConfig("turbo").validate()
+    with pytest.raises(PlannerError, match=r"unknown communication model 'x'; choose per-direction or paired"):
+        PlannerConfig(comm="x").validate()
+
+
+def test_planner_config_accepts_strings():
+    cfg = PlannerConfig("optimal", "ours")
+    assert cfg.plan_type is PlanType.OPTIMAL and cfg.scheduling is Scheduling.OURS
+    assert cfg.reconfig is ReconfigPolicy.BALANCED and cfg.comm is CommModel.PER_DIRECTION
+    assert cfg == PlannerConfig(PlanType.OPTIMAL, Scheduling.OURS) and cfg.plan_type == "optimal"
+    assert PlannerConfig(comm="paired").comm is CommModel.PAIRED
+    assert cfg.validate() is cfg
+
+
+# -- EnvPipeConfig.planner_config: what the run-time plans with ------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        ([], PlannerConfig("baseline", "1f1b", "default", gpu=get_gpu_spec("a40"))),
+        (
+            ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced",
+             "--envpipe-p2p-power", "70", "--envpipe-reconfig-step", "60", "--envpipe-max-inflight", "6",
+             "--envpipe-extra-warmup", "3,2,1,0"],
+            PlannerConfig("envelope", "ours", "balanced", gpu=get_gpu_spec("a40"), p2p_power_w=70.0,
+                          reconfig_step_mhz=60, max_inflight=6, extra_warmup=(3, 2, 1, 0)),
+        ),
+        (
+            ["--envpipe-type", "optimal", "--envpipe-scheduling", "ours", "--envpipe-max-slowdown", "0.05",
+             "--envpipe-target-time", "8.5", "--envpipe-reconfig", "greedy"],
+            PlannerConfig("optimal", "ours", "greedy", gpu=get_gpu_spec("a40"), max_slowdown=0.05, target_time_s=8.5),
+        ),
+        (
+            ["--envpipe-type", "uniform", "--envpipe-finish-limit", "3", "--envpipe-prefetch", "4",
+             "--envpipe-threshold-scale", "2"],  # run-time-only flags do not reach the planner
+            PlannerConfig("uniform", "1f1b", "default", gpu=get_gpu_spec("a40")),
+        ),
+    ],
+)
+def test_planner_config_is_what_the_runtime_builds(argv, expected):
+    cfg = parse(argv)
+    # What megatron/runtime.py built by hand, field by field (p2p from the flag when given).
+    by_hand = PlannerConfig(
+        plan_type=cfg.plan_type, scheduling=cfg.scheduling, reconfig=cfg.reconfig, gpu=get_gpu_spec("a40"),
+        p2p_power_w=cfg.p2p_power_w, reconfig_step_mhz=cfg.reconfig_step_mhz, max_inflight=cfg.max_inflight,
+        extra_warmup=cfg.extra_warmup, max_slowdown=cfg.max_slowdown, target_time_s=cfg.target_time_s,
+    )
+    got = cfg.planner_config(get_gpu_spec("a40"))
+    assert got == expected == by_hand
+    assert got.plan_type is PlanType(expected.plan_type) and got.validate() is got
+
+
+def test_planner_config_overrides_and_no_gpu():
+    cfg = parse(["--envpipe-type", "envelope", "--envpipe-scheduling", "ours"])
+    # The run-time passes the profiler's P2P power when --envpipe-p2p-power is not given.
+    assert cfg.planner_config(None, p2p_power_w=55.0) == PlannerConfig("envelope", "ours", "default", p2p_power_w=55.0)
+    assert cfg.planner_config().gpu is None
+    with pytest.raises(TypeError):
+        cfg.planner_config(None, no_such_field=1)

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+torch = pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.testing import PipelineRun, compare_results, run_pipeline
 from megatron_envpipe.testing.envpipe_runs import envpipe_schedule

@@ -12,7 +12,9 @@ import math
 from collections.abc import Iterator
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 
 from megatron_envpipe.megatron import compat as megatron_compat
 from megatron_envpipe.testing.harness import (

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+
 import megatron_envpipe
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError
 
@@ -12,6 +15,7 @@ def test_install_uninstall_roundtrip():
     from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 
     from megatron_envpipe.megatron import executor
+    from megatron_envpipe.megatron.state import STATE
 
     original = schedules.forward_backward_pipelining_without_interleaving
     assert not megatron_envpipe.is_installed()
@@ -24,12 +28,13 @@ def test_install_uninstall_roundtrip():
         # ...and leaves the interleaved and no-pipelining schedules alone.
         assert get_forward_backward_func(pp_size=2, vp_size=2) is schedules.forward_backward_pipelining_with_interleaving
         assert get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
-        assert executor._State.original is original
-        assert executor._State.runtime.config == EnvPipeConfig()
+        assert STATE.original is original
+        assert STATE.runtime.config == EnvPipeConfig()
     finally:
         megatron_envpipe.uninstall()
     assert schedules.forward_backward_pipelining_without_interleaving is original
     assert not megatron_envpipe.is_installed()
+    assert STATE.runtime is None and STATE.original is None  # uninstall() reset the executor state
     megatron_envpipe.uninstall()  # safe when not installed
 
 

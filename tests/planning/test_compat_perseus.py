@@ -23,7 +23,7 @@ from megatron_envpipe.planning.compat_perseus import (
     PERSEUS_P2P_POWER_W,
     STOP_ENVELOPE,
     PerseusCompatResult,
-    _PerseusDag,
+    PerseusDag,
     candidate_options,
     clock_step_mhz,
     plan_envpipe_perseus,
@@ -269,7 +269,7 @@ def test_first_critical_path_matches_lowtime_tie_breaking():
     # e.g. after S0 B0 it takes S0 F4 (visited first by BFS) over S1 B1.
     want = "0:F0 1:F0 2:F0 3:F0 3:B0 2:B0 1:B0 0:B0 0:F4 0:B1 0:F5 1:F5 2:F5 3:F5 3:B5 2:B5 1:B5 0:B5"
     graph = PipelineGraph(one_f_one_b(4, 6))
-    dag = _PerseusDag(graph)
+    dag = PerseusDag(graph)
     for backward in (5, 10):
         dur = [5 if u.is_forward else backward for _, u in graph.nodes]
         got = " ".join(f"{s}:{u}" for s, u in (graph.nodes[v] for v in dag.critical_path(dur)))

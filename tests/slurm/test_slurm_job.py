@@ -33,6 +33,9 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+
 from megatron_envpipe.megatron.localhost import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,179 @@
+"""The ``envpipe`` argument parser: flag types, the flag groups commands share, one sub-parser per command."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_envpipe.apps.cli.demo_cmd import cmd_demo
+from megatron_envpipe.apps.cli.gpu_cmds import cmd_gpus, cmd_reset_clocks
+from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, cmd_simulate
+from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
+from megatron_envpipe.config import int_list
+from megatron_envpipe.core.resources import shipped_profiles
+from megatron_envpipe.core.vocabulary import (
+    COMM_MODELS,
+    PLAN_TYPES,
+    RECONFIG_POLICIES,
+    SCHEDULINGS,
+    CommModel,
+    PlanType,
+    ReconfigPolicy,
+    Scheduling,
+)
+
+# argparse lists its choices with repr() in "invalid choice" errors: give it the plain names.
+PLAN_TYPE_NAMES = tuple(t.value for t in PLAN_TYPES)
+SCHEDULING_NAMES = tuple(s.value for s in SCHEDULINGS)
+RECONFIG_NAMES = tuple(r.value for r in RECONFIG_POLICIES)
+COMM_NAMES = tuple(c.value for c in COMM_MODELS)
+
+
+# -- flag types -----------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """``0.05`` or ``5%`` -> 0.05 (>= 0)."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.05 or a percentage like 5%, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+# -- flag groups ----------------------------------------------------------------------
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    """The profile and GPU flags of 'plan', 'frontier' and 'simulate' (read by ``common.gpu_for``)."""
+    names = ", ".join(shipped_profiles())
+    p.add_argument("--profile", required=True, help=f"Perseus-format CSV, or a shipped profile: {names}")
+    p.add_argument(
+        "--gpu",
+        help="GPU table entry (configs/gpus.toml): clock range, steps, P2P power "
+        "(default for a shipped profile: the GPU it was measured on)",
+    )
+    p.add_argument("--p2p-power", type=float, help="P2P blocking power in W (default: the GPU table's)")
+    p.add_argument("--p2p-latency", type=float, default=0.0, help="latency of each P2P message in s (default 0)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply profile times (Perseus emulation: 10)")
+    p.add_argument("--energy-scale", type=float, default=1.0, help="multiply profile energies (emulation: 80)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration")
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The pipeline and schedule flags of 'plan' and 'frontier' (read by ``common.planner_config``)."""
+    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches per iteration")
+    p.add_argument("--stages", type=positive_int, help="pipeline stages (checked against the profile)")
+    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.OURS.value,
+                   help="unit order (default ours)")
+    p.add_argument("--max-inflight", type=positive_int, help="activation budget per stage, in micro-batches")
+    p.add_argument("--extra-warmup", type=int_list,
+                   help="override the extra warm-up r_s of ours, e.g. 4,3,1,0 (still clamped)")
+    p.add_argument("--comm", choices=COMM_NAMES, default=CommModel.PER_DIRECTION.value,
+                   help="communication plans are scored with: one channel per direction (what the executor "
+                        "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
+
+
+def _add_schedule_args(p: argparse.ArgumentParser) -> None:
+    """The sizes and unit order of 'schedule' and 'programs'."""
+    p.add_argument("--stages", type=positive_int, required=True)
+    p.add_argument("--microbatches", "-m", type=positive_int, required=True)
+    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.ONE_F_ONE_B.value)
+    p.add_argument("--extra-warmup", type=int_list, help="r_s for ours, e.g. 4,3,1,0 (clamped)")
+
+
+# -- the parser -----------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="envpipe",
+        description="Energy-saving pipeline schedules and GPU clock plans (EnvPipe) for Megatron-core.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan per-unit SM clocks from a profile and compare with the baseline")
+    add_profile_args(p)
+    add_pipeline_args(p)
+    p.add_argument("--type", choices=PLAN_TYPE_NAMES, default=PlanType.ENVELOPE.value,
+                   help="initial plan (default envelope)")
+    p.add_argument("--reconfig", choices=RECONFIG_NAMES, default=ReconfigPolicy.BALANCED.value,
+                   help="policy (default balanced)")
+    p.add_argument("--reconfig-step", type=positive_int, help="MHz per reconfiguration step (default: GPU table)")
+    p.add_argument("--max-slowdown", type=fraction, default=0.0,
+                   help="--type optimal: allowed iteration-time increase over the baseline, e.g. 0.05 or 5%% (default 0)")
+    p.add_argument("--target-time", type=positive_float, metavar="S",
+                   help="--type optimal: plan for iterations lasting S seconds anyway (e.g. a straggler's pace); "
+                        "energy is counted until then")
+    p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
+    p.add_argument("--out", metavar="PLAN.json", help="write the plan and its scores as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("frontier", help="the iteration-time vs energy Pareto frontier of optimal plans")
+    add_profile_args(p)
+    add_pipeline_args(p)
+    p.add_argument("--points", type=positive_int, default=20, help="deadlines from fastest to valley (default 20)")
+    p.add_argument("--csv", metavar="OUT.csv", help="write time_s,energy_j,saving,slowdown")
+    p.add_argument("--target-time", type=positive_float, metavar="S",
+                   help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")
+    p.set_defaults(func=cmd_frontier)
+
+    p = sub.add_parser("show", help="print a plan written by 'envpipe plan --out'")
+    p.add_argument("plan", help="PLAN.json")
+    p.add_argument("--json", action="store_true", help="print the stored JSON")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("simulate", help="simulate one iteration of a plan or schedule on a profile")
+    add_profile_args(p)
+    p.add_argument("--plan", metavar="PLAN.json", help="a plan from 'envpipe plan --out'")
+    p.add_argument("--microbatches", "-m", type=positive_int, help="micro-batches (without --plan)")
+    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.ONE_F_ONE_B.value,
+                   help="unit order (without --plan)")
+    p.add_argument("--extra-warmup", type=int_list, help="r_s for --scheduling ours, e.g. 4,3,1,0")
+    p.add_argument("--freq", type=positive_int, help="one clock for every unit (default: the profile's max)")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("schedule", help="print a schedule's per-stage unit order")
+    _add_schedule_args(p)
+    p.add_argument("--max-inflight", type=positive_int, help="activation budget per stage")
+    p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("programs", help="print each stage's instruction program and prove it deadlock-free")
+    _add_schedule_args(p)
+    p.add_argument("--prefetch", type=positive_int, default=2, help="receives posted ahead per channel")
+    p.add_argument("--shared-stream", action="store_true",
+                   help="check against one shared stream per stage pair instead (shows why we avoid it)")
+    p.set_defaults(func=cmd_programs)
+
+    p = sub.add_parser("reset-clocks", help="reset GPU clocks a crashed run left locked (needs root or CAP_SYS_ADMIN)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="where runs record locked clocks (default $ENVPIPE_STATE_DIR or /var/tmp/megatron-envpipe/locked-clocks)")
+    p.add_argument("--force", action="store_true", help="also reset GPUs whose locking process is still running")
+    p.add_argument("--all", action="store_true", help="reset every GPU on this node through NVML, state files or not")
+    p.set_defaults(func=cmd_reset_clocks)
+
+    p = sub.add_parser("demo", help="train a tiny GPT pipeline with and without EnvPipe and show the saving")
+    p.add_argument("--out", default="out/demo", help="where logs, timeline.png and summary.json go")
+    p.add_argument("--config", help="a demo config (default configs/demo.toml)")
+    p.add_argument("--gpu", help="device backend (default: NVML with >= 2 GPUs, else simulated:<profile>)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("gpus", help="list the GPU clock table")
+    p.set_defaults(func=cmd_gpus)
+    return parser

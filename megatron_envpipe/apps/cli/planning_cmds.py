@@ -1,0 +1,183 @@
+"""``envpipe plan``, ``envpipe frontier`` and ``envpipe show``: clock plans from a profile, and plan files."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron_envpipe.apps.cli.common import CliError, gpu_for, load_profile, p2p_power, plan_from_file, planner_config
+from megatron_envpipe.apps.cli.render import print_json, print_result, result_to_dict
+from megatron_envpipe.apps.plot import draw_frontier, draw_timelines
+from megatron_envpipe.core.atomic import write_json_atomic
+from megatron_envpipe.core.plan import format_envpipe
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.vocabulary import CommModel, PlanType, ReconfigPolicy, Scheduling
+from megatron_envpipe.planning.basis import PlanResult
+from megatron_envpipe.planning.compat_perseus import plan_envpipe_perseus
+from megatron_envpipe.planning.frontier import Frontier, compute_frontier
+from megatron_envpipe.planning.planner import plan_envpipe
+
+
+def _plan_perseus(args: argparse.Namespace, profile: Profile, gpu, extra: dict[str, Any]) -> PlanResult:
+    """--compat perseus: Perseus's EnvPipe re-implementation; what it reports goes into ``extra``."""
+    if (args.type != PlanType.ENVELOPE or args.scheduling != Scheduling.ONE_F_ONE_B
+            or args.reconfig != ReconfigPolicy.BALANCED):
+        raise CliError(
+            "--compat perseus reproduces Perseus's EnvPipe (envelope, 1f1b, balanced); "
+            "drop --type/--scheduling/--reconfig or set them to those values"
+        )
+    compat = plan_envpipe_perseus(
+        profile,
+        args.microbatches,
+        p2p_power_w=p2p_power(args, gpu),
+        p2p_power_scale=args.energy_scale / args.time_scale,
+    )
+    extra["perseus_reported"] = {
+        "iteration_time_s": compat.reported_time_s,
+        "energy_j": compat.reported_energy_j,
+        "iterations": compat.iterations,
+    }
+    return compat.result
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile, args.time_scale, args.energy_scale)
+    gpu = gpu_for(args)
+    extra: dict[str, Any] = {}
+    if args.compat == "perseus":
+        result = _plan_perseus(args, profile, gpu, extra)
+    else:
+        config = planner_config(args, gpu, args.type, args.reconfig, reconfig_step_mhz=args.reconfig_step,
+                                max_slowdown=args.max_slowdown, target_time_s=args.target_time)
+        result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
+    if args.stages is not None and args.stages != result.schedule.num_stages:
+        raise CliError(f"--stages {args.stages} does not match the profile's {result.schedule.num_stages} stages")
+    data = result_to_dict(result, profile, extra)
+    if args.out:
+        write_json_atomic(args.out, data)
+    if args.plot:
+        draw_timelines(
+            [
+                ("baseline: 1F1B at f_max", result.baseline_plan, result.baseline_timeline),
+                (f"plan: {result.config.plan_type}/{result.config.scheduling}/{result.config.reconfig}",
+                 result.plan, result.timeline),
+            ],
+            args.plot,
+        )
+    if args.json:
+        print_json(data)
+    else:
+        print_result(result, profile)
+        if "perseus_reported" in extra:
+            rep = extra["perseus_reported"]
+            print(
+                f"\nas Perseus reports it: iteration {rep['iteration_time_s']:.3f} s, "
+                f"energy {rep['energy_j']:.3f} J ({rep['iterations']} iterations)"
+            )
+        if args.out:
+            print(f"\nplan written to {args.out}")
+        if args.plot:
+            print(f"timeline drawn to {args.plot}")
+    return 0
+
+
+def _frontier_dict(fr: Frontier, profile: Profile, target_time: float | None, picked) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "profile": profile.source,
+        "num_stages": fr.num_stages,
+        "num_microbatches": fr.schedule.num_microbatches,
+        "scheduling": fr.schedule.name,
+        "extra_warmup": list(fr.schedule.extra_warmup),
+        "peak_inflight_activations": list(fr.schedule.peak_inflight()),
+        "p2p_power_w": fr.p2p_power_w,
+        "baseline": {"iteration_time_s": fr.baseline.iteration_time_s, "energy_j": fr.baseline.energy_j},
+        "fastest_s": fr.fastest_s,
+        "valley_s": fr.valley_s,
+        "points": [
+            {"time_s": pt.time_s, "energy_j": pt.energy_j, "saving": pt.saving, "slowdown": pt.slowdown}
+            for pt in fr.points
+        ],
+        "planner_seconds": fr.planner_seconds,
+        "warnings": fr.warnings,
+    }
+    if picked is not None:
+        pt, e_at, base_at = picked
+        data["target"] = {
+            "time_s": target_time, "plan_time_s": pt.time_s, "energy_at_target_j": e_at,
+            "baseline_energy_at_target_j": base_at, "saving_at_target": 1.0 - e_at / base_at,
+            "frequencies": pt.plan.to_dict()["stages"],
+        }
+    return data
+
+
+def _print_frontier(fr: Frontier, profile: Profile, target_time: float | None, picked) -> None:
+    b = fr.baseline
+    print(f"profile     {profile.source}")
+    print(f"pipeline    {fr.num_stages} stages x {fr.schedule.num_microbatches} micro-batches; schedule {fr.schedule.name}"
+          + (f", extra warm-up {list(fr.schedule.extra_warmup)}" if fr.schedule.name == Scheduling.OURS else "")
+          + f"; peak in-flight activations {list(fr.schedule.peak_inflight())}; P2P {fr.p2p_power_w:g} W")
+    print(f"baseline    {b.iteration_time_s:.4f} s  {b.energy_j:.1f} J   (1F1B, all at f_max)")
+    print(f"frontier    {len(fr.points)} plans from {fr.fastest_s:.4f} s (fastest) to {fr.valley_s:.4f} s "
+          f"(energy valley), {fr.planner_seconds:.2f} s to compute\n")
+    print(f"{'time s':>10}{'energy J':>12}{'saving':>9}{'slowdown':>10}")
+    for pt in fr.points:
+        print(f"{pt.time_s:>10.4f}{pt.energy_j:>12.1f}{100 * pt.saving:>8.2f}%{100 * pt.slowdown:>9.2f}%")
+    if picked is not None:
+        pt, e_at, base_at = picked
+        print(f"\ntarget {target_time:.4f} s: run the {pt.time_s:.4f} s plan; {e_at:.1f} J vs the baseline's "
+              f"{base_at:.1f} J (both blocking until the target): saving {100 * (1 - e_at / base_at):.2f} %")
+    for w in fr.warnings:
+        print(f"WARNING: {w}")
+
+
+def cmd_frontier(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile, args.time_scale, args.energy_scale)
+    gpu = gpu_for(args)
+    config = planner_config(args, gpu, PlanType.OPTIMAL, ReconfigPolicy.DEFAULT)
+    fr = compute_frontier(profile, args.microbatches, config, points=args.points, num_stages=args.stages)
+    picked = fr.pick(args.target_time) if args.target_time is not None else None
+    if args.csv:
+        fr.to_csv(args.csv)
+    if args.plot:
+        # EnvPipe's own plan for comparison: the same pipeline, no --extra-warmup, no --comm.
+        envpipe_config = planner_config(args, gpu, PlanType.ENVELOPE, ReconfigPolicy.BALANCED,
+                                        extra_warmup=None, comm=CommModel.PER_DIRECTION)
+        envpipe = plan_envpipe(profile, args.microbatches, envpipe_config)
+        draw_frontier(fr, args.plot, args.target_time,
+                      others=[(f"EnvPipe envelope+balanced ({args.scheduling})", envpipe.score.iteration_time_s,
+                               envpipe.score.energy_j)])
+    data = _frontier_dict(fr, profile, args.target_time, picked)
+    if args.json:
+        print_json(data)
+        return 0
+    _print_frontier(fr, profile, args.target_time, picked)
+    if args.csv:
+        print(f"\nfrontier written to {args.csv}")
+    if args.plot:
+        print(f"frontier drawn to {args.plot}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    data, plan = plan_from_file(args.plan)
+    if args.json:
+        print_json(data)
+        return 0
+    print(f"plan file   {args.plan}")
+    if "baseline" in data and "plan" in data:
+        b, p = data["baseline"], data["plan"]
+        print(f"profile     {data.get('profile')}")
+        print(
+            f"pipeline    {data.get('num_stages')} stages x {data.get('num_microbatches')} micro-batches; "
+            f"plan {p.get('type')}/{p.get('scheduling')}/{p.get('reconfig')}"
+        )
+        print(f"baseline    {b['iteration_time_s']:.4f} s  {b['energy_j']:.1f} J")
+        print(f"plan        {p['iteration_time_s']:.4f} s  {p['energy_j']:.1f} J")
+        print(
+            f"saving      {100 * data['energy_saving']:.2f} %   slowdown {100 * data['slowdown']:.2f} %"
+        )
+        for w in data.get("warnings", []):
+            print(f"WARNING: {w}")
+    print(f"clock changes per stage per iteration {list(plan.clock_changes())}")
+    print(format_envpipe(plan))
+    return 0

@@ -1,0 +1,137 @@
+"""How the ``envpipe`` commands show results: JSON objects and the text report of a plan."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+from megatron_envpipe.core.plan import format_envpipe
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.timeline import PlanScore, Timeline
+from megatron_envpipe.core.vocabulary import Scheduling
+from megatron_envpipe.planning.basis import PlanResult
+
+
+def print_json(data: dict[str, Any]) -> None:
+    """One JSON object on stdout (``--json``)."""
+    json.dump(data, sys.stdout, indent=1)
+    print()
+
+
+def score_dict(score: PlanScore) -> dict[str, Any]:
+    return {
+        "iteration_time_s": score.iteration_time_s,
+        "energy_j": score.energy_j,
+        "compute_energy_j": score.compute_energy_j,
+        "blocking_energy_j": score.blocking_energy_j,
+        "stage_busy_s": list(score.busy_s),
+        "stage_energy_j": list(score.stage_energy_j),
+    }
+
+
+def recv_wait_ms(timeline: Timeline) -> list[list[float]]:
+    """Per stage, per unit in order: how long it waited for its input, ms (EnvPipe's printout)."""
+    graph = timeline.graph
+    rows: list[list[float]] = [[] for _ in range(graph.schedule.num_stages)]
+    for v, (s, _) in enumerate(graph.nodes):
+        rows[s].append(1000.0 * timeline.recv_wait_s(v))
+    return rows
+
+
+def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``envpipe plan --json`` / ``--out``: the plan, its baseline and how it was found."""
+    cfg = result.config
+    plan_dict = score_dict(result.score)
+    plan_dict.update(
+        {
+            "type": cfg.plan_type,
+            "scheduling": cfg.scheduling,
+            "reconfig": cfg.reconfig,
+            "extra_warmup": list(result.schedule.extra_warmup),
+            "peak_inflight_activations": list(result.schedule.peak_inflight()),
+            "clock_changes_per_stage": list(result.plan.clock_changes()),
+            "frequencies": result.plan.to_dict()["stages"],
+        }
+    )
+    data: dict[str, Any] = {
+        "profile": profile.source,
+        "num_stages": result.schedule.num_stages,
+        "num_microbatches": result.schedule.num_microbatches,
+        "gpu": cfg.gpu.key if cfg.gpu else None,
+        "p2p_power_w": cfg.effective_p2p_power_w,
+        "f_max_mhz": result.f_max_mhz,
+        "valley_mhz": list(result.valley_mhz),
+        "baseline": {
+            **score_dict(result.baseline),
+            "scheduling": Scheduling.ONE_F_ONE_B.value,
+            "peak_inflight_activations": list(result.baseline_plan.schedule.peak_inflight()),
+            "frequency_mhz": result.f_max_mhz,
+        },
+        "plan": plan_dict,
+        "energy_saving": result.energy_saving,
+        "slowdown": result.slowdown,
+        "iterations": result.iterations,
+        "converged": result.converged,
+        "stop_reason": result.stop_reason,
+        "planner_seconds": result.planner_seconds,
+        "warnings": list(result.warnings),
+    }
+    if result.deadline_s is not None:  # plan type "optimal"
+        data["deadline_s"] = result.deadline_s
+        data["lower_bound_j"] = result.lower_bound_j
+        data["optimal"] = dict(result.details)
+    if extra:
+        data.update(extra)
+    return data
+
+
+def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None) -> None:
+    """``envpipe plan``'s text report: sizes, clocks, baseline vs plan, then EnvPipe's printout."""
+    out = out or sys.stdout
+    b, p = result.baseline, result.score
+    cfg = result.config
+    print(f"profile     {profile.source}", file=out)
+    print(
+        f"pipeline    {result.schedule.num_stages} stages x {result.schedule.num_microbatches} micro-batches; "
+        f"plan {cfg.plan_type}/{cfg.scheduling}/{cfg.reconfig}"
+        + (f"; gpu {cfg.gpu.key}" if cfg.gpu else "")
+        + f"; P2P blocking power {cfg.effective_p2p_power_w:g} W",
+        file=out,
+    )
+    print(
+        f"clocks      f_max {result.f_max_mhz} MHz; energy valley per stage {list(result.valley_mhz)} MHz",
+        file=out,
+    )
+    if cfg.scheduling == Scheduling.OURS:
+        print(
+            f"warm-up     extra forwards per stage {list(result.schedule.extra_warmup)}; peak in-flight "
+            f"activations {list(result.schedule.peak_inflight())} (1F1B: "
+            f"{list(result.baseline_plan.schedule.peak_inflight())})",
+            file=out,
+        )
+    print("", file=out)
+    print(f"{'':10}{'iteration time':>16}{'energy':>16}", file=out)
+    print(f"{'baseline':10}{b.iteration_time_s:>14.4f} s{b.energy_j:>14.1f} J   (1F1B, all at f_max)", file=out)
+    print(f"{'plan':10}{p.iteration_time_s:>14.4f} s{p.energy_j:>14.1f} J", file=out)
+    print(
+        f"\nenergy saving {100 * result.energy_saving:.2f} %   slowdown {100 * result.slowdown:.2f} %   "
+        f"({result.iterations} reconfiguration iterations, {result.planner_seconds:.3f} s to plan)",
+        file=out,
+    )
+    print(f"stopped: {result.stop_reason}", file=out)
+    if result.deadline_s is not None:
+        d = result.details
+        print(f"optimal     deadline {result.deadline_s:.4f} s; LP lower bound {result.lower_bound_j:.1f} J; "
+              f"peak in-flight activations {list(result.schedule.peak_inflight())}", file=out)
+        if d.get("padded_to_deadline"):
+            print(f"at target   {d['energy_at_deadline_j']:.1f} J vs the baseline's {d['baseline_energy_at_deadline_j']:.1f} J "
+                  f"(both blocking until {result.deadline_s:.4f} s): saving {100 * d['energy_saving_at_deadline']:.2f} %",
+                  file=out)
+    for w in result.warnings:
+        print(f"WARNING: {w}", file=out)
+    print("", file=out)
+    print(
+        format_envpipe(result.plan, recv_wait_ms(result.timeline), result.timeline.critical_units()),
+        file=out,
+    )

@@ -1,0 +1,164 @@
+"""Longest paths over a DAG of node indices: the one implementation the simulator and the planners share.
+
+A graph is its predecessor lists, ``preds[v] = ((u, latency_s), ...)``: ``v``
+cannot start before ``u`` ends plus the latency. Every node starts at 0 at the
+earliest and, given a deadline, must end by it at the latest.
+
+The recurrences are written once, with a fixed summation order that the plans
+depend on bit for bit: ``start_v = max(0, max_u (end_u + latency))``,
+``end_v = start_v + duration_v``; ``finish_v = min(deadline, min_w (latest_start_w - latency))``,
+``latest_start_v = finish_v - duration_v``.
+The fixed-duration walks (:func:`earliest_times`, :func:`latest_times`) are
+the simulator's inner loop (half of a greedy EnvPipe plan's time), so they keep
+their own loop; the ``*_choosing`` walks let the caller pick each duration from
+the time the node may start (or must finish) by, at one call per node.
+
+Pure Python, no imports from the package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Edges = Sequence[Sequence[tuple[int, float]]]  # per node: (neighbour, latency_s)
+
+
+def successors(preds: Edges) -> list[list[tuple[int, float]]]:
+    """Successor lists ``(w, latency_s)``, each in increasing ``w``, then in ``preds[w]`` order."""
+    succs: list[list[tuple[int, float]]] = [[] for _ in range(len(preds))]
+    for v, ps in enumerate(preds):
+        for u, lat in ps:
+            succs[u].append((v, lat))
+    return succs
+
+
+def topological_order(preds: Edges) -> list[int]:
+    """Kahn's order (ready nodes taken last in, first out). Shorter than ``len(preds)`` iff there is a cycle:
+    the missing nodes are the ones on it or waiting for it."""
+    n = len(preds)
+    indegree = [len(p) for p in preds]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for v, ps in enumerate(preds):
+        for u, _ in ps:
+            succs[u].append(v)
+    ready = [v for v in range(n) if indegree[v] == 0]
+    order: list[int] = []
+    while ready:
+        v = ready.pop()
+        order.append(v)
+        for w in succs[v]:
+            indegree[w] -= 1
+            if indegree[w] == 0:
+                ready.append(w)
+    return order
+
+
+def earliest_times(order: Sequence[int], preds: Edges, durations_s: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(start, end) of every node when each starts as soon as all its inputs are ready."""
+    n = len(preds)
+    start = [0.0] * n
+    end = [0.0] * n
+    for v in order:
+        t = 0.0
+        for u, lat in preds[v]:
+            ready = end[u] + lat
+            if ready > t:
+                t = ready
+        start[v] = t
+        end[v] = t + durations_s[v]
+    return start, end
+
+
+def earliest_times_choosing(
+    order: Sequence[int], preds: Edges, duration_at: Callable[[int, float], float]
+) -> tuple[list[float], list[float]]:
+    """Like :func:`earliest_times`, each node's duration being ``duration_at(v, start_s)``, in ``order``."""
+    n = len(preds)
+    start = [0.0] * n
+    end = [0.0] * n
+    for v in order:
+        t = 0.0
+        for u, lat in preds[v]:
+            ready = end[u] + lat
+            if ready > t:
+                t = ready
+        start[v] = t
+        end[v] = t + duration_at(v, t)
+    return start, end
+
+
+def latest_times(
+    order: Sequence[int], succs: Edges, durations_s: Sequence[float], deadline_s: float
+) -> tuple[list[float], list[float]]:
+    """(latest start, latest finish) of every node for all to end by ``deadline_s``.
+
+    ``order`` is a topological order (walked backwards); ``succs`` as from :func:`successors`.
+    """
+    n = len(succs)
+    latest_start = [deadline_s] * n
+    latest_finish = [deadline_s] * n
+    for v in reversed(order):
+        t = deadline_s
+        for w, lat in succs[v]:
+            by = latest_start[w] - lat
+            if by < t:
+                t = by
+        latest_finish[v] = t
+        latest_start[v] = t - durations_s[v]
+    return latest_start, latest_finish
+
+
+def latest_times_choosing(
+    order: Sequence[int], succs: Edges, deadline_s: float, duration_at: Callable[[int, float], float]
+) -> tuple[list[float], list[float]]:
+    """Like :func:`latest_times`, each node's duration being ``duration_at(v, finish_s)``, in reverse ``order``."""
+    n = len(succs)
+    latest_start = [deadline_s] * n
+    latest_finish = [deadline_s] * n
+    for v in reversed(order):
+        t = deadline_s
+        for w, lat in succs[v]:
+            by = latest_start[w] - lat
+            if by < t:
+                t = by
+        latest_finish[v] = t
+        latest_start[v] = t - duration_at(v, t)
+    return latest_start, latest_finish
+
+
+def critical_path(
+    sink: int,
+    start_s: Sequence[float],
+    end_s: Sequence[float],
+    preds: Edges,
+    tol_s: float,
+    preferred: Sequence[int] | None = None,
+) -> list[int]:
+    """Nodes from ``sink`` back to one starting at 0, each step to the predecessor that made the node wait.
+
+    A predecessor is tight when its end + latency is within ``tol_s`` of the
+    node's start. ``preferred[v]`` (a zero-latency predecessor, or -1) wins
+    when tight; otherwise the tight one ready last (the first of equals);
+    failing both (float noise), the one ready last.
+    """
+    v = sink
+    path = [v]
+    while True:
+        start = start_s[v]
+        if start <= tol_s:
+            break
+        nxt = -1
+        first = preferred[v] if preferred is not None else -1
+        if first >= 0 and abs(end_s[first] - start) <= tol_s:
+            nxt = first
+        else:
+            best = -1.0
+            for u, lat in preds[v]:
+                ready = end_s[u] + lat
+                if abs(ready - start) <= tol_s and ready > best:
+                    best, nxt = ready, u
+        if nxt < 0:
+            nxt = max(preds[v], key=lambda ul: end_s[ul[0]] + ul[1])[0]
+        path.append(nxt)
+        v = nxt
+    return path

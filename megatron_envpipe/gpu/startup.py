@@ -1,0 +1,100 @@
+"""A rank's GPU at the first iteration: may it lock clocks, and what the pipeline agrees on.
+
+Every rank of a pipeline opens its own device, describes it as a
+:class:`StageDevice`, and the executor gathers those over the pipeline;
+:func:`combine_stage_devices` turns them into the :class:`DeviceFacts` every
+stage plans with (identical everywhere, because every rank combines the same
+list). Pure Python: the gathering itself is the executor's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.core.vocabulary import PlanType
+from megatron_envpipe.gpu.base import PERMISSION_HINT, GpuDevice, GpuPermissionError
+
+__all__ = ["DeviceFacts", "StageDevice", "clock_control", "combine_stage_devices"]
+
+log = logging.getLogger("megatron_envpipe")
+
+
+def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int) -> bool:
+    """Whether this rank will lock clocks; fails fast without permission (unless monitoring).
+
+    Only plans that lower clocks need control: ``baseline`` runs at the driver's
+    default clocks and needs no privilege.
+    """
+    info = device.info()
+    if cfg.plan_type == PlanType.BASELINE:
+        return False
+    if device.backend == "none":
+        log.warning("EnvPipe: no GPU clock control (%s): the schedule is EnvPipe's, clocks stay as they are",
+                    info.name)
+        return False
+    if device.can_set_clocks():
+        return True
+    reason = device.permission_reason()
+    if cfg.on_no_permission == "fail":
+        raise GpuPermissionError(f"EnvPipe stage {stage}: {info.label()}: {reason} {PERMISSION_HINT}".strip())
+    log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only "
+                "(--envpipe-on-no-permission monitor)", stage, info.label(), reason)
+    return False
+
+
+@dataclass(frozen=True)
+class StageDevice:
+    """One rank's device as it reports it to the rest of the pipeline."""
+
+    backend: str  # nvml | simulated | none
+    name: str
+    driver_version: str
+    clocks_mhz: tuple[int, ...]  # supported SM clocks
+    control: bool  # this rank will lock clocks
+    energy: bool  # this rank measures energy
+    simulated: bool = False
+
+    @classmethod
+    def of(cls, device: GpuDevice, control: bool) -> "StageDevice":
+        info = device.info()
+        return cls(backend=device.backend, name=info.name, driver_version=info.driver_version,
+                   clocks_mhz=tuple(device.supported_clocks_mhz()), control=control,
+                   energy=device.backend != "none", simulated=device.simulated)
+
+    @classmethod
+    def absent(cls) -> "StageDevice":
+        """A rank whose hooks were given to ``install()``: it drives no device of its own."""
+        return cls(backend="none", name="none", driver_version="", clocks_mhz=(), control=False, energy=False)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the executor learned about the pipeline's GPUs at the first iteration."""
+
+    backend: str  # nvml | simulated | none
+    name: str
+    driver_version: str
+    clocks_mhz: tuple[int, ...]  # supported by every stage, fastest first
+    control: bool  # clocks can be locked on every stage
+    energy: bool  # energy is measured
+    simulated: bool = False
+
+
+def combine_stage_devices(everyone: Sequence[StageDevice]) -> DeviceFacts:
+    """The pipeline's facts: the first stage's identity, the clocks every stage supports,
+    control and energy only where every stage has them, simulated if any stage is."""
+    if not everyone:
+        raise ValueError("combine_stage_devices needs at least one stage")
+    first = everyone[0]
+    common = set(first.clocks_mhz)
+    for other in everyone[1:]:
+        common &= set(other.clocks_mhz)
+    return DeviceFacts(
+        backend=first.backend, name=first.name, driver_version=first.driver_version,
+        clocks_mhz=tuple(sorted(common, reverse=True)),
+        control=all(e.control for e in everyone) and bool(common),
+        energy=all(e.energy for e in everyone), simulated=any(e.simulated for e in everyone),
+    )

@@ -1,0 +1,70 @@
+"""First iteration: open this rank's GPU, decide on clock control, agree on the facts.
+
+Runs on every rank of the pipeline at the same point of the first iteration
+after ``install()``, so the per-stage descriptions are gathered and combined
+identically everywhere (:func:`~megatron_envpipe.gpu.startup.combine_stage_devices`).
+The GPU hooks it creates replace the placeholder hooks in the executor state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_envpipe.gpu import open_gpu
+from megatron_envpipe.gpu.hooks import GpuHooks
+from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control, combine_stage_devices
+from megatron_envpipe.megatron.groups import StageGroups
+from megatron_envpipe.megatron.state import ExecutorState
+
+__all__ = ["profile_layout_key", "setup_device"]
+
+# Megatron config fields that change a stage's work, and so its profile.
+_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "recompute_granularity", "recompute_method", "num_moe_experts")
+
+
+def profile_layout_key(model_config: Any, model: Any, groups: StageGroups, send_shape: tuple[int, ...],
+                       dtype: torch.dtype) -> dict[str, Any]:
+    """What a stage profile depends on besides the GPU: architecture, layout, batch shape."""
+    model_key = {name: getattr(model_config, name, None) for name in _MODEL_FIELDS}
+    model_key["class"] = type(model).__name__
+    return {
+        "model": model_key,
+        "tensor_parallel": groups.tp_size,
+        "pipeline_parallel": groups.num_stages,
+        "context_parallel": groups.cp_size,
+        "micro_batch_size": send_shape[1],
+        "seq_length": send_shape[0],
+        "dtype": str(dtype),
+    }
+
+
+def _profile_cache_key(layout_key: dict[str, Any], facts: DeviceFacts) -> dict[str, Any]:
+    return {**layout_key, "gpu_name": facts.name, "driver_version": facts.driver_version,
+            "clocks": list(facts.clocks_mhz)}
+
+
+def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.device,
+                 layout_key: dict[str, Any]) -> None:
+    """Open the GPU (unless hooks were given to ``install()``), attach the pipeline's facts to
+    the run-time with the profile cache key, and mark the state's device ready."""
+    runtime = state.runtime
+    if runtime is None:
+        raise RuntimeError("EnvPipe executor called before megatron_envpipe.install()")
+    cfg = runtime.config
+    if state.user_hooks:
+        mine = StageDevice.absent()
+    else:
+        cuda = torch_device.type == "cuda"
+        device = open_gpu(cfg.gpu or "auto", torch.cuda.current_device() if cuda else None,
+                          stage=groups.stage, num_stages=groups.num_stages, time_scale=cfg.sim_time_scale,
+                          p2p_power_w=cfg.p2p_power_w, cuda=cuda)
+        control = clock_control(device, cfg, groups.stage)
+        state.use_hooks(GpuHooks(device, control=control, cuda=cuda,
+                                 time_scale=cfg.sim_time_scale if device.simulated else 1.0))
+        mine = StageDevice.of(device, control)
+    facts = combine_stage_devices(groups.agree(groups.gather_stages(mine)))
+    runtime.attach_device(facts, _profile_cache_key(layout_key, facts))
+    state.device_ready = True

@@ -1,0 +1,74 @@
+"""This rank's place in the parallel layout, and the small collectives the executor runs on it.
+
+Megatron hands the schedule a process-group collection; :class:`StageGroups`
+reads the stage, pipeline size and tensor/context-parallel sizes from it once
+per iteration and gathers picklable Python objects over the pipeline and the
+model-parallel peers of the stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["StageGroups"]
+
+
+def _size(pg_collection: Any, name: str) -> int:
+    group = getattr(pg_collection, name, None)  # a collection may leave a group unset
+    return group.size() if group is not None else 1
+
+
+@dataclass(frozen=True)
+class StageGroups:
+    """Stage index and sizes from Megatron's ``pg_collection``, plus gathers over them."""
+
+    pg_collection: Any
+    stage: int
+    num_stages: int
+    tp_size: int
+    cp_size: int
+    model_parallel: tuple[Any, ...]  # the stage's TP and CP groups of more than one rank
+
+    @classmethod
+    def of(cls, pg_collection: Any) -> "StageGroups":
+        pp = pg_collection.pp
+        model_parallel = tuple(
+            g for g in (getattr(pg_collection, name, None) for name in ("tp", "cp"))
+            if g is not None and g.size() > 1
+        )
+        return cls(pg_collection, pp.rank(), pp.size(), _size(pg_collection, "tp"), _size(pg_collection, "cp"),
+                   model_parallel)
+
+    @property
+    def pp_group(self) -> Any:
+        return self.pg_collection.pp
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def gather_stages(self, value: Any) -> list[Any]:
+        """Every stage's ``value``, in stage order (all-gather over the pipeline group)."""
+        everyone: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(everyone, value, group=self.pp_group)
+        return everyone
+
+    def agree(self, value: Any) -> Any:
+        """Make every TP/CP rank of a stage use the first one's data.
+
+        Tensor-parallel peers must run the same schedule and clocks, or their
+        collectives inside forward/backward would hang; feeding identical data to
+        the deterministic planner guarantees it.
+        """
+        for group in self.model_parallel:
+            box = [value]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            value = box[0]
+        return value

@@ -1,0 +1,86 @@
+"""The executor's process-wide state, set by ``install()`` and ``uninstall()``.
+
+Megatron calls the pipeline schedule as a plain function, once per iteration,
+so whatever must outlive one call lives in the one :data:`STATE`: the run-time
+(phases, plans, profile), the execution hooks (GPU hooks once the device is
+set up), Megatron's own schedule for fallbacks, and the P2P channels per
+pipeline. :mod:`megatron_envpipe.megatron.patch` configures and resets it;
+the executor reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_envpipe.core.hooks import ExecutionHooks
+from megatron_envpipe.core.instructions import Instruction
+from megatron_envpipe.megatron.channels import PipelineChannels
+from megatron_envpipe.megatron.runtime import EnvPipeRuntime
+
+__all__ = ["STATE", "ExecutorState"]
+
+
+@dataclass
+class ExecutorState:
+    """What EnvPipe's executor keeps between Megatron's calls."""
+
+    runtime: EnvPipeRuntime | None = None
+    hooks: ExecutionHooks = field(default_factory=ExecutionHooks)
+    user_hooks: bool = False  # hooks were given to install(): no device of our own
+    device_ready: bool = False  # the device was opened and the pipeline agreed on its facts
+    original: Callable[..., Any] | None = None  # Megatron's own 1F1B, for what EnvPipe does not run
+    warned: set[str] = field(default_factory=set)  # fallback reasons already logged
+    channels: dict[tuple[int, ...], PipelineChannels] = field(default_factory=dict)  # by pipeline ranks
+    shown_program: tuple[Instruction, ...] | None = None  # the program last printed by --envpipe-verbose
+
+    def configure(self, runtime: EnvPipeRuntime, original: Callable[..., Any],
+                  hooks: ExecutionHooks | None = None) -> None:
+        """``install()``: a new run-time and hooks; the device is set up again at the next call.
+
+        Without ``hooks`` the executor opens this rank's GPU at the first
+        iteration and drives it; the hooks used so far are closed.
+        """
+        old = self.hooks
+        self.original = original
+        self.runtime = runtime
+        self.hooks = hooks or ExecutionHooks()
+        self.user_hooks = hooks is not None
+        self.device_ready = False
+        self.warned = set()
+        if old is not self.hooks:
+            old.close()
+
+    def reset(self) -> None:
+        """``uninstall()``: close the hooks (resetting clocks) and forget the run-time and channels."""
+        self.hooks.close()
+        self.runtime = None
+        self.hooks = ExecutionHooks()
+        self.user_hooks = False
+        self.device_ready = False
+        self.original = None
+        self.channels = {}
+
+    def use_hooks(self, hooks: ExecutionHooks) -> None:
+        """Replace the hooks (the first iteration's GPU hooks); the previous ones are closed."""
+        old, self.hooks = self.hooks, hooks
+        old.close()
+
+    def warn_once(self, reason: str) -> bool:
+        """True the first time ``reason`` is seen since ``install()``."""
+        if reason in self.warned:
+            return False
+        self.warned.add(reason)
+        return True
+
+    def channels_for(self, pp_group: Any, ranks: tuple[int, ...]) -> PipelineChannels:
+        """The P2P channels of the pipeline with these ``ranks`` (created by every rank at once)."""
+        channels = self.channels.get(ranks)
+        if channels is None:
+            channels = self.channels[ranks] = PipelineChannels(pp_group)
+        return channels
+
+
+# The one state of this process.
+STATE = ExecutorState()

@@ -1,0 +1,69 @@
+"""Which of Megatron's schedule calls EnvPipe's executor runs, and Megatron's default groups.
+
+Anything the executor does not support (forward-only evaluation, shape
+handshakes, partial activation checkpointing, CUDA graphs, encoder-decoder
+models, ...) is named by :func:`unsupported_reason`; the executor then runs
+Megatron's original schedule, logging the reason once. Megatron-core is
+imported inside the functions, so this module imports with torch absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["default_pg_collection", "unsupported_reason"]
+
+
+def unsupported_reason(model: Any, config: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why EnvPipe cannot run this schedule call (Megatron's own schedule runs it), or None.
+
+    ``kwargs`` are the call's keyword arguments. The ``getattr`` reads config
+    fields that exist only in some megatron-core releases.
+    """
+    if kwargs.get("forward_only"):
+        return "forward-only (evaluation) iterations"
+    if config.overlap_p2p_comm:
+        return "overlap_p2p_comm"
+    if getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False):
+        return "variable sequence lengths (shape handshake)"
+    if config.num_microbatches_with_partial_activation_checkpoints is not None:
+        return "partial activation checkpointing (num_microbatches_with_partial_activation_checkpoints)"
+    if getattr(config, "cuda_graph_impl", "none") not in (None, "none") or getattr(config, "enable_cuda_graph", False):
+        return "CUDA graphs"
+    if getattr(config, "moe_paged_stash", False) or getattr(config, "fine_grained_activation_offloading", False):
+        return "MoE paged stash / fine-grained activation offloading"
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        return "overlap_moe_expert_parallel_comm (combined 1F1B)"
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        return "defer_embedding_wgrad_compute"
+    from megatron.core.enums import ModelType
+    from megatron.core.utils import get_model_type
+
+    if get_model_type(model) == getattr(ModelType, "encoder_and_decoder", object()):
+        return "encoder-decoder models"
+    pgc = kwargs.get("pg_collection")
+    if pgc is not None and type(pgc).__name__ != "ProcessGroupCollection":
+        return f"{type(pgc).__name__} process groups"
+    if (kwargs.get("p2p_communicator") is None) != (pgc is None):
+        return "p2p_communicator without pg_collection (or the reverse)"
+    return None
+
+
+def default_pg_collection() -> Any:
+    """Megatron's default process groups, as its own schedule builds them."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    build = getattr(schedules, "_build_default_pg_collection", None)  # Megatron's, where it has one
+    if build is not None:
+        return build()
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgc = ProcessGroupCollection()
+    pgc.tp = parallel_state.get_tensor_model_parallel_group()
+    pgc.pp = parallel_state.get_pipeline_model_parallel_group()
+    pgc.cp = parallel_state.get_context_parallel_group()
+    pgc.embd = parallel_state.get_embedding_group(check_initialized=False)
+    pgc.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+    pgc.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    return pgc

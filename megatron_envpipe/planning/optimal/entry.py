@@ -1,0 +1,225 @@
+"""``--type optimal``'s entry point: the candidate schedules, ranked by LP bound, and the best plan."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from megatron_envpipe.core.plan import FrequencyPlan
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup, raw_extra_warmup
+from megatron_envpipe.core.vocabulary import Scheduling
+from megatron_envpipe.planning.basis import (
+    SLOWDOWN_WARNING,
+    PlannerConfig,
+    PlannerError,
+    PlanningBasis,
+    PlanResult,
+    planning_basis,
+)
+from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL, InfeasibleDeadline
+from megatron_envpipe.planning.optimal.model import TimeEnergyModel
+
+
+def extra_warmup_candidates(
+    profile: Profile,
+    num_microbatches: int,
+    f_max: int,
+    valley_mhz: Sequence[int],
+    max_inflight: int | tuple[int | None, ...] | None = None,
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Clamped extra warm-up vectors worth trying for ``ours``, deduplicated, in a fixed order.
+
+    ``f_max``: the 1F1B bubble before a stage's first backward filled with
+    forwards at the maximum clock; ``valley``: EnvPipe's own r_s (forwards at
+    the energy-valley clock); ``1.5x``: half as many again (long pipelines,
+    many micro-batches). All are clamped by the activation budget.
+    """
+    p = profile.num_stages
+    tb = [profile.time_s(s, "backward", f_max) for s in range(p)]
+    raw_fmax = raw_extra_warmup(p, tb, [profile.time_s(s, "forward", f_max) for s in range(p)])
+    raw_valley = raw_extra_warmup(p, tb, [profile.time_s(s, "forward", valley_mhz[s]) for s in range(p)])
+    raws = [
+        ("f_max", raw_fmax),
+        ("valley", raw_valley),
+        ("1.5x", [int(math.ceil(1.5 * r)) for r in raw_fmax]),
+    ]
+    out: list[tuple[str, tuple[int, ...]]] = []
+    seen: set[tuple[int, ...]] = set()
+    for label, raw in raws:
+        r = clamp_extra_warmup(p, num_microbatches, raw, max_inflight)
+        if r not in seen:
+            seen.add(r)
+            out.append((label, r))
+    return out
+
+
+@dataclass
+class OptimalSetup(PlanningBasis):
+    """The basis of every optimal plan of one (profile, M, config), and the schedules worth trying."""
+
+    schedules: list[tuple[str, Schedule]]  # (label, schedule)
+
+    def model(self, schedule: Schedule, profile: Profile, config: PlannerConfig) -> TimeEnergyModel:
+        """The time-energy model of one candidate schedule."""
+        return TimeEnergyModel(schedule, profile, self.candidates_mhz, self.p2p_power_w, config.p2p_latency_s,
+                               config.dependencies(schedule))
+
+
+def optimal_setup(
+    profile: Profile, num_microbatches: int, config: PlannerConfig, num_stages: int | None = None
+) -> OptimalSetup:
+    """Validate ``config``, build the planning basis and the candidate schedules (``ours``: a few extra warm-ups)."""
+    config.validate()
+    basis = planning_basis(profile, num_microbatches, config, num_stages)
+    p = basis.num_stages
+    if config.scheduling == Scheduling.OURS:
+        try:
+            if config.extra_warmup is not None:
+                warmups = [("given", clamp_extra_warmup(p, num_microbatches, list(config.extra_warmup),
+                                                        config.max_inflight))]
+            else:
+                warmups = extra_warmup_candidates(profile, num_microbatches, basis.f_max_mhz, basis.valley_mhz,
+                                                  config.max_inflight)
+        except ScheduleError as exc:
+            raise PlannerError(str(exc)) from None
+        schedules = [(label, build_schedule("ours", p, num_microbatches, r)) for label, r in warmups]
+    else:
+        schedules = [("1f1b", basis.baseline_plan.schedule)]
+    return OptimalSetup(**vars(basis), schedules=schedules)
+
+
+class RankedSchedule(NamedTuple):
+    """A candidate schedule that can meet the deadline, with its LP bound."""
+
+    lp_bound_j: float
+    position: int  # ties in the bound keep the candidates' order
+    label: str
+    schedule: Schedule
+    model: TimeEnergyModel
+
+
+def rank_schedules(
+    setup: OptimalSetup, profile: Profile, config: PlannerConfig, deadline: float, padded: bool
+) -> list[RankedSchedule]:
+    """Models of the candidate schedules that can meet ``deadline``, best LP bound first."""
+    ranked = []
+    skipped = []
+    for label, schedule in setup.schedules:
+        model = setup.model(schedule, profile, config)
+        fastest = model.fastest_time_s()
+        if fastest > deadline * (1 + FEASIBILITY_RTOL):
+            skipped.append((fastest, len(skipped), label, schedule))
+            continue
+        _, _, bound = model.solve_lp(deadline, 0.0 if padded else setup.p2p_power_w * setup.num_stages)
+        ranked.append(RankedSchedule(bound, len(ranked), label, schedule, model))
+    if not ranked:
+        fastest, _, label, schedule = min(skipped)
+        what = (
+            "1F1B at f_max" if schedule.name == Scheduling.ONE_F_ONE_B
+            else f"{schedule.name} (extra warm-up {list(schedule.extra_warmup)}) at f_max"
+        )
+        raise InfeasibleDeadline(
+            f"an iteration time of {deadline:.6g} s is infeasible: even with every unit at its fastest clock, "
+            f"{what} takes {fastest:.6g} s; allow more with --max-slowdown or a later --target-time"
+        )
+    ranked.sort(key=lambda x: (x[0], x[1]))
+    return ranked
+
+
+def plan_optimal(
+    profile: Profile,
+    num_microbatches: int,
+    config: PlannerConfig,
+    num_stages: int | None = None,
+) -> PlanResult:
+    """The minimum-energy plan meeting ``(1 + max_slowdown) x`` 1F1B-at-f_max's iteration time.
+
+    With ``config.target_time_s`` the deadline is that time instead and the
+    energy is counted until it (faster plans block at P2P power until then).
+    ``scheduling='ours'`` tries a few extra warm-up vectors (unless
+    ``extra_warmup`` is given), ranks them by their LP bound and keeps the
+    best plan. Raises :class:`InfeasibleDeadline` for a deadline faster than
+    every unit at its fastest clock.
+    """
+    t0 = time.perf_counter()
+    setup = optimal_setup(profile, num_microbatches, config, num_stages)
+    p, p2p, f_max = setup.num_stages, setup.p2p_power_w, setup.f_max_mhz
+    warnings = list(setup.warnings)
+    baseline_score = setup.baseline
+    padded = config.target_time_s is not None
+    deadline = (
+        float(config.target_time_s) if padded
+        else baseline_score.iteration_time_s * (1.0 + config.max_slowdown)
+    )
+    ranked = rank_schedules(setup, profile, config, deadline, padded)
+    best_bound = ranked[0].lp_bound_j
+    best = None
+    # Round the best-ranked schedule, and (small problems) a runner-up whose bound is within 0.2 %.
+    for bound, _, label, schedule, model in ranked[: 2 if ranked[0].model.n <= 800 else 1]:
+        if best is not None and bound > best_bound * 1.002:
+            break
+        sol = model.solve(deadline, padded=padded)
+        energy = sol.score.energy_j + (p2p * p * (deadline - sol.score.iteration_time_s) if padded else 0.0)
+        if best is None or energy < best[0] - 1e-9 * abs(energy):
+            best = (energy, label, schedule, model, sol)
+    assert best is not None
+    energy, label, schedule, model, sol = best
+    plan = FrequencyPlan.from_flat(schedule, sol.freqs_mhz)
+    score = sol.score
+    gap = energy / sol.lp_bound_j - 1.0 if sol.lp_bound_j > 0 else 0.0
+    details: dict[str, Any] = {
+        "method": "lp+rounding",
+        "lp_bound_j": sol.lp_bound_j,
+        "gap_to_lp_bound": gap,
+        "padded_to_deadline": padded,
+        "extra_warmup_tried": (
+            {lab: list(s.extra_warmup) for lab, s in setup.schedules} if config.scheduling == Scheduling.OURS else {}
+        ),
+        "extra_warmup_chosen": label if config.scheduling == Scheduling.OURS else None,
+        **sol.stats,
+    }
+    if padded:
+        base_at = baseline_score.energy_j + p2p * p * max(0.0, deadline - baseline_score.iteration_time_s)
+        details["energy_at_deadline_j"] = energy
+        details["baseline_energy_at_deadline_j"] = base_at
+        details["energy_saving_at_deadline"] = 1.0 - energy / base_at if base_at > 0 else 0.0
+    how = (
+        f"target iteration time {deadline:.4f} s (energy counted until then)" if padded
+        else f"deadline {deadline:.4f} s = baseline x {1 + config.max_slowdown:g}"
+    )
+    reason = (
+        f"optimal plan for {how}: within {100 * gap:.2f} % of the LP lower bound"
+        + (f"; extra warm-up from '{label}'" if config.scheduling == Scheduling.OURS else "")
+        + ("" if config.reconfig == "default" else f"; '{config.reconfig}' corrections apply online only")
+    )
+    result = PlanResult(
+        config=config,
+        plan=plan,
+        score=score,
+        timeline=sol.timeline,
+        baseline_plan=setup.baseline_plan,
+        baseline=baseline_score,
+        baseline_timeline=setup.baseline_timeline,
+        f_max_mhz=f_max,
+        valley_mhz=setup.valley_mhz,
+        candidates_mhz=tuple(sorted(setup.candidates_mhz, reverse=True)),
+        iterations=0,
+        converged=True,
+        stop_reason=reason,
+        planner_seconds=0.0,
+        warnings=warnings,
+        deadline_s=deadline,
+        lower_bound_j=sol.lp_bound_j,
+        details=details,
+    )
+    if result.slowdown > SLOWDOWN_WARNING:
+        warnings.append(
+            f"this plan is {100 * result.slowdown:.2f}% slower than the baseline (1F1B at {f_max} MHz), "
+            + ("as the target iteration time allows" if padded else "as --max-slowdown allows")
+        )
+    result.planner_seconds = time.perf_counter() - t0
+    return result

@@ -1,0 +1,429 @@
+"""From LP durations to real clocks: rounding, local search and critical-path repair.
+
+Every move keeps the plan feasible by construction (slack passes) or is
+checked by simulating the iteration. Work is bounded by counts of unit
+visits, never by a clock, so plans are the same on every machine.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from megatron_envpipe.core.graph import (
+    earliest_times,
+    earliest_times_choosing,
+    latest_times,
+    latest_times_choosing,
+    successors,
+)
+from megatron_envpipe.core.timeline import PipelineGraph
+from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL, InfeasibleDeadline
+
+# Local search: about this many unit visits in total (a settle visits every unit ~4 times,
+# a feasibility check once), half for single moves, half for exchanges. A count, not a
+# clock, so plans are reproducible on any machine.
+DEFAULT_SEARCH_WORK = 400_000
+MIN_SEARCH_TRIALS = 8
+MAX_SEARCH_ROUNDS = 6  # exchange searches: candidate lists rebuilt at most this often
+MAX_FAILED_CHECKS = 150  # ... and a round ends after this many infeasible candidates in a row (best first)
+
+# A move: (energy gain, unit w, w's new option, ((unit u, steps faster), ...)).
+Move = tuple[float, int, int, tuple[tuple[int, int], ...]]
+
+
+class ClockModel(Protocol):
+    """What the search needs of a :class:`~megatron_envpipe.planning.optimal.model.TimeEnergyModel`."""
+
+    n: int
+    graph: PipelineGraph
+    times: list[list[float]]  # per unit: its options' times, fastest first
+    costs: list[list[float]]  # ... and effective energies
+    hulls: list[tuple[int, ...]]  # per unit: option indices on the lower convex hull
+
+    def durations(self, idx: Sequence[int]) -> list[float]: ...
+
+    def cost(self, idx: Sequence[int]) -> float: ...
+
+
+class ClockSearch:
+    """Option indices per unit (``idx``, aligned with ``graph.nodes``) for one model, made feasible and cheap."""
+
+    def __init__(self, model: ClockModel) -> None:
+        self.model = model
+        self.n = model.n
+        self.graph = model.graph
+        self.times, self.costs, self.hulls = model.times, model.costs, model.hulls
+        self.preds = model.graph.preds
+        self.succs = successors(self.preds)
+        self.order = list(model.graph.order)
+        self.hull_times = [[model.times[v][i] for i in self.hulls[v]] for v in range(self.n)]
+        self._nbrs: list[list[int]] = []
+        self._nbrs_window: int | None = None
+
+    # -- slack passes ------------------------------------------------------------------
+    def slack_times(self, d: Sequence[float], deadline: float) -> tuple[list[float], list[float]]:
+        """(earliest start, latest finish) of every unit with durations ``d``."""
+        return earliest_times(self.order, self.preds, d)[0], latest_times(self.order, self.succs, d, deadline)[1]
+
+    def forward_pass(self, idx: list[int], d_target: Sequence[float], deadline: float,
+                     hull_only: bool = False) -> list[int]:
+        """Topological order: each unit takes the slowest option that finishes by its latest finish.
+
+        ``hull_only``: only the LP's hull vertices (the first rounding: a unit
+        that rounds down leaves its successors the time to round up to the
+        next vertex instead of spending it on small steps in between).
+        """
+        lf = latest_times(self.order, self.succs, d_target, deadline)[1]
+        eps = FEASIBILITY_RTOL * deadline
+        out = list(idx)
+        option_times, hull_idx = (self.hull_times, self.hulls) if hull_only else (self.times, None)
+
+        def duration_at(v: int, start_s: float) -> float:
+            ts = option_times[v]
+            k = bisect_right(ts, lf[v] - start_s + eps) - 1
+            if k < 0:
+                k = 0
+            out[v] = hull_idx[v][k] if hull_idx is not None else k
+            return ts[k]
+
+        earliest_times_choosing(self.order, self.preds, duration_at)
+        return out
+
+    def backward_pass(self, idx: list[int], d_target: Sequence[float], deadline: float,
+                      hull_only: bool = False) -> list[int]:
+        """Reverse topological order: each unit takes the slowest option that starts after its earliest start."""
+        es = earliest_times(self.order, self.preds, d_target)[0]
+        eps = FEASIBILITY_RTOL * deadline
+        out = list(idx)
+        option_times, hull_idx = (self.hull_times, self.hulls) if hull_only else (self.times, None)
+
+        def duration_at(v: int, finish_s: float) -> float:
+            ts = option_times[v]
+            k = bisect_right(ts, finish_s - es[v] + eps) - 1
+            if k < 0:
+                k = 0
+            out[v] = hull_idx[v][k] if hull_idx is not None else k
+            return ts[k]
+
+        latest_times_choosing(self.order, self.succs, deadline, duration_at)
+        return out
+
+    def settle(self, idx: list[int], deadline: float, first: str = "f", max_passes: int = 6) -> list[int]:
+        """Alternate forward/backward slow-down passes until the cost stops falling."""
+        cost = self.model.cost
+        best_idx, best = idx, cost(idx)
+        cur = idx
+        for i in range(max_passes):
+            fwd = (i % 2 == 0) == (first == "f")
+            d = self.model.durations(cur)
+            cur = self.forward_pass(cur, d, deadline) if fwd else self.backward_pass(cur, d, deadline)
+            c = cost(cur)
+            if c < best - 1e-12 * abs(best):
+                best_idx, best = cur, c
+            elif i >= 1:
+                break
+        return best_idx
+
+    # -- rounding ----------------------------------------------------------------------
+    def dithered(self, d_lp: Sequence[float], deadline: float) -> list[float]:
+        """LP durations rounded onto hull vertices by error diffusion along each stage.
+
+        Per (stage, instruction), in execution order, the fractions of the way
+        from the faster to the slower vertex are accumulated and a unit rounds
+        up whenever the sum reaches 1/2: identical units whose LP duration sits
+        between two far-apart vertices alternate between them in the LP's
+        proportion, instead of all rounding down. (Not feasible by itself: used
+        as the target durations of a rounding pass.)
+        """
+        stage_of, ins_of = self.graph.stage_of, self.graph.instruction_of
+        acc: dict[tuple[int, str], float] = {}
+        out = []
+        for v in range(self.n):  # graph nodes are stage by stage, in execution order
+            ts, d = self.hull_times[v], d_lp[v]
+            k = max(0, bisect_right(ts, d + FEASIBILITY_RTOL * deadline) - 1)
+            frac = (d - ts[k]) / (ts[k + 1] - ts[k]) if k + 1 < len(ts) and d > ts[k] else 0.0
+            key = (stage_of[v], ins_of[v])
+            a = acc.get(key, 0.0) + frac
+            if a >= 0.5 and k + 1 < len(ts):
+                k += 1
+                a -= 1.0
+            acc[key] = a
+            out.append(ts[k])
+        return out
+
+    def round(self, d_lp: Sequence[float], deadline: float) -> list[int]:
+        """LP durations -> real options: the best of six roundings, each settled.
+
+        Forward-first and backward-first passes onto the hull's vertices or
+        onto every option, with the LP's durations as targets; and forward
+        passes with the dithered durations (:meth:`dithered`) as targets.
+        """
+        zero = [0] * self.n
+        dithered = self.dithered(d_lp, deadline)
+        candidates = (
+            (d_lp, "f", True), (d_lp, "b", True), (d_lp, "f", False), (d_lp, "b", False),
+            (dithered, "f", True), (dithered, "f", False),
+        )
+        best, best_cost = None, math.inf
+        for target, direction, hull_only in candidates:
+            if direction == "f":
+                cand = self.settle(self.forward_pass(zero, target, deadline, hull_only), deadline, first="b")
+            else:
+                cand = self.settle(self.backward_pass(zero, target, deadline, hull_only), deadline, first="f")
+            c = self.model.cost(cand)
+            if c < best_cost - 1e-12 * abs(c):
+                best, best_cost = cand, c
+        assert best is not None
+        return best
+
+    # -- local search ------------------------------------------------------------------
+    def marginal(self, v: int, k: int) -> float:
+        """Energy per second saved by moving unit v from option k to k-1."""
+        ts, cs = self.times[v], self.costs[v]
+        dt = ts[k] - ts[k - 1]
+        return (cs[k - 1] - cs[k]) / dt if dt > 0 else math.inf
+
+    def local_search(self, idx: list[int], deadline: float, max_trials: int) -> tuple[list[int], int, int]:
+        """Speed one unit up by 1-3 clock steps, settle, keep the move if the plan got cheaper.
+
+        Candidates are visited round-robin, tightest slack first (ties: the
+        cheapest speed-up per second), so every unit gets a turn before any
+        gets a second; stops after a full round without improvement or after
+        ``max_trials`` settles (a count, not a clock: the result is reproducible).
+        """
+        cost = self.model.cost
+        cur, cur_cost = list(idx), cost(idx)
+        trials = accepted = 0
+        since_improvement = 0
+        d = self.model.durations(cur)
+        es, lf = self.slack_times(d, deadline)
+        queue = sorted(
+            (v for v in range(self.n) if cur[v] > 0),
+            key=lambda v: (lf[v] - es[v] - d[v], self.marginal(v, cur[v]), v),
+        )
+        pos = 0
+        while trials < max_trials and queue and since_improvement < len(queue):
+            v = queue[pos % len(queue)]
+            pos += 1
+            since_improvement += 1
+            if cur[v] == 0:
+                continue
+            for steps in range(1, min(3, cur[v]) + 1):
+                if trials >= max_trials:
+                    break
+                trials += 1
+                trial = list(cur)
+                trial[v] -= steps
+                trial = self.settle(trial, deadline, first="f", max_passes=4)
+                c = cost(trial)
+                if c < cur_cost - 1e-9 * abs(cur_cost):
+                    cur, cur_cost = trial, c
+                    accepted += 1
+                    since_improvement = 0
+                    break
+        return cur, trials, accepted
+
+    def neighbours(self, window: int) -> list[list[int]]:
+        """Per unit: the units within ``window`` places on its stage, and its cross-stage neighbours."""
+        if self._nbrs_window != window:
+            rows: dict[int, list[int]] = {}
+            for v, s in enumerate(self.graph.stage_of):
+                rows.setdefault(s, []).append(v)  # graph.nodes are stage by stage, in order
+            pos = {}
+            for s, row in rows.items():
+                for i, v in enumerate(row):
+                    pos[v] = (s, i)
+            nbrs = []
+            for v in range(self.n):
+                s, i = pos[v]
+                row = rows[s]
+                near = [row[j] for j in range(max(0, i - window), min(len(row), i + window + 1)) if j != i]
+                near += [u for u, _ in self.graph.cross_preds[v]] + [w for w, _ in self.succs[v] if pos[w][0] != s]
+                nbrs.append(sorted(set(near)))
+            self._nbrs, self._nbrs_window = nbrs, window
+        return self._nbrs
+
+    def _search(self, idx: list[int], deadline: float, max_checks: int, window: int,
+                propose: Callable[[list[int], list[float], list[list[int]], float], list[Move]]
+                ) -> tuple[list[int], int, int]:
+        """Rounds of local moves: ``propose`` lists candidates, the best are checked by simulation, then settle.
+
+        ``propose(cur, slack, nbrs, eps)`` gets the current option indices, each
+        unit's slack (latest finish - earliest start - duration) and the
+        neighbour lists, and returns moves for :meth:`_apply_moves`.
+        """
+        cur = list(idx)
+        limit = deadline * (1 + FEASIBILITY_RTOL)
+        eps = FEASIBILITY_RTOL * deadline
+        checks = accepted = 0
+        nbrs = self.neighbours(window)
+        for _round in range(MAX_SEARCH_ROUNDS):
+            if checks >= max_checks:
+                break
+            d = self.model.durations(cur)
+            es, lf = self.slack_times(d, deadline)
+            slack = [max(0.0, lf[v] - es[v] - d[v]) for v in range(self.n)]
+            cands = propose(cur, slack, nbrs, eps)
+            cur, n_checks, n_moves, moved = self._apply_moves(cur, cands, limit, max_checks - checks)
+            checks += n_checks
+            accepted += n_moves
+            if not moved:
+                break
+            cur = self.settle(cur, deadline, first="f", max_passes=4)
+        return cur, checks, accepted
+
+    def pair_search(self, idx: list[int], deadline: float, max_checks: int, window: int = 4
+                    ) -> tuple[list[int], int, int]:
+        """Speed one unit up by 1-3 steps and slow one neighbour down as far as the time allows.
+
+        Like :meth:`exchange_search` from the other side: for every speed-up,
+        each neighbour's slowest option that fits in its slack plus the time
+        freed; candidates checked best first by simulation, several per round.
+        """
+        return self._search(idx, deadline, max_checks, window, self._pair_moves)
+
+    def _pair_moves(self, cur: list[int], slack: list[float], nbrs: list[list[int]], eps: float) -> list[Move]:
+        times, costs = self.times, self.costs
+        cands: list[Move] = []
+        for u in range(self.n):
+            ku = cur[u]
+            tu, cu = times[u], costs[u]
+            for k in range(1, min(3, ku) + 1):
+                freed = tu[ku] - tu[ku - k]
+                extra = cu[ku - k] - cu[ku]
+                for w in nbrs[u]:
+                    kw, tw = cur[w], times[w]
+                    if kw + 1 >= len(tw):
+                        continue
+                    room = freed + slack[w]
+                    j = bisect_right(tw, tw[kw] + room + eps) - 1
+                    if j > kw:
+                        gain = extra + costs[w][j] - costs[w][kw]
+                        if gain < -1e-9:
+                            cands.append((gain, w, j, ((u, k),)))
+        return cands
+
+    def _apply_moves(self, cur: list[int], cands: list[Move], limit: float, max_checks: int
+                     ) -> tuple[list[int], int, int, bool]:
+        """Try candidate moves ``(gain, w, new option of w, ((u, steps faster), ...))`` best first."""
+        cands.sort()
+        touched: set[int] = set()
+        checks = accepted = failures = 0
+        for _gain, w, j, used in cands:
+            if checks >= max_checks or failures >= MAX_FAILED_CHECKS:
+                break
+            if w in touched or any(u in touched for u, _ in used):
+                continue
+            trial = list(cur)
+            trial[w] = j
+            for u, k in used:
+                trial[u] -= k
+            checks += 1
+            if self.graph.simulate(self.model.durations(trial)).iteration_time_s <= limit:
+                cur = trial
+                touched.add(w)
+                touched.update(u for u, _ in used)
+                accepted += 1
+                failures = 0
+            else:
+                failures += 1
+        return cur, checks, accepted, accepted > 0
+
+    def exchange_search(self, idx: list[int], deadline: float, max_checks: int, window: int = 3
+                        ) -> tuple[list[int], int, int]:
+        """Exchange time between neighbours: slow one unit down, speed up to three neighbours.
+
+        For a unit ``w`` and each slower option, the time it lacks beyond its own
+        slack is bought from its neighbours (same stage within ``window``
+        places, and its cross-stage producers and consumers), cheapest energy
+        per second first. Costs are separable, so every candidate's gain is
+        known up front; candidates are checked best first by simulating the
+        iteration, several per round (those touching a unit already moved wait
+        for the next round), then the plan is settled again.
+        """
+        return self._search(idx, deadline, max_checks, window, self._exchange_moves)
+
+    def _exchange_moves(self, cur: list[int], slack: list[float], nbrs: list[list[int]], eps: float) -> list[Move]:
+        times, costs = self.times, self.costs
+        cands: list[Move] = []
+        for w in range(self.n):
+            kw, tw, cw = cur[w], times[w], costs[w]
+            if kw + 1 >= len(tw):
+                continue
+            slack_w = slack[w]
+            # Speed-up offers of the neighbours: (energy per second, unit, steps, seconds, energy).
+            offers = []
+            for u in nbrs[w]:
+                ku = cur[u]
+                for k in range(1, min(3, ku) + 1):
+                    freed = times[u][ku] - times[u][ku - k]
+                    if freed > 0:
+                        extra = costs[u][ku - k] - costs[u][ku]
+                        offers.append((extra / freed, u, k, freed, extra))
+            if not offers:
+                continue
+            # One neighbour covering it all: by seconds freed, with the cheapest from there on.
+            by_freed = sorted(offers, key=lambda o: (o[3], o[4]))
+            freed_keys = [o[3] for o in by_freed]
+            suffix: list[Any] = [None] * len(by_freed)  # (energy, unit, steps): cheapest from i on
+            best = None
+            for i in range(len(by_freed) - 1, -1, -1):
+                o = by_freed[i]
+                if best is None or o[4] < best[0]:
+                    best = (o[4], o[1], o[2])
+                suffix[i] = best
+            # Up to three neighbours, cheapest energy per second first (prefix sums).
+            offers.sort()
+            chosen: list[tuple[int, int]] = []
+            got_prefix: list[float] = []
+            spent_prefix: list[float] = []
+            got = spent = 0.0
+            for _, u, k, freed, extra in offers:
+                if any(u == c for c, _ in chosen):
+                    continue
+                chosen.append((u, k))
+                got += freed
+                spent += extra
+                got_prefix.append(got)
+                spent_prefix.append(spent)
+                if len(chosen) == 3:
+                    break
+            most = max(got_prefix[-1], freed_keys[-1])
+            for j in range(kw + 1, len(tw)):
+                need = tw[j] - tw[kw] - slack_w
+                if need > most + eps:
+                    break
+                if need <= eps:
+                    continue  # a plain slow-down: the settle passes take those
+                saving = cw[kw] - cw[j]
+                i = bisect_left(freed_keys, need - eps)
+                if i < len(by_freed) and suffix[i][0] < saving - 1e-9:
+                    extra, u, k = suffix[i]
+                    cands.append((extra - saving, w, j, ((u, k),)))
+                i = bisect_left(got_prefix, need - eps)
+                if 0 < i < len(got_prefix) and spent_prefix[i] < saving - 1e-9:
+                    cands.append((spent_prefix[i] - saving, w, j, tuple(sorted(chosen[: i + 1]))))
+        return cands
+
+    # -- repair ------------------------------------------------------------------------
+    def repair(self, idx: list[int], deadline: float) -> tuple[list[int], int]:
+        """Raise clocks on the simulated critical path until the deadline holds."""
+        steps = 0
+        limit = deadline * (1 + FEASIBILITY_RTOL)
+        while True:
+            tl = self.graph.simulate(self.model.durations(idx))
+            if tl.iteration_time_s <= limit:
+                return idx, steps
+            cands = [v for v in tl.critical_path() if idx[v] > 0]
+            if not cands:
+                raise InfeasibleDeadline(
+                    f"no plan meets an iteration time of {deadline:.6g} s: the critical path already runs "
+                    f"at the fastest clocks ({tl.iteration_time_s:.6g} s)"
+                )
+            v = min(cands, key=lambda u: (self.marginal(u, idx[u]), u))
+            idx = list(idx)
+            idx[v] -= 1
+            steps += 1
