@@ -35,7 +35,7 @@ setup(
         "gpu": ["nvidia-ml-py>=12"],
         # --type optimal: the time-cost LP (HiGHS; scipy's linprog is the fallback).
         "optimal": ["numpy", "highspy>=1.7"],
-        "test": ["pytest>=7", "matplotlib>=3.7", "numpy", "highspy>=1.7", "scipy", "ruff>=0.6"],
+        "test": ["pytest>=7", "matplotlib>=3.7", "numpy", "highspy>=1.7", "scipy", "ruff>=0.6", "nvidia-ml-py>=12"],
         # bench/planner_vs_lowtime.py: Perseus's planner (pulls networkx, scikit-learn, scipy).
         "bench": ["lowtime==0.3.0"],
     },

@@ -2,7 +2,8 @@
 # Megatron-LM GPT pre-training with EnvPipe on one node, with plain torchrun.
 #
 #   MEGATRON_LM=$HOME/Megatron-LM bash examples/torchrun_single_node.sh [extra pretrain_gpt flags]
-#   ENVPIPE_TYPE=baseline ENVPIPE_SCHEDULING=1f1b MEGATRON_LM=... bash examples/torchrun_single_node.sh
+#   ENVPIPE_TYPE=baseline ENVPIPE_SCHEDULING=1f1b MEGATRON_LM=... bash examples/torchrun_single_node.sh  # 1F1B order, f_max
+#   ENVPIPE_DISABLE=1 MEGATRON_LM=... bash examples/torchrun_single_node.sh   # stock Megatron, no EnvPipe
 #   ENVPIPE_EXAMPLE=tiny-cpu bash examples/torchrun_single_node.sh     # tiny GPT, 4 CPU ranks, no GPU
 #
 # Same body, knobs and argument arrays as the SLURM script

@@ -2,20 +2,28 @@
 
 ``add_envpipe_args(parser)`` adds the flags to any argparse parser (Megatron's
 included); ``EnvPipeConfig.from_args(args)`` turns them into a validated
-config, failing at start-up with one clear message on impossible
-combinations; ``EnvPipeConfig.planner_config(gpu)`` is the planner's view of
-it. Pure Python.
+config (every number finite and in range, names known, combinations
+possible); ``validate_with_megatron_args(args)`` adds what needs Megatron's
+flags (pipeline size, micro-batches: the profile's stage count, the extra
+warm-up's length, the activation budget), so that every entry point fails at
+argument parsing with one :class:`EnvPipeConfigError` line instead of at the
+first iteration; ``EnvPipeConfig.planner_config(gpu)`` is the planner's view
+of it. ``fraction`` is the argparse type of fraction flags (``0.05``, ``5%``).
+Pure Python.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
-from megatron_envpipe.core.resources import shipped_profiles
+from megatron_envpipe.core.profile import Profile, ProfileError
+from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
 from megatron_envpipe.core.vocabulary import (
     PLAN_TYPES,
     RECONFIG_POLICIES,
@@ -67,6 +75,8 @@ class EnvPipeConfig:
             object.__setattr__(self, name, coerce_enum(enum, getattr(self, name)))
 
     def validate(self) -> "EnvPipeConfig":
+        """Every check that needs no Megatron flag: names, numbers (finite, in range), combinations."""
+
         def bad(msg: str) -> None:
             raise EnvPipeConfigError(msg)
 
@@ -76,10 +86,18 @@ class EnvPipeConfig:
             bad(f"--envpipe-scheduling {self.scheduling!r}: choose one of {', '.join(SCHEDULINGS)}")
         if self.reconfig not in RECONFIG_POLICIES:
             bad(f"--envpipe-reconfig {self.reconfig!r}: choose one of {', '.join(RECONFIG_POLICIES)}")
-        if self.extra_warmup is not None and self.scheduling != Scheduling.OURS:
-            bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours")
-        if self.max_inflight is not None and self.max_inflight < 1:
-            bad(f"--envpipe-max-inflight must be >= 1, got {self.max_inflight}")
+        self._validate_numbers()
+        if self.extra_warmup is not None:
+            if self.scheduling != Scheduling.OURS:
+                bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours: add "
+                    "--envpipe-scheduling ours or drop --envpipe-extra-warmup")
+            shown = _show_list(self.extra_warmup)
+            if not self.extra_warmup:
+                bad("--envpipe-extra-warmup is empty: give one whole number per pipeline stage, e.g. 3,2,1,0")
+            for s, r in enumerate(self.extra_warmup):
+                if not _is_int(r) or r < 0:
+                    bad(f"--envpipe-extra-warmup {shown}: stage {s}'s entry {_show(r)} must be a whole number "
+                        ">= 0 (extra warm-up forwards of that stage), e.g. 3,2,1,0")
         if self.gpu is not None and self.gpu not in ("auto", "none", "nvml"):
             if self.gpu.startswith("simulated"):
                 _, _, source = self.gpu.partition(":")
@@ -94,55 +112,100 @@ class EnvPipeConfig:
                     bad(f"--envpipe-gpu: {exc}; or use auto, none, nvml, simulated:<profile>")
         if self.profile is not None and not Path(self.profile).is_file():
             if self.profile not in shipped_profiles():
-                bad(f"--envpipe-profile {self.profile}: no such file (give a Perseus-format CSV)")
-        if self.p2p_power_w is not None and self.p2p_power_w < 0:
-            bad("--envpipe-p2p-power must be >= 0 W")
-        if self.reconfig_step_mhz is not None and self.reconfig_step_mhz <= 0:
-            bad("--envpipe-reconfig-step must be > 0 MHz")
-        if self.finish_limit < 0:
-            bad("--envpipe-finish-limit must be >= 0")
-        if self.threshold_scale <= 0:
-            bad("--envpipe-threshold-scale must be > 0")
-        if self.prefetch < 1:
-            bad("--envpipe-prefetch must be >= 1")
-        if self.comm_timeout_s <= 0:
-            bad("--envpipe-comm-timeout must be > 0 seconds")
-        if self.measure_iterations < 1:
-            bad("--envpipe-measure-iterations must be >= 1")
-        if self.log_interval < 1:
-            bad("--envpipe-log-interval must be >= 1")
+                bad(f"--envpipe-profile {self.profile!r}: no such file (give a Perseus-format CSV, "
+                    f"a shipped profile ({', '.join(shipped_profiles())}), or drop the flag to measure at start-up)")
+        if self.profile_cache is not None and self.profile_cache != "off":
+            if not self.profile_cache or Path(self.profile_cache).exists() and not Path(self.profile_cache).is_dir():
+                bad(f"--envpipe-profile-cache {self.profile_cache!r} is not a directory: give a directory "
+                    "(created on first use) or 'off'")
         if self.on_no_permission not in ("fail", "monitor"):
-            bad("--envpipe-on-no-permission must be fail or monitor")
-        if self.profile_step_mhz is not None and self.profile_step_mhz <= 0:
-            bad("--envpipe-profile-step must be > 0 MHz")
-        if self.profile_iterations < 1:
-            bad("--envpipe-profile-iterations must be >= 1")
-        if not 0 < self.sim_time_scale <= 10:
-            bad("--envpipe-sim-time-scale must be in (0, 10]")
-        if not self.max_slowdown >= 0:
-            bad("--envpipe-max-slowdown must be >= 0 (a fraction: 0.05 = 5 %)")
-        if self.target_time_s is not None and not self.target_time_s > 0:
-            bad("--envpipe-target-time must be > 0 seconds")
+            bad(f"--envpipe-on-no-permission {self.on_no_permission!r}: choose fail or monitor")
+        if self.max_slowdown and self.target_time_s is not None:
+            bad(f"--envpipe-max-slowdown {_show(self.max_slowdown)} and --envpipe-target-time "
+                f"{_show(self.target_time_s)} both set the optimal plan's deadline: give only one")
         if (self.max_slowdown or self.target_time_s is not None) and self.plan_type != PlanType.OPTIMAL:
-            bad("--envpipe-max-slowdown and --envpipe-target-time need --envpipe-type optimal")
+            bad("--envpipe-max-slowdown and --envpipe-target-time need --envpipe-type optimal "
+                f"(this run has --envpipe-type {self.plan_type})")
         return self
 
-    def validate_with_megatron_args(self, args: Any) -> "EnvPipeConfig":
-        """Checks that need Megatron's own flags (virtual pipelines, PP size)."""
-        self.validate()
-        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-        if vpp is not None and (self.scheduling != Scheduling.ONE_F_ONE_B or self.plan_type != PlanType.BASELINE):
+    def _validate_numbers(self) -> None:
+        """Each numeric flag: the right kind of number, finite, in its range (nan and inf never pass)."""
+        for name, (flag, kind, low, high, unit, example) in _NUMBERS.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_NUMBERS:
+                continue
+            problem = _number_problem(value, kind, low, high, unit)
+            if problem:
+                raise EnvPipeConfigError(f"{flag} {_show(value)}: {problem}; give e.g. {flag} {example}")
+        if self.max_slowdown > 1:
+            x = _show(self.max_slowdown)
             raise EnvPipeConfigError(
-                "EnvPipe has no interleaved (virtual-pipeline) schedule: drop "
+                f"--envpipe-max-slowdown {x} allows iterations up to {100 * self.max_slowdown:.0f}% slower than the "
+                f"baseline (at most 1 = 100%): it is a fraction, 0.05 = 5%; for {x}% give "
+                f"{_show(self.max_slowdown / 100)} or {x}%"
+            )
+
+    def validate_with_megatron_args(self, args: Any) -> "EnvPipeConfig":
+        """Every check that needs Megatron's own flags, run once at argument parsing.
+
+        Virtual pipelines; ``--envpipe-scheduling ours`` without pipelining; the
+        profile (read once here: readable, parses, one stage per pipeline stage);
+        ``--envpipe-extra-warmup`` (one entry per stage); and the activation budget
+        ``--envpipe-max-inflight`` (at least what 1F1B itself holds on stage 0).
+        ``args`` is Megatron's namespace (or any object with its attribute names);
+        attributes it lacks are not checked.
+        """
+        self.validate()
+        vpp_flags = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in _VIRTUAL_PIPELINE_ARGS
+                     if getattr(args, name, None) is not None]
+        if vpp_flags and (self.scheduling != Scheduling.ONE_F_ONE_B or self.plan_type != PlanType.BASELINE):
+            raise EnvPipeConfigError(
+                f"EnvPipe has no interleaved (virtual-pipeline) schedule ({', '.join(vpp_flags)}): drop "
                 "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage, "
                 "or run --envpipe-type baseline --envpipe-scheduling 1f1b"
             )
         pp = getattr(args, "pipeline_model_parallel_size", None)
-        if pp is not None and pp < 2 and self.scheduling == Scheduling.OURS:
+        if not _is_int(pp):
+            return self
+        if pp < 2 and self.scheduling == Scheduling.OURS:
             raise EnvPipeConfigError(
-                "--envpipe-scheduling ours needs pipeline parallelism: set --pipeline-model-parallel-size >= 2"
+                f"--envpipe-scheduling ours needs pipeline parallelism (--pipeline-model-parallel-size is {pp}): "
+                "set --pipeline-model-parallel-size >= 2"
             )
+        if pp >= 2:
+            profile = load_profile(self.profile) if self.profile is not None else None
+            self.check_pipeline(pp, num_microbatches_of(args, pp), profile)
         return self
+
+    def check_pipeline(self, num_stages: int, num_microbatches: int | None = None,
+                       profile: Profile | None = None) -> None:
+        """What the pipeline's size decides: the profile's stage count, the length of
+        ``--envpipe-extra-warmup``, the activation budget. Shared by the start-up check and
+        the run-time (its first call per pipeline, before any rank runs the iteration).
+        ``num_microbatches`` None: unknown, so the budget must cover a full pipeline."""
+        pipeline = f"the pipeline has {num_stages} stages (--pipeline-model-parallel-size {num_stages})"
+        if profile is not None and profile.num_stages != num_stages:
+            raise EnvPipeConfigError(
+                f"--envpipe-profile {self.profile} has {profile.num_stages} stages but {pipeline}: the profile "
+                "is per pipeline, one set of rows per stage, so it must have exactly P stages; profile this "
+                "model and parallel layout (drop --envpipe-profile to measure at start-up)"
+            )
+        if self.scheduling != Scheduling.OURS:
+            return
+        if self.extra_warmup is not None and len(self.extra_warmup) != num_stages:
+            example = ",".join(str(max(0, num_stages - 1 - s)) for s in range(num_stages))
+            raise EnvPipeConfigError(
+                f"--envpipe-extra-warmup {_show_list(self.extra_warmup)} has {len(self.extra_warmup)} "
+                f"entries but {pipeline}: give exactly one per stage, first stage first, e.g. {example}"
+            )
+        if self.max_inflight is not None:
+            need = num_stages if num_microbatches is None else min(num_stages, num_microbatches)
+            if self.max_inflight < need:
+                raise EnvPipeConfigError(
+                    f"--envpipe-max-inflight {self.max_inflight} is below the {need} micro-batch activations "
+                    f"that 1F1B itself keeps in flight on stage 0, as {pipeline}: give at least {need} "
+                    "(more allows extra warm-up), or drop the flag for no limit"
+                )
 
     @property
     def is_stock(self) -> bool:
@@ -187,6 +250,137 @@ class EnvPipeConfig:
         if values.get("extra_warmup") is not None:
             values["extra_warmup"] = tuple(values["extra_warmup"])
         return cls(**values).validate()
+
+
+# -- numbers, profiles and Megatron's sizes ---------------------------------------------
+
+# field -> (flag, kind, low bound, high bound or None, unit, example). Bounds: ("ge", x) is
+# >= x, ("gt", x) is > x. Every number must be finite: nan fails every comparison, and so
+# passed checks written as `value < 0`.
+_NUMBERS: dict[str, tuple[str, str, tuple[str, float], float | None, str, str]] = {
+    "max_inflight": ("--envpipe-max-inflight", "int", ("ge", 1), None, "micro-batch activations", "8"),
+    "p2p_power_w": ("--envpipe-p2p-power", "float", ("ge", 0), 5000.0, "W", "70"),
+    "reconfig_step_mhz": ("--envpipe-reconfig-step", "int", ("ge", 1), None, "MHz", "30"),
+    "finish_limit": ("--envpipe-finish-limit", "int", ("ge", 0), None, "iterations", "10"),
+    "threshold_scale": ("--envpipe-threshold-scale", "float", ("gt", 0), None, "", "4"),
+    "prefetch": ("--envpipe-prefetch", "int", ("ge", 1), None, "receives", "2"),
+    "comm_timeout_s": ("--envpipe-comm-timeout", "float", ("gt", 0), None, "seconds", "300"),
+    "measure_iterations": ("--envpipe-measure-iterations", "int", ("ge", 1), None, "iterations", "1"),
+    "profile_step_mhz": ("--envpipe-profile-step", "int", ("ge", 1), None, "MHz", "90"),
+    "profile_iterations": ("--envpipe-profile-iterations", "int", ("ge", 1), None, "iterations", "2"),
+    "sim_time_scale": ("--envpipe-sim-time-scale", "float", ("gt", 0), 10.0, "", "0.02"),
+    "log_interval": ("--envpipe-log-interval", "int", ("ge", 1), None, "iterations", "1"),
+    "max_slowdown": ("--envpipe-max-slowdown", "float", ("ge", 0), None, "", "0.05 (or 5%)"),
+    "target_time_s": ("--envpipe-target-time", "float", ("gt", 0), None, "seconds", "8.5"),
+}
+_OPTIONAL_NUMBERS = frozenset({"max_inflight", "p2p_power_w", "reconfig_step_mhz", "profile_step_mhz",
+                               "target_time_s"})
+# Megatron's flags that turn on the interleaved schedule (names differ across releases).
+_VIRTUAL_PIPELINE_ARGS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                          "num_virtual_stages_per_pipeline_rank")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    """A flag value as the user would type it: 0.05, 300, nan, inf, 'text'."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) if _is_int(value) else repr(value)
+
+
+def _show_list(values: Any) -> str:
+    return ",".join(_show(v) for v in values)
+
+
+def _number_problem(value: Any, kind: str, low: tuple[str, float], high: float | None, unit: str) -> str | None:
+    """Why ``value`` is not a valid number of this kind, range and unit, or None."""
+    op, bound = low
+    in_unit = f" ({unit})" if unit else ""
+    unit = f" {unit}" if unit else ""
+    if kind == "int" and not _is_int(value):
+        return f"must be a whole number{in_unit}"
+    if kind == "float" and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return f"must be a number{in_unit}"
+    if not math.isfinite(value):
+        return f"must be a finite number{in_unit}"
+    if op == "ge" and not value >= bound:
+        return f"must be >= {bound:g}{unit}"
+    if op == "gt" and not value > bound:
+        return f"must be > {bound:g}{unit}"
+    if high is not None and not value <= high:
+        return f"must be at most {high:g}{unit}"
+    return None
+
+
+def fraction(text: str) -> float:
+    """argparse type of the fraction flags: ``0.05`` or ``5%`` -> 0.05; finite and >= 0.
+
+    Shared by ``--envpipe-max-slowdown`` and the ``envpipe`` command's ``--max-slowdown``.
+    """
+    body = text.strip()
+    percent = body.endswith("%")
+    try:
+        value = float(body[:-1]) / 100 if percent else float(body)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction like 0.05 or a percentage like 5%, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite fraction >= 0 (0.05 or 5% for 5%), got {text!r}")
+    return value
+
+
+def load_profile(name: str) -> Profile:
+    """The ``--envpipe-profile`` CSV (a path or a shipped name), parsed; EnvPipeConfigError if it
+    cannot be read, is not UTF-8 text, or is not a valid Perseus-format profile."""
+    try:
+        return Profile.from_csv(shipped_profile(name))
+    except FileNotFoundError as exc:
+        raise EnvPipeConfigError(f"--envpipe-profile {name}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise EnvPipeConfigError(
+            f"--envpipe-profile {name}: not a text CSV (byte {exc.start} is not UTF-8): give the Perseus-format "
+            "CSV (columns stage,instruction,frequency,time,energy)") from None
+    except ProfileError as exc:
+        where = "--envpipe-profile" if name in str(exc) else f"--envpipe-profile {name}"  # it names the file
+        raise EnvPipeConfigError(
+            f"{where}: {exc}; fix the file, or drop --envpipe-profile to measure at start-up") from None
+
+
+def num_microbatches_of(args: Any, pipeline_size: int) -> int | None:
+    """Micro-batches per iteration from Megatron's flags, or None when they do not fix it.
+
+    ``num_microbatches`` if the namespace has it (the tiny GPT example), else
+    ``--global-batch-size / (--micro-batch-size x DP)`` with DP from
+    ``data_parallel_size`` or ``WORLD_SIZE / (TP x PP x CP)``; a batch-size
+    ramp-up changes it during training: None.
+    """
+    given = getattr(args, "num_microbatches", None)
+    if _is_int(given) and given >= 1:
+        return given
+    if getattr(args, "rampup_batch_size", None):
+        return None
+    mbs = getattr(args, "micro_batch_size", None)
+    gbs = getattr(args, "global_batch_size", None)
+    dp = getattr(args, "data_parallel_size", None)
+    if not _is_int(dp):
+        world = getattr(args, "world_size", None)
+        if not _is_int(world):
+            world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+        tp = getattr(args, "tensor_model_parallel_size", None) or 1
+        cp = getattr(args, "context_parallel_size", None) or 1
+        per_replica = tp * pipeline_size * cp if _is_int(tp) and _is_int(cp) else 0
+        dp = world // per_replica if world and per_replica and world % per_replica == 0 else None
+    if not (_is_int(mbs) and mbs >= 1 and _is_int(dp) and dp >= 1):
+        return None
+    if gbs is None:
+        return 1  # Megatron's default: one micro-batch per data-parallel rank
+    if not _is_int(gbs) or gbs < 1 or gbs % (mbs * dp):
+        return None
+    return gbs // (mbs * dp)
 
 
 # argparse lists its choices with repr() in "invalid choice" errors: give it the plain names.
@@ -255,8 +449,9 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="print the EnvPipe plan/energy line every N iterations")
     g.add_argument("--envpipe-verbose", dest="envpipe_verbose", action="store_true",
                    help="print each stage's instruction program")
-    g.add_argument("--envpipe-max-slowdown", dest="envpipe_max_slowdown", type=float, default=d.max_slowdown,
-                   help="--envpipe-type optimal: allowed iteration-time increase over 1F1B at f_max (0.05 = 5 %%)")
+    g.add_argument("--envpipe-max-slowdown", dest="envpipe_max_slowdown", type=fraction, default=d.max_slowdown,
+                   help="--envpipe-type optimal: allowed iteration-time increase over 1F1B at f_max, "
+                        "e.g. 0.05 or 5%%")
     g.add_argument("--envpipe-target-time", dest="envpipe_target_time_s", type=float, default=None,
                    help="--envpipe-type optimal: plan for iterations lasting this many seconds anyway (e.g. a "
                         "straggler sets the pace); the GPUs block at P2P power until then")

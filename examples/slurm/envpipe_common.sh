@@ -15,12 +15,17 @@
 #                gloo, one process per pipeline stage, no GPU (laptops, CI, tests/slurm)
 #   tiny-gpu     the tiny GPT on GPUs (--device cuda), NCCL: a quick smoke test
 #
-# Set ENVPIPE_DRY_RUN=1 to print the torchrun command instead of running it.
+# Set ENVPIPE_DRY_RUN=1 to print the torchrun command instead of running it, and
+# ENVPIPE_DISABLE=1 to run stock Megatron (EnvPipe never installed), the
+# reference EnvPipe's losses must equal bit for bit.
 
 # ----------------------------------------------------------------------------- knobs
 ENVPIPE_EXAMPLE=${ENVPIPE_EXAMPLE:-megatron-lm}
 PYTHON=${PYTHON:-python3}          # the Python that has torch, megatron-core and megatron-envpipe
 ENVPIPE_DRY_RUN=${ENVPIPE_DRY_RUN:-0}
+# 1: stock Megatron, no EnvPipe: the tiny GPT runs with --no-envpipe, megatron-lm runs
+# $MEGATRON_LM/pretrain_gpt.py itself; no --envpipe-* flags (the ENVPIPE_<NAME> knobs are ignored).
+ENVPIPE_DISABLE=${ENVPIPE_DISABLE:-0}
 
 # EnvPipe: ENVPIPE_<NAME> is the flag --envpipe-<name>. An empty value leaves the
 # flag out, so the package's default applies (noted after each).
@@ -58,6 +63,24 @@ export PYTHON ENVPIPE_RESET_CLOCKS
 
 envpipe_log() { printf 'envpipe-launch: %s\n' "$*"; }
 envpipe_die() { printf 'envpipe-launch: error: %s\n' "$*" >&2; exit 2; }
+
+# True when ENVPIPE_DISABLE asks for stock Megatron.
+envpipe_disabled() {
+    case "$ENVPIPE_DISABLE" in
+        1 | yes | true) return 0 ;;
+        0 | no | false | "") return 1 ;;
+        *) envpipe_die "ENVPIPE_DISABLE=$ENVPIPE_DISABLE: use 1 (stock Megatron, no EnvPipe) or 0" ;;
+    esac
+}
+
+# What runs, for the launch log.
+envpipe_describe() {
+    if envpipe_disabled; then
+        printf 'envpipe off (stock Megatron)'
+    else
+        printf 'envpipe %s/%s/%s, gpu %s' "$ENVPIPE_TYPE" "$ENVPIPE_SCHEDULING" "$ENVPIPE_RECONFIG" "$ENVPIPE_GPU"
+    fi
+}
 
 # Append "--flag value" to ENVPIPE_ARGS when value is not empty.
 _envpipe_opt() {
@@ -249,6 +272,15 @@ envpipe_compose_args() {
     case "$ENVPIPE_VERBOSE" in
         1 | yes | true) ENVPIPE_ARGS+=(--envpipe-verbose) ;;
     esac
+    if envpipe_disabled; then
+        # Stock Megatron: EnvPipe is never installed, so nothing of it can touch the run.
+        if [ "$ENVPIPE_EXAMPLE" = megatron-lm ]; then
+            ENTRY_ARGS=("$MEGATRON_LM/pretrain_gpt.py")
+            ENVPIPE_ARGS=()
+        else
+            ENVPIPE_ARGS=(--no-envpipe)
+        fi
+    fi
 
     if [ "$model_parallel" -gt "$world" ] || [ $((world % model_parallel)) -ne 0 ]; then
         envpipe_die "TP x PP = $model_parallel does not divide the $world processes ($NNODES node(s) x $GPUS_PER_NODE)"
@@ -269,8 +301,12 @@ envpipe_reset_clocks() {
     esac
     envpipe_log "$where: envpipe reset-clocks ${flag}"
     # shellcheck disable=SC2086  # $flag is one word or none
-    if ! timeout 120 "$PYTHON" -m megatron_envpipe.apps.cli reset-clocks $flag 2>&1 | sed "s|^|envpipe-launch: $where: |"; then
-        envpipe_log "$where: reset-clocks failed: run \`envpipe reset-clocks --force\` on $(hostname) by hand (as root)"
+    # Its exit status, not sed's, whatever the caller's pipefail setting.
+    local status=0
+    { timeout 120 "$PYTHON" -m megatron_envpipe.apps.cli reset-clocks $flag 2>&1 | sed "s|^|envpipe-launch: $where: |"
+      status=${PIPESTATUS[0]}; } || true
+    if [ "$status" != 0 ]; then
+        envpipe_log "$where: reset-clocks failed (exit $status): run \`envpipe reset-clocks --force\` on $(hostname) by hand (as root)"
     fi
     return 0
 }

@@ -12,6 +12,7 @@ that the losses are bit-for-bit identical.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -24,18 +25,40 @@ from typing import Any
 
 from megatron_envpipe.apps.plot import PlotUnavailableError, draw_timelines
 from megatron_envpipe.config import EnvPipeConfig
-from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.atomic import check_writable
+from megatron_envpipe.core.gpu_specs import GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.plan import format_envpipe
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.resources import configs_dir, shipped_profile
-from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
-from megatron_envpipe.errors import EnvPipeError
+from megatron_envpipe.core.resources import configs_dir, shipped_profile, shipped_profiles
+from megatron_envpipe.core.textfile import read_text
+from megatron_envpipe.core.vocabulary import (
+    PLAN_TYPES,
+    RECONFIG_POLICIES,
+    SCHEDULINGS,
+    PlanType,
+    ReconfigPolicy,
+    Scheduling,
+)
+from megatron_envpipe.errors import EnvPipeError, UsageError
 from megatron_envpipe.megatron.localhost import free_port
 from megatron_envpipe.planning.planner import plan_envpipe
 
 
 class DemoError(EnvPipeError, RuntimeError):
     """The demo could not run; the message says why."""
+
+
+# The range of each number in configs/demo.toml: past these the demo would spawn hundreds of
+# processes or train for days. Stages are also capped by the profile's own stage count.
+_RANGES: dict[str, tuple[float, float]] = {
+    "stages": (2, 64),
+    "microbatches": (1, 1024),
+    "iterations": (1, 1000),
+    "sim_time_scale": (0.0, 10.0),  # > 0, as --envpipe-sim-time-scale
+    "profile_step_mhz": (15, 1000),  # NVML's clock spacing up to a handful of clocks in 855..1740 MHz
+    "profile_iterations": (1, 100),
+}
+_NAMES = {"plan_type": PLAN_TYPES, "scheduling": SCHEDULINGS, "reconfig": RECONFIG_POLICIES}
 
 
 @dataclass(frozen=True)
@@ -62,14 +85,15 @@ class DemoConfig:
                 raise DemoError(str(exc)) from None
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
-        except OSError as exc:
-            raise DemoError(f"{path}: cannot read demo config: {exc.strerror or exc}") from None
+            data = tomllib.loads(read_text(path, "demo config", DemoError))
         except tomllib.TOMLDecodeError as exc:
             raise DemoError(f"{path}: not valid TOML: {exc}") from None
+        if set(data) != {"demo"} or not isinstance(data["demo"], dict):
+            raise DemoError(f"{path}: a demo config is one [demo] table (found {', '.join(data) or 'nothing'}): "
+                            "start from configs/demo.toml")
         known = {f: type(getattr(cls(), f)) for f in cls.__dataclass_fields__}
         values = {}
-        for key, value in data.get("demo", {}).items():
+        for key, value in data["demo"].items():
             if key not in known:
                 raise DemoError(f"{path}: [demo] has unknown key {key!r}; known: {', '.join(known)}")
             want = known[key]
@@ -77,15 +101,71 @@ class DemoConfig:
                 value = float(value)
             if not isinstance(value, want) or isinstance(value, bool):
                 raise DemoError(f"{path}: [demo] {key} = {value!r} should be a {want.__name__}")
+            problem = _value_problem(key, value)
+            if problem:
+                raise DemoError(f"{path}: [demo] {key} = {value!r}: {problem}")
             values[key] = value
+        # Every key: a truncated file must not run on defaults nobody chose.
+        missing = [key for key in known if key not in values]
+        if missing:
+            raise DemoError(f"{path}: [demo] lacks {', '.join(missing)}: every key of configs/demo.toml is needed")
         cfg = cls(**values)
-        if cfg.stages < 2 or cfg.microbatches < cfg.stages or cfg.iterations < 1:
-            raise DemoError(f"{path}: [demo] needs stages >= 2, microbatches >= stages, iterations >= 1")
+        if cfg.microbatches < cfg.stages:
+            raise DemoError(f"{path}: [demo] needs microbatches >= stages, got {cfg.microbatches} < {cfg.stages}")
+        cfg._check_profile(path)
         return cfg
+
+    def _check_profile(self, path: Path) -> None:
+        """The profile is a shipped one (its GPU sets the clocks) with at least ``stages`` stages."""
+        if self.profile not in shipped_profiles():
+            raise DemoError(f"{path}: [demo] profile = {self.profile!r} is not a shipped profile: "
+                            f"choose one of {', '.join(shipped_profiles())}")
+        try:
+            get_gpu_spec(self.profile.split("/")[0])
+            stages = Profile.from_csv(shipped_profile(self.profile)).num_stages
+        except UsageError as exc:
+            raise DemoError(f"{path}: [demo] profile = {self.profile!r}: {exc}") from None
+        if self.stages > stages:
+            raise DemoError(f"{path}: [demo] stages = {self.stages}: the profile {self.profile} has only {stages} "
+                            f"stages; give stages <= {stages}")
 
     def envpipe_config(self) -> EnvPipeConfig:
         """The EnvPipe flags of the demo's EnvPipe run (plan type, scheduling, reconfiguration)."""
         return EnvPipeConfig(plan_type=self.plan_type, scheduling=self.scheduling, reconfig=self.reconfig)
+
+
+def _value_problem(key: str, value: Any) -> str | None:
+    """What is wrong with one [demo] value of the right type (None: nothing)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if key in _RANGES:
+        low, high = _RANGES[key]
+        if not (value > low if isinstance(value, float) else value >= low) or value > high:
+            return f"needs {key} {'>' if isinstance(value, float) else '>='} {low:g} and <= {high:g}"
+    if key in _NAMES and value not in _NAMES[key]:
+        return f"choose one of {', '.join(_NAMES[key])}"
+    if key == "profile" and not value:
+        return "give a shipped profile name, e.g. a40/gpt3-175b"
+    return None
+
+
+def _check_gpu(gpu: str | None) -> None:
+    """--gpu names a device backend the demo can measure energy with (before anything is created)."""
+    if gpu is None or gpu in ("auto", "nvml"):
+        return
+    if gpu.startswith("simulated"):
+        source = gpu.partition(":")[2]
+        if source not in shipped_profiles() and not Path(source).is_file():
+            raise DemoError(f"--gpu {gpu}: no such profile: give simulated:<profile>, one of "
+                            f"{', '.join(shipped_profiles())} or a Perseus-format CSV")
+        return
+    if gpu == "none":
+        raise DemoError("--gpu none measures no energy, which the demo compares: give auto, nvml, "
+                        "simulated:<profile> or a GPU of configs/gpus.toml")
+    try:
+        get_gpu_spec(gpu)
+    except GpuSpecError as exc:
+        raise DemoError(f"--gpu {gpu}: {exc}; or give auto, nvml, simulated:<profile>") from None
 
 
 def _gpus() -> int:
@@ -135,10 +215,26 @@ def _steady(run: dict[str, Any]) -> tuple[float, float, int]:
             statistics.median(e["energy_j"] for e in reports), len(reports))
 
 
+def _stock_losses(run: dict[str, Any]) -> list[float]:
+    """The losses of the run's stock-Megatron reference, checked to be Megatron's own schedule."""
+    reference = run.get("stock_reference") or {}
+    stock = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
+    ranks = reference.get("schedule") or [{}]
+    if not all(r.get("functions") == [stock] and r.get("envpipe_installed") is False
+               and r.get("executor_imported") is False for r in ranks):
+        raise DemoError(f"the stock reference did not run Megatron's own schedule alone: {ranks} (log {run['log']})")
+    return reference["losses"]
+
+
 def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu: str | None = None) -> int:
+    # Everything the user gave is checked before anything is created.
     cfg = DemoConfig.load(config)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_gpu(gpu)
+    out = check_writable(out, "demo output directory", directory=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoError(f"cannot create the demo output directory {out}: {exc.strerror or exc}") from None
     gpus = _gpus()
     if gpu is None:
         gpu = "auto" if gpus >= 2 else f"simulated:{cfg.profile}"
@@ -170,11 +266,16 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     except PlotUnavailableError as exc:  # matplotlib missing: the rest still runs
         print(f"(no timeline picture: {exc})\n")
 
-    # 2. Train twice, measure.
+    # 2. Train twice, measure. The baseline is EnvPipe's executor in 1F1B order at f_max: EnvPipe
+    # measures its energy. Its processes first train a fresh model with stock Megatron, before
+    # EnvPipe is installed (--stock-reference-iters): the reference both runs' losses must equal,
+    # at no extra start-up (a third torchrun would add ~15 s to a ~70 s demo on 2 cores).
     common = ["--envpipe-gpu", gpu, "--envpipe-sim-time-scale", str(cfg.sim_time_scale),
               "--envpipe-profile-cache", str(out / "profiles"), "--envpipe-on-no-permission", "monitor"]
-    print("training with Megatron's 1F1B at the maximum clock ...", flush=True)
-    base = _train(cfg, out, "baseline", ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b", *common],
+    print("training in Megatron's 1F1B order at the maximum clock (after a stock-Megatron reference) ...",
+          flush=True)
+    base = _train(cfg, out, "baseline", ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b",
+                                         "--stock-reference-iters", str(cfg.iterations + 2), *common],
                   cfg.iterations + 2, device, nproc)
     print(f"  done in {base['wall_s']:.0f} s (log {base['log']})")
     print("training with EnvPipe (start-up profiler on first run, then the plan) ...", flush=True)
@@ -189,14 +290,16 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     # 3. Results.
     bt, be, bn = _steady(base)
     et, ee, en = _steady(env)
-    same = [x.hex() for x in base["losses"]] == [x.hex() for x in env["losses"][: len(base["losses"])]]
+    stock = [x.hex() for x in _stock_losses(base)]
+    same = stock == [x.hex() for x in base["losses"]] == [x.hex() for x in env["losses"][: len(stock)]]
     what = "simulated" if simulated else "measured"
     print(f"{'':12}{'iteration time':>16}{'energy / iteration':>20}   ({what}, median of {bn} / {en} iterations)")
     print(f"{'1F1B @ max':12}{bt:>14.3f} s{be:>18.1f} J")
     print(f"{'EnvPipe':12}{et:>14.3f} s{ee:>18.1f} J")
     print(f"\nenergy saving {100 * (1 - ee / be):.1f}%, iteration time {100 * (et / bt - 1):+.1f}%  "
           f"(planned: -{100 * plan.energy_saving:.1f}% at {100 * plan.slowdown:+.2f}%)")
-    print(f"losses identical to Megatron's 1F1B bit for bit: {'yes' if same else 'NO'}")
+    print(f"losses identical to stock Megatron's 1F1B bit for bit: {'yes' if same else 'NO'}  "
+          f"(both runs, {len(stock)} iterations; reference trained before EnvPipe was installed)")
     summary = {"baseline": {"time_s": bt, "energy_j": be}, "envpipe": {"time_s": et, "energy_j": ee},
                "saving": 1 - ee / be, "slowdown": et / bt - 1, "losses_identical": same, "simulated": simulated,
                "planned_saving": plan.energy_saving}

@@ -1,14 +1,20 @@
 """Gantt charts of simulated iterations (stages x time, units coloured by clock).
 
 Needs matplotlib (``pip install 'megatron-envpipe[plot]'``); imported only
-when a picture is asked for.
+when a picture is asked for. ``*_image`` render to bytes in memory, so a
+command can write its picture together with its other outputs, all or none
+(:func:`~megatron_envpipe.core.atomic.write_all_atomic`); ``draw_*`` write a
+file atomically.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.timeline import Timeline
 from megatron_envpipe.errors import UsageError
@@ -18,6 +24,34 @@ from megatron_envpipe.planning.optimal import InfeasibleDeadline
 
 class PlotUnavailableError(UsageError):
     """A picture was asked for but matplotlib is not installed."""
+
+
+class ImageFormatError(UsageError, ValueError):
+    """A picture's file name does not end in an image format we can write."""
+
+
+# What matplotlib's Agg backend writes by itself, by file suffix (fixed here so a bad name is
+# caught before matplotlib is imported); pgf needs LaTeX, gif/avif need optional Pillow codecs.
+IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
+def image_format(path: str | Path) -> str:
+    """The format of a picture named ``path``, from its suffix; ImageFormatError for none or an unknown one."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in IMAGE_FORMATS:
+        got = f"unknown image format '.{suffix}'" if suffix else "no image format suffix"
+        raise ImageFormatError(f"{path}: {got}: end the name with one of .{', .'.join(IMAGE_FORMATS)}")
+    return suffix
+
+
+def check_plot_path(path: str | Path) -> str:
+    """Before any work: the format of ``path``, and matplotlib is there to draw it (without importing it)."""
+    fmt = image_format(path)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlotUnavailableError(
+            "drawing needs matplotlib: pip install 'megatron-envpipe[plot]' (or pip install matplotlib)"
+        )
+    return fmt
 
 
 def _matplotlib():
@@ -39,7 +73,17 @@ def draw_timelines(
     f_min_mhz: int | None = None,
     f_max_mhz: int | None = None,
 ) -> Path:
-    """One Gantt panel per (title, plan, timeline), sharing the time axis and colour scale.
+    """:func:`timelines_image` written to ``path`` (atomically; the format from its suffix)."""
+    return write_atomic(path, timelines_image(panels, image_format(path), f_min_mhz, f_max_mhz))
+
+
+def timelines_image(
+    panels: Sequence[tuple[str, FrequencyPlan, Timeline]],
+    fmt: str = "png",
+    f_min_mhz: int | None = None,
+    f_max_mhz: int | None = None,
+) -> bytes:
+    """One Gantt panel per (title, plan, timeline), sharing the time axis and colour scale, as a ``fmt`` image.
 
     Forwards are drawn lighter than backwards' hatch-free bars; critical-path
     units get a black outline, so the envelope is visible at a glance.
@@ -83,11 +127,7 @@ def draw_timelines(
     fig.colorbar(
         matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), label="SM clock (MHz)", pad=0.01
     )
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return _image_bytes(plt, fig, fmt, dpi=130, bbox_inches="tight")
 
 
 def draw_frontier(
@@ -96,10 +136,18 @@ def draw_frontier(
     target_time_s: float | None = None,
     others: Sequence[tuple[str, float, float]] = (),
 ) -> Path:
+    """:func:`frontier_image` written to ``path`` (atomically; the format from its suffix)."""
+    return write_atomic(path, frontier_image(frontier, image_format(path), target_time_s, others))
+
+
+def frontier_image(
+    frontier: Frontier,
+    fmt: str = "png",
+    target_time_s: float | None = None,
+    others: Sequence[tuple[str, float, float]] = (),
+) -> bytes:
     """Energy vs iteration time: the frontier, the baseline, ``others`` (label, time, energy), the target."""
     _, plt = _matplotlib()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     xs = [pt.time_s for pt in frontier.points]
     ys = [pt.energy_j for pt in frontier.points]
@@ -127,6 +175,13 @@ def draw_frontier(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _image_bytes(plt, fig, fmt, dpi=110)
+
+
+def _image_bytes(plt, fig, fmt: str, **savefig) -> bytes:
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format=fmt, **savefig)
+    finally:
+        plt.close(fig)
+    return buf.getvalue()

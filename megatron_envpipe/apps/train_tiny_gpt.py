@@ -13,11 +13,20 @@ first use and cached (``--cache-dir``). Every iteration calls whatever
 ``get_forward_backward_func()`` returns, which after ``megatron_envpipe.install``
 is EnvPipe's executor, then steps a plain torch optimizer.
 
+``--no-envpipe`` is the stock reference: ``install()`` is never called and
+EnvPipe's executor never imported, so Megatron's own 1F1B runs. (``--envpipe-type
+baseline --envpipe-scheduling 1f1b`` is still EnvPipe's executor, in 1F1B order.)
+``--losses-out`` records which schedule function each rank ran.
+``--stock-reference-iters N`` first trains N iterations of a fresh model with
+Megatron's own schedule in the same processes, before ``install()`` is called
+(recorded as ``stock_reference``): a same-math reference that costs no extra
+start-up (``envpipe demo`` checks both of its runs against it).
+
 ``--device cpu`` runs over gloo with ``megatron_compat.cpu_shims``;
 ``--device cuda`` runs over NCCL, one GPU per local rank, with Megatron
 unmodified. Everything is fp32 with dropout off, so a run is a pure function
-of its flags: ``--envpipe-type baseline --envpipe-scheduling 1f1b`` and any
-EnvPipe schedule give the same losses bit for bit (``--losses-out``).
+of its flags: ``--no-envpipe`` and any EnvPipe schedule give the same losses bit
+for bit (``--losses-out``).
 
 The last stage prints one line per logged iteration, e.g.
 ``iteration 1/3 | lm loss 6.2385... | tokens 1008 | elapsed 0.214 s``.
@@ -85,13 +94,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--cache-dir", type=Path, default=None,
                    help="tokenizer cache (default: $MEGATRON_ENVPIPE_CACHE or ~/.cache/megatron-envpipe)")
     d.add_argument("--losses-out", type=Path, default=None,
-                   help="write the per-iteration losses as JSON (from the last stage)")
-    add_envpipe_args(parser)
+                   help="write the per-iteration losses and the schedule function each rank ran as JSON "
+                        "(from the last stage)")
+    parser.add_argument("--no-envpipe", action="store_true",
+                        help="stock Megatron-core: never install EnvPipe, run Megatron's own 1F1B "
+                             "(the reference for EnvPipe's same-math guarantee); takes no --envpipe-* flags")
+    parser.add_argument("--stock-reference-iters", type=int, default=0, metavar="N",
+                        help="before installing EnvPipe, train N iterations of a fresh model with Megatron's own "
+                             "schedule; --losses-out records them as stock_reference")
+    envpipe_actions = [a for a in add_envpipe_args(parser)._actions if a.dest.startswith("envpipe_")]
     args = parser.parse_args(argv)
 
     def bad(message: str) -> None:
         parser.error(message)
 
+    if args.no_envpipe:
+        # A stock run that silently ignored EnvPipe flags would pass for an EnvPipe run.
+        given = [a.option_strings[0] for a in envpipe_actions if getattr(args, a.dest) != a.default]
+        if given:
+            bad(f"--no-envpipe runs Megatron's own schedule: drop {' '.join(given)}")
+        if args.stock_reference_iters:
+            bad("--stock-reference-iters is for EnvPipe runs: a --no-envpipe run is itself the stock reference")
+    if args.stock_reference_iters < 0:
+        bad("--stock-reference-iters must be >= 0")
     pp = args.pipeline_model_parallel_size
     if pp < 1:
         bad("--pipeline-model-parallel-size must be >= 1")
@@ -234,8 +259,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    """The training loop; returns one record per iteration on the last stage (empty elsewhere)."""
+def train(args: argparse.Namespace, device: torch.device, reference_iters: int = 0) -> list[dict[str, Any]]:
+    """The training loop; returns one record per iteration on the last stage (empty elsewhere).
+
+    ``reference_iters``: a quiet run of that many iterations (the stock reference) instead.
+    """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -251,7 +279,8 @@ def train(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
 
     counts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(counts, sum(p.numel() for p in params))
-    if is_last:
+    train_iters = reference_iters or args.train_iters
+    if is_last and not reference_iters:
         import megatron.core
 
         print(
@@ -259,18 +288,24 @@ def train(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
             f"vocab {tokenizer.vocab_size}, seq {args.seq_length} | {args.pipeline_model_parallel_size} stages, "
             f"parameters per stage {counts} | {args.num_microbatches} micro-batches of {args.micro_batch_size} | "
             f"{len(dataset.tokens)} corpus tokens | megatron-core {megatron.core.__version__}, torch "
-            f"{torch.__version__}, {device.type}/{dist.get_backend()} | envpipe type {args.envpipe_plan_type}, "
-            f"scheduling {args.envpipe_scheduling}, reconfig {args.envpipe_reconfig}",
+            f"{torch.__version__}, {device.type}/{dist.get_backend()} | " + (
+                "EnvPipe off: Megatron's own schedule" if args.no_envpipe else
+                f"envpipe type {args.envpipe_plan_type}, scheduling {args.envpipe_scheduling}, "
+                f"reconfig {args.envpipe_reconfig}"),
             flush=True,
         )
 
     forward_step = make_forward_step(device)
     records: list[dict[str, Any]] = []
-    for iteration in range(args.train_iters):
+    ran: list[str] = []  # the schedule functions this rank called, in order of first use
+    for iteration in range(train_iters):
         _sync(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         forward_backward_func = get_forward_backward_func()
+        name = _function_name(forward_backward_func)
+        if name not in ran:
+            ran.append(name)
         reports = forward_backward_func(
             forward_step_func=forward_step,
             data_iterator=dataset.microbatches(iteration, args.num_microbatches, args.micro_batch_size),
@@ -293,30 +328,63 @@ def train(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
         tokens = sum(int(report["num_tokens"]) for report in reports)
         record = {"iteration": iteration + 1, "lm_loss": loss_sum / tokens, "tokens": tokens, "elapsed_s": elapsed}
         records.append(record)
-        if (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters:
+        if reference_iters:
+            continue
+        if (iteration + 1) % args.log_interval == 0 or iteration + 1 == train_iters:
             print(
-                f"iteration {iteration + 1}/{args.train_iters} | lm loss {record['lm_loss']!r} | "
+                f"iteration {iteration + 1}/{train_iters} | lm loss {record['lm_loss']!r} | "
                 f"tokens {tokens} | elapsed {elapsed:.3f} s | {tokens / elapsed:.0f} tokens/s",
                 flush=True,
             )
+    _gather_schedules(ran, records)
     return records
 
 
+def _function_name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _gather_schedules(ran: list[str], records: list[dict[str, Any]]) -> None:
+    """Every rank's schedule functions, EnvPipe state and loaded executor, onto the last stage's records."""
+    mine = {"functions": ran, "envpipe_installed": _envpipe_installed(),
+            "executor_imported": "megatron_envpipe.megatron.executor" in sys.modules}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for record in records:
+        record["schedule"] = everyone
+
+
+def _envpipe_installed() -> bool:
+    # Looked up, not imported: a --no-envpipe run must not load the patch or the executor.
+    patch = sys.modules.get("megatron_envpipe.megatron.patch")
+    return bool(patch is not None and patch.is_installed())
+
+
 def write_losses(path: Path, args: argparse.Namespace, records: list[dict[str, Any]],
-                 envpipe_run: dict[str, Any] | None = None) -> None:
+                 envpipe_run: dict[str, Any] | None = None,
+                 stock_reference: list[dict[str, Any]] | None = None) -> None:
     """JSON with ``losses`` (per-iteration per-token mean, exact floats) and context; atomic."""
-    payload = {
+    payload: dict[str, Any] = {
         "envpipe_run": envpipe_run or {},
         "losses": [r["lm_loss"] for r in records],
         "tokens": [r["tokens"] for r in records],
         "elapsed_s": [r["elapsed_s"] for r in records],
-        "envpipe": {"type": args.envpipe_plan_type, "scheduling": args.envpipe_scheduling,
-                    "reconfig": args.envpipe_reconfig},
+        # None: --no-envpipe, stock Megatron.
+        "envpipe": None if args.no_envpipe else {"type": args.envpipe_plan_type,
+                                                 "scheduling": args.envpipe_scheduling,
+                                                 "reconfig": args.envpipe_reconfig},
+        # Per rank: the schedule functions it called (module.qualname), whether EnvPipe was
+        # installed at the end of training, and whether EnvPipe's executor was imported at all.
+        "schedule": records[0]["schedule"] if records else [],
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "num_microbatches": args.num_microbatches,
         "seed": args.seed,
         "device": args.device,
     }
+    if stock_reference:
+        payload["stock_reference"] = {"losses": [r["lm_loss"] for r in stock_reference],
+                                      "tokens": [r["tokens"] for r in stock_reference],
+                                      "schedule": stock_reference[0]["schedule"]}
     write_json_atomic(path, payload)
 
 
@@ -346,10 +414,12 @@ def _envpipe_summary() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_megatron_installed()
-    try:
-        envpipe_config = EnvPipeConfig.from_args(args).validate_with_megatron_args(args)
-    except EnvPipeConfigError as exc:
-        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {exc}") from None
+    envpipe_config = None
+    if not args.no_envpipe:
+        try:
+            envpipe_config = EnvPipeConfig.from_args(args).validate_with_megatron_args(args)
+        except EnvPipeConfigError as exc:
+            raise SystemExit(f"{Path(sys.argv[0]).name}: error: {exc}") from None
     started = time.perf_counter()
     device = init_distributed(args)
     # EnvPipe logs its plan and reconfiguration steps; show them once, from the last stage.
@@ -360,7 +430,17 @@ def main(argv: list[str] | None = None) -> int:
     # 0.19 logs "GPTModel IS DEPRECATED" (use HybridModel); GPTModel still works.
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     try:
-        megatron_envpipe.install(envpipe_config)
+        reference: list[dict[str, Any]] = []
+        if args.stock_reference_iters:
+            # Before install(): Megatron's own schedule. train() builds model, optimizer and data afresh.
+            with cpu_shims(device):
+                reference = train(args, device, reference_iters=args.stock_reference_iters)
+            if reference:
+                print(f"stock reference (Megatron's own schedule, before EnvPipe was installed): "
+                      f"{len(reference)} iterations, lm loss {reference[0]['lm_loss']!r} .. "
+                      f"{reference[-1]['lm_loss']!r}", flush=True)
+        if envpipe_config is not None:
+            megatron_envpipe.install(envpipe_config)
         try:
             # On CPU: route Megatron's CUDA placement/synchronisation to the CPU.
             # On CUDA: a no-op, Megatron runs unmodified.
@@ -368,10 +448,11 @@ def main(argv: list[str] | None = None) -> int:
                 records = train(args, device)
             envpipe_run = _envpipe_summary()
         finally:
-            megatron_envpipe.uninstall()
+            if envpipe_config is not None:
+                megatron_envpipe.uninstall()
         if records:
             if args.losses_out is not None:
-                write_losses(args.losses_out, args, records, envpipe_run)
+                write_losses(args.losses_out, args, records, envpipe_run, reference)
             print(f"done: {len(records)} iterations, {time.perf_counter() - started:.1f} s since start-up",
                   flush=True)
     finally:

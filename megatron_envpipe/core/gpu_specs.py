@@ -7,6 +7,7 @@ candidate list with the device's own supported clocks.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Iterable
@@ -15,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from megatron_envpipe.core.resources import configs_dir
+from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.errors import UsageError
 
 
@@ -71,6 +73,13 @@ _FIELDS = {
 }
 
 
+# Beyond these a number is a unit mistake or garbage; a clock step this fine would also make
+# candidate_clocks() list millions of clocks.
+MAX_CLOCK_MHZ = 100_000
+MAX_CLOCKS = 100_000
+MAX_P2P_POWER_W = 10_000.0
+
+
 def default_table_path() -> Path:
     """``configs/gpus.toml``: shipped as package data, or the repo's configs/ in a checkout."""
     env = os.environ.get("ENVPIPE_GPU_TABLE")
@@ -83,39 +92,55 @@ def default_table_path() -> Path:
 
 
 def load_gpu_table(path: str | os.PathLike[str] | None = None) -> dict[str, GpuSpec]:
-    path = Path(path) if path is not None else default_table_path()
-    return dict(_load(str(path)))
+    if path is not None or not os.environ.get("ENVPIPE_GPU_TABLE"):
+        return dict(_load(str(Path(path) if path is not None else default_table_path())))
+    try:
+        return dict(_load(str(default_table_path())))
+    except GpuSpecError as exc:  # say where the path came from, so the user knows what to fix
+        raise GpuSpecError(f"{exc} (the table named by ENVPIPE_GPU_TABLE: fix it or unset the variable)") from None
 
 
 @lru_cache(maxsize=8)
 def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
+    text = read_text(path, "GPU table", GpuSpecError)
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise GpuSpecError(f"{path}: cannot read GPU table: {exc.strerror or exc}") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise GpuSpecError(f"{path}: not valid TOML: {exc}") from None
     specs = []
     for key, entry in data.items():
         if not isinstance(entry, dict):
             raise GpuSpecError(f"{path}: [{key}] must be a table of clock settings")
+        if key != key.lower():  # get_gpu_spec() looks names up in lower case
+            raise GpuSpecError(f"{path}: [{key}]: GPU names are lower case; rename it [{key.lower()}]")
         for name, types in _FIELDS.items():
             if name not in entry:
-                raise GpuSpecError(f"{path}: [{key}] lacks {name}")
+                raise GpuSpecError(f"{path}: [{key}] lacks {name}; every entry needs {', '.join(_FIELDS)}")
             value = entry[name]
             if isinstance(value, bool) or not isinstance(value, types if isinstance(types, tuple) else (types,)):
-                raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} has the wrong type")
+                want = {list: "a list of strings", (int,): "an integer"}.get(types, "a number")
+                raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} has the wrong type: give {want}")
+            if isinstance(value, float) and not math.isfinite(value):  # TOML has nan and inf
+                raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} must be a finite number")
+            if types is list and not all(isinstance(item, str) for item in value):
+                raise GpuSpecError(f"{path}: [{key}] {name} must be a list of strings")
         unknown = set(entry) - set(_FIELDS)
         if unknown:
             raise GpuSpecError(f"{path}: [{key}] has unknown key(s) {sorted(unknown)}")
-        if not entry["min_clock_mhz"] < entry["max_clock_mhz"]:
-            raise GpuSpecError(f"{path}: [{key}] min_clock_mhz must be below max_clock_mhz")
+        if not 0 < entry["min_clock_mhz"] < entry["max_clock_mhz"] <= MAX_CLOCK_MHZ:
+            raise GpuSpecError(f"{path}: [{key}] needs 0 < min_clock_mhz < max_clock_mhz <= {MAX_CLOCK_MHZ}, got "
+                               f"{entry['min_clock_mhz']} and {entry['max_clock_mhz']}")
         for name in ("clock_step_mhz", "profile_step_mhz", "reconfig_step_mhz"):
             if entry[name] <= 0:
                 raise GpuSpecError(f"{path}: [{key}] {name} must be positive")
-        if entry["p2p_power_w"] < 0:
-            raise GpuSpecError(f"{path}: [{key}] p2p_power_w must be >= 0")
+            if entry[name] > entry["max_clock_mhz"]:
+                raise GpuSpecError(f"{path}: [{key}] {name} = {entry[name]} is above max_clock_mhz")
+        if (entry["max_clock_mhz"] - entry["min_clock_mhz"]) / entry["clock_step_mhz"] > MAX_CLOCKS:
+            raise GpuSpecError(f"{path}: [{key}] clock_step_mhz = {entry['clock_step_mhz']} gives over {MAX_CLOCKS} "
+                               "clocks: give NVML's clock spacing in MHz (e.g. 15)")
+        if not 0 <= entry["p2p_power_w"] <= MAX_P2P_POWER_W:
+            raise GpuSpecError(f"{path}: [{key}] p2p_power_w must be between 0 and {MAX_P2P_POWER_W:g} W, "
+                               f"got {entry['p2p_power_w']}")
         specs.append(
             (
                 key,

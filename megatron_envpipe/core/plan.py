@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, Unit
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, Unit, check_extra_warmup
 
 
 @dataclass(frozen=True)
@@ -75,18 +76,33 @@ class FrequencyPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "FrequencyPlan":
+        """The inverse of :meth:`to_dict`; ScheduleError naming the stage and unit of anything malformed."""
+        if not isinstance(data, Mapping):
+            raise ScheduleError(f"not a frequency plan: expected a JSON object, got {type(data).__name__}")
+        stages = data.get("stages")
+        if not isinstance(stages, list) or not stages:
+            raise ScheduleError('not a frequency plan: "stages" must be a non-empty list, one row per stage')
+        for s, row in enumerate(stages):
+            if not isinstance(row, list):
+                raise ScheduleError(f'stage {s}: expected a list of [unit, MHz] pairs like ["F0", 1740], got {row!r}')
+            for i, cell in enumerate(row):
+                if not (isinstance(cell, list | tuple) and len(cell) == 2 and isinstance(cell[0], str)):
+                    raise ScheduleError(f'stage {s}, unit {i}: expected a [unit, MHz] pair like ["F0", 1740], '
+                                        f"got {cell!r}")
+                f = cell[1]
+                # JSON has no int type of its own: 1740.0 is fine, 1740.5, nan, "1740" or true are not.
+                if isinstance(f, bool) or not (isinstance(f, int) or (isinstance(f, float) and f.is_integer())):
+                    raise ScheduleError(f"stage {s}, unit {cell[0]}: clock {f!r} is not a whole number of MHz")
+        text = "\n".join(f"S{s}: " + " ".join(u for u, _ in row) for s, row in enumerate(stages))
         try:
-            stages = data["stages"]
-            text = "\n".join(f"S{s}: " + " ".join(u for u, _ in row) for s, row in enumerate(stages))
             schedule = Schedule.parse(text, name=str(data.get("schedule", "custom")))
-            if "extra_warmup" in data and data["extra_warmup"]:
-                schedule = Schedule(
-                    schedule.num_microbatches, schedule.orders, schedule.name, tuple(data["extra_warmup"])
-                )
-            freqs = tuple(tuple(int(f) for _, f in row) for row in stages)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ScheduleError(f"not a frequency plan: {exc}") from None
-        return cls(schedule, freqs)
+        except ScheduleError as exc:  # "line k" of the text built above is stage k-1 of the plan
+            raise ScheduleError(re.sub(r"^line (\d+):", lambda m: f"stage {int(m.group(1)) - 1}:", str(exc))) from None
+        warmup = data.get("extra_warmup")
+        if warmup:
+            schedule = Schedule(schedule.num_microbatches, schedule.orders, schedule.name,
+                                check_extra_warmup(schedule.num_stages, warmup))
+        return cls(schedule, tuple(tuple(int(f) for _, f in row) for row in stages))
 
 
 def format_envpipe(

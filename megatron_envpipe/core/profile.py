@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -20,11 +21,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from megatron_envpipe.core.atomic import write_atomic
+from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS, UnitKind
 from megatron_envpipe.errors import UsageError
 
 REQUIRED_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 RANK_COLUMNS = ("rank", "dp_rank", "pp_rank", "tp_rank")
+# Beyond these a value is a unit mistake (ms for s, kHz for MHz) or garbage, and
+# would overflow sums over an iteration: rejected naming the line.
+MAX_STAGES = 10_000
+MAX_FREQUENCY_MHZ = 100_000
+MAX_TIME_S = 86_400.0  # one micro-batch's forward or backward: a day
+MAX_ENERGY_J = 1e9  # a 1 kW GPU for ten days
 
 
 class ProfileError(UsageError, ValueError):
@@ -73,11 +81,7 @@ class Profile:
     @classmethod
     def from_csv(cls, path: str | os.PathLike[str]) -> "Profile":
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ProfileError(f"{path}: cannot read profile: {exc.strerror or exc}") from None
-        return cls.from_csv_text(text, source=str(path))
+        return cls.from_csv_text(read_text(path, "profile", ProfileError), source=str(path))
 
     @classmethod
     def from_csv_text(cls, text: str, source: str = "<text>") -> "Profile":
@@ -85,7 +89,7 @@ class Profile:
         header: list[str] | None = None
         header_line = 0
         rows: dict[tuple[int, str, int], list[tuple[float, float, int, tuple[str, ...]]]] = {}
-        for lineno, raw in enumerate(reader, start=1):
+        for lineno, raw in _csv_rows(reader, source):
             if not raw or all(not c.strip() for c in raw):
                 continue
             if header is None:
@@ -109,20 +113,29 @@ class Profile:
                 )
             row = dict(zip(header, (c.strip() for c in raw)))
             stage = _parse_int(row, "stage", source, lineno)
+            if not 0 <= stage < MAX_STAGES:
+                raise ProfileError(f"{source}:{lineno}: stage {row['stage']} is not a stage id 0..{MAX_STAGES - 1}")
             instruction = row["instruction"].lower()
             if instruction not in INSTRUCTIONS:
                 raise ProfileError(
                     f"{source}:{lineno}: instruction {row['instruction']!r} is not 'forward' or 'backward'"
                 )
             freq = _parse_int(row, "frequency", source, lineno)
-            if freq <= 0:
-                raise ProfileError(f"{source}:{lineno}: frequency must be a positive MHz value, got {freq}")
+            if not 0 < freq <= MAX_FREQUENCY_MHZ:
+                raise ProfileError(
+                    f"{source}:{lineno}: frequency must be a positive MHz value up to {MAX_FREQUENCY_MHZ}, got {freq}"
+                )
             time_s = _parse_float(row, "time", source, lineno)
             energy_j = _parse_float(row, "energy", source, lineno)
             if time_s <= 0:
                 raise ProfileError(f"{source}:{lineno}: time must be > 0 seconds, got {row['time']}")
             if energy_j < 0:
                 raise ProfileError(f"{source}:{lineno}: energy must be >= 0 joules, got {row['energy']}")
+            if time_s > MAX_TIME_S or energy_j > MAX_ENERGY_J:
+                raise ProfileError(
+                    f"{source}:{lineno}: time {row['time']} s / energy {row['energy']} J is beyond any micro-batch "
+                    f"(limits {MAX_TIME_S:g} s, {MAX_ENERGY_J:g} J): give seconds and joules per micro-batch"
+                )
             ranks = tuple(row.get(c, "") for c in RANK_COLUMNS)
             entries = rows.setdefault((stage, instruction, freq), [])
             for _, _, first_line, other_ranks in entries:
@@ -220,8 +233,8 @@ class Profile:
 
     def scaled(self, time_scale: float = 1.0, energy_scale: float = 1.0) -> "Profile":
         """A copy with every time and energy multiplied (e.g. Perseus's emulation x10/x80)."""
-        if time_scale <= 0 or energy_scale <= 0:
-            raise ProfileError(f"scales must be positive, got time x{time_scale}, energy x{energy_scale}")
+        if not (0 < time_scale < math.inf and 0 < energy_scale < math.inf):
+            raise ProfileError(f"scales must be positive and finite, got time x{time_scale}, energy x{energy_scale}")
         return Profile(
             {
                 key: [ProfilePoint(p.freq_mhz, p.time_s * time_scale, p.energy_j * energy_scale) for p in pts]
@@ -262,14 +275,24 @@ class Profile:
         stages = sorted({stage for stage, _ in self._table})
         if stages[0] < 0:
             raise ProfileError(f"{self.source}: negative stage id {stages[0]}")
-        expected = list(range(stages[-1] + 1))
-        if stages != expected:
-            gaps = sorted(set(expected) - set(stages))
-            raise ProfileError(f"{self.source}: stage(s) {gaps} missing; stages must be 0..{stages[-1]}")
+        if stages[-1] + 1 != len(stages):
+            # Only the first gaps: a stray stage id of 10**9 must not build a list of them all.
+            present = set(stages)
+            gaps = list(itertools.islice((s for s in range(stages[-1] + 1) if s not in present), 5))
+            raise ProfileError(f"{self.source}: stage(s) {gaps}{' ...' if len(gaps) == 5 else ''} missing; "
+                               f"stages must be 0..{stages[-1]}")
         for stage in stages:
             for instruction in INSTRUCTIONS:
                 if not self._table.get((stage, instruction)):
                     raise ProfileError(f"{self.source}: stage {stage} has no {instruction} rows")
+        # Whatever built the table (a CSV, scaled(), a measurement): nan or inf poisons every score.
+        for (stage, instruction), pts in self._table.items():
+            for p in pts.values():
+                if not (math.isfinite(p.time_s) and math.isfinite(p.energy_j)):
+                    raise ProfileError(
+                        f"{self.source}: stage {stage} {instruction} at {p.freq_mhz} MHz has time {p.time_s} s, "
+                        f"energy {p.energy_j} J: both must be finite numbers"
+                    )
 
     def __repr__(self) -> str:
         return f"Profile({self.source!r}, stages={self.num_stages})"
@@ -301,6 +324,19 @@ def pareto_filter(
             kept.append(item)
             best = c
     return kept
+
+
+def _csv_rows(reader: Any, source: str) -> Iterable[tuple[int, list[str]]]:
+    """(line number, fields) of every CSV record; the csv module's own errors (a field over its size
+    limit, a stray quote in strict mode) become ProfileErrors naming the line."""
+    while True:
+        try:
+            raw = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise ProfileError(f"{source}:{reader.line_num}: not a CSV profile row: {exc}") from None
+        yield reader.line_num, raw
 
 
 def _parse_int(row: Mapping[str, str], column: str, source: str, lineno: int) -> int:

@@ -13,6 +13,7 @@ lower clock (reference notes, envpipe.md §2).
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -280,9 +281,7 @@ def envpipe_schedule(num_stages: int, num_microbatches: int, extra_warmup: Seque
     ``extra_warmup`` must already be clamped (see :func:`clamp_extra_warmup`).
     """
     _check_sizes(num_stages, num_microbatches)
-    r = tuple(int(x) for x in extra_warmup)
-    if len(r) != num_stages:
-        raise ScheduleError(f"extra_warmup has {len(r)} entries for {num_stages} stages")
+    r = check_extra_warmup(num_stages, extra_warmup)
     problem = _extra_warmup_problem(num_stages, num_microbatches, r)
     if problem:
         raise ScheduleError(problem)
@@ -297,6 +296,33 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ScheduleError(f"need at least 1 pipeline stage, got {num_stages}")
     if num_microbatches < 1:
         raise ScheduleError(f"need at least 1 micro-batch, got {num_microbatches}")
+
+
+def check_extra_warmup(num_stages: int, extra_warmup: Sequence[int]) -> tuple[int, ...]:
+    """``extra_warmup`` as ints, after checking it has one whole number >= 0 per stage.
+
+    Clamping fixes values a schedule cannot run; a wrong count or a negative
+    value is a mistake in the input, so it is reported (ScheduleError) instead.
+    """
+    try:
+        values = list(extra_warmup)
+    except TypeError:
+        raise ScheduleError(f"extra warm-up must be a list of whole numbers, got {extra_warmup!r}") from None
+    if len(values) != num_stages:
+        raise ScheduleError(
+            f"extra warm-up has {len(values)} value(s) {values} for {num_stages} stages: give {num_stages} "
+            "whole numbers >= 0, one per stage (the last stage's is always 0)"
+        )
+    out = []
+    for s, value in enumerate(values):
+        # bool is an int subclass; an integral float (from JSON, say) is fine, 2.5 or nan is not.
+        whole = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole:
+            raise ScheduleError(f"extra warm-up of stage {s} is {value!r}, not a whole number")
+        if value < 0:
+            raise ScheduleError(f"extra warm-up of stage {s} is negative ({value}): give values >= 0")
+        out.append(int(value))
+    return tuple(out)
 
 
 def _extra_warmup_problem(num_stages: int, num_microbatches: int, r: Sequence[int]) -> str | None:
@@ -357,7 +383,11 @@ def clamp_extra_warmup(
     r. With the KISTI communication order this can deadlock (§8.3), so we do
     not allow it: r is strictly non-increasing. The cost is nil in practice —
     the next stage only loses extra forwards that its own bubble rarely fits.
+
+    ``raw`` needs one value >= 0 per stage (:func:`check_extra_warmup`): only
+    values a schedule cannot run are clamped, input mistakes raise ScheduleError.
     """
+    raw = check_extra_warmup(num_stages, raw)
     if isinstance(max_inflight, int) or max_inflight is None:
         budgets: list[int | None] = [max_inflight] * num_stages
     else:
@@ -366,7 +396,7 @@ def clamp_extra_warmup(
             raise ScheduleError(f"memory budget has {len(budgets)} entries for {num_stages} stages")
     r = []
     for s in range(num_stages):
-        value = max(0, int(raw[s]))
+        value = raw[s]
         budget = budgets[s]
         if budget is not None:
             base = min(num_microbatches, num_stages - s)  # what 1F1B already holds
@@ -391,8 +421,13 @@ def build_schedule(
     num_microbatches: int,
     extra_warmup: Sequence[int] | None = None,
 ) -> Schedule:
-    """Schedule by name: ``1f1b`` or ``ours`` (``ours`` needs clamped ``extra_warmup``)."""
+    """Schedule by name: ``1f1b`` or ``ours`` (``ours`` needs clamped ``extra_warmup``, one per stage)."""
     if scheduling == Scheduling.ONE_F_ONE_B:
+        # 1F1B has no extra warm-up: silently dropping a non-zero one would hide a mistake.
+        if extra_warmup is not None and any(check_extra_warmup(num_stages, extra_warmup)):
+            raise ScheduleError(
+                f"scheduling '1f1b' has no extra warm-up (got {list(extra_warmup)}): use scheduling 'ours' or drop it"
+            )
         return one_f_one_b(num_stages, num_microbatches)
     if scheduling == Scheduling.OURS:
         if extra_warmup is None:

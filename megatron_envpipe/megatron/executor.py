@@ -211,6 +211,8 @@ class StageIteration:
 
     def run(self) -> list[Any]:
         config = self.config
+        # Sizes and flags first: a bad combination fails before any GPU is opened or clock touched.
+        self.runtime.check_pipeline(self.num_stages, self.m)
         if not STATE.device_ready:
             setup_device(STATE, self.groups, self.device,
                          profile_layout_key(config, self.model, self.groups, self.send_shape, self.dtype))

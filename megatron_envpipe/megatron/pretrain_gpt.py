@@ -7,8 +7,12 @@ It runs the ``pretrain_gpt.py`` of your Megatron-LM checkout (``$MEGATRON_LM``
 or ``--megatron-lm DIR``, else found on ``PYTHONPATH``) unchanged, as
 ``__main__``, after three things:
 
-1. EnvPipe's flags are pre-parsed from the command line and validated (an
-   impossible combination fails here, before any process group exists);
+1. EnvPipe's flags, and the Megatron flags its checks need (pipeline size,
+   batch sizes), are pre-parsed from the command line and validated with
+   ``validate_with_megatron_args``: an impossible setting, a profile that
+   does not fit the pipeline, a wrong-length extra warm-up or a too small
+   activation budget fails here, in one line, before Megatron-LM or torch
+   loads; the namespace Megatron's own parser returns is checked again;
 2. ``megatron_envpipe.install`` routes Megatron's 1F1B schedule through
    EnvPipe's executor (start-up profiler, plan printout, energy log included);
 3. Megatron's own argument parser learns the ``--envpipe-*`` flags, whichever
@@ -82,14 +86,36 @@ def check_megatron_training() -> None:
 
 
 def _envpipe_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
+    # No abbreviations (Megatron's parser allows none): `--num-layers 24` must not be taken
+    # for --num-layers-per-virtual-pipeline-stage.
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
     add_envpipe_args(parser)
-    # The Megatron flags EnvPipe's start-up checks need.
+    # The Megatron flags EnvPipe's start-up checks need (their defaults are Megatron's).
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--global-batch-size", type=int, default=None)
+    parser.add_argument("--rampup-batch-size", nargs="*", default=None)
     parser.add_argument("--megatron-lm", default=None)
     return parser
+
+
+def check_parsed_args(args: Any) -> Any:
+    """The start-up checks on the namespace Megatron's own parser returned (one line, exit 2).
+
+    The pre-parse already checked the command line; this catches what only
+    Megatron's parse sees (arguments from ``--yaml-cfg``, say).
+    """
+    try:
+        EnvPipeConfig.from_args(args).validate_with_megatron_args(args)
+    except EnvPipeConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return args
 
 
 _STRAY_PERCENT = re.compile(r"(?<!%)%(?![(%])")
@@ -145,7 +171,7 @@ def _teach_megatron_parser(add_args: Callable[[argparse.ArgumentParser], argpars
 
     @functools.wraps(original_parse)
     def parse_args(extra_args_provider: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
-        return original_parse(_chain(extra_args_provider, add_args), *args, **kwargs)
+        return check_parsed_args(original_parse(_chain(extra_args_provider, add_args), *args, **kwargs))
 
     marguments.parse_args = parse_args
     original_pretrain = mtraining.pretrain
@@ -167,9 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre, _ = _envpipe_parser().parse_known_args(argv)
     try:
+        # Flags first: pure Python, and the user's to fix wherever Megatron-LM is missing.
+        config = EnvPipeConfig.from_args(pre).validate_with_megatron_args(pre)
         check_megatron_training()
         script = find_pretrain_gpt(pre.megatron_lm)
-        config = EnvPipeConfig.from_args(pre).validate_with_megatron_args(pre)
     except (EntryError, EnvPipeConfigError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -26,13 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config import EnvPipeConfig, load_profile
 from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
 from megatron_envpipe.core.instructions import StageProgram, build_programs
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
 from megatron_envpipe.core.profile import Profile, ProfilePoint
-from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.schedule import Schedule, one_f_one_b
 from megatron_envpipe.core.vocabulary import ReconfigPolicy
 from megatron_envpipe.gpu.profile_cache import ProfileCache
@@ -93,9 +92,8 @@ class EnvPipeRuntime:
     def __init__(self, config: EnvPipeConfig, gpu: GpuSpec | None = None) -> None:
         self.config = config.validate()
         self.gpu = gpu if gpu is not None else _table_spec(config.gpu)
-        self.profile: Profile | None = (
-            Profile.from_csv(shipped_profile(config.profile)) if config.profile else None
-        )
+        # An unreadable or corrupt --envpipe-profile is an EnvPipeConfigError here, at install().
+        self.profile: Profile | None = load_profile(config.profile) if config.profile else None
         self.profile_p2p_power_w: float | None = None
         self.device: DeviceFacts | None = None
         self.cache_key: Mapping[str, Any] | None = None
@@ -104,6 +102,7 @@ class EnvPipeRuntime:
         self._measured: dict[tuple[int, int], list[IterationMeasurement]] = {}
         self._sweep: ClockSweep | None = None
         self._sweep_clock: int | None = None
+        self._checked: set[tuple[int, int]] = set()  # pipelines whose sizes passed check_pipeline
         self.last_result: PlanResult | None = None
         self.planned_at: int | None = None  # iteration count when the plan took over
         self.energy_log: list[EnergyReport] = []
@@ -125,8 +124,21 @@ class EnvPipeRuntime:
         return self._sweep is not None and not self._sweep.done
 
     # -- per iteration ------------------------------------------------------------------
+    def check_pipeline(self, num_stages: int, num_microbatches: int) -> None:
+        """The flags against this pipeline (profile stages, extra warm-up length, activation budget).
+
+        Entry points check this at argument parsing (``validate_with_megatron_args``);
+        a caller that did not still gets the same one EnvPipeConfigError, on every rank,
+        before any unit runs. Once per (stages, micro-batches).
+        """
+        key = (num_stages, num_microbatches)
+        if key not in self._checked:
+            self.config.check_pipeline(num_stages, num_microbatches, self.profile if self.config.profile else None)
+            self._checked.add(key)
+
     def prepare(self, num_stages: int, num_microbatches: int) -> IterationPlan:
         key = (num_stages, num_microbatches)
+        self.check_pipeline(num_stages, num_microbatches)
         state = self._by_m.get(key)
         if state is None:
             if self.profile is None and not self.config.is_stock:
@@ -255,12 +267,7 @@ class EnvPipeRuntime:
             log.warning("EnvPipe profiler: could not cache the profile: %s", exc)
 
     def _profile_for(self, num_stages: int, num_microbatches: int) -> Profile:
-        if self.profile is not None:
-            if self.profile.num_stages != num_stages:
-                raise ValueError(
-                    f"--envpipe-profile {self.config.profile} has {self.profile.num_stages} stages but the "
-                    f"pipeline has {num_stages}: profile this model and parallel layout"
-                )
+        if self.profile is not None:  # its stage count passed check_pipeline in prepare()
             return self.profile
         runs = self._measured.get((num_stages, num_microbatches), [])
         clock = self._nominal_clock()

@@ -9,6 +9,7 @@ against); :class:`PlanResult` is what a planner returns.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,16 +80,26 @@ class PlannerConfig:
             )
         if self.reconfig_step_mhz is not None and self.reconfig_step_mhz <= 0:
             raise PlannerError(f"reconfiguration step must be positive, got {self.reconfig_step_mhz} MHz")
-        if self.p2p_power_w is not None and self.p2p_power_w < 0:
-            raise PlannerError(f"P2P blocking power must be >= 0 W, got {self.p2p_power_w}")
+        # `not 0 <= x < inf` rather than `x < 0`: nan passes every comparison and would poison every score.
+        if self.p2p_power_w is not None and not 0 <= self.p2p_power_w < math.inf:
+            raise PlannerError(f"P2P blocking power must be a finite number >= 0 W, got {self.p2p_power_w}")
+        if not 0 <= self.p2p_latency_s < math.inf:
+            raise PlannerError(f"P2P latency must be a finite number >= 0 s, got {self.p2p_latency_s}")
+        if self.extra_warmup is not None and any(not r >= 0 for r in self.extra_warmup):
+            raise PlannerError(f"extra warm-up values must be >= 0, got {list(self.extra_warmup)}")
         if self.max_iterations < 1:
             raise PlannerError("max_iterations must be >= 1")
         if self.comm not in ("per-direction", "paired"):
             raise PlannerError(f"unknown communication model {self.comm!r}; choose per-direction or paired")
-        if not self.max_slowdown >= 0:
-            raise PlannerError(f"max_slowdown must be >= 0 (a fraction: 0.05 = 5 %), got {self.max_slowdown}")
-        if self.target_time_s is not None and not self.target_time_s > 0:
-            raise PlannerError(f"target iteration time must be > 0 s, got {self.target_time_s}")
+        if not 0 <= self.max_slowdown < math.inf:
+            raise PlannerError(
+                f"max_slowdown must be a finite number >= 0 (a fraction: 0.05 = 5 %), got {self.max_slowdown}"
+            )
+        if self.target_time_s is not None and not 0 < self.target_time_s < math.inf:
+            raise PlannerError(f"target iteration time must be a finite number > 0 s, got {self.target_time_s}")
+        if self.max_slowdown and self.target_time_s is not None:
+            raise PlannerError("give a maximum slowdown or a target iteration time, not both: "
+                               "the target alone sets the deadline")
         if self.plan_type != PlanType.OPTIMAL and (self.max_slowdown or self.target_time_s is not None):
             raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
         return self

@@ -4,7 +4,9 @@
 schedule function: in each rank it installs EnvPipe (once per config), runs
 the executor, and writes what the stage did to ``record_dir/rank<r>-<n>.json``
 (the instructions it dispatched, the program it was given, the live-tensor
-count after the call) so tests can check it against the plan.
+count after the call) so tests can check it against the plan. The executor is
+called through :func:`~megatron_envpipe.testing.harness.run_schedule`, so each
+result names it as the function that ran.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megatron_envpipe.core.hooks import RecordingHooks
 from megatron_envpipe.megatron.executor import envpipe_forward_backward
 from megatron_envpipe.megatron.patch import install
 from megatron_envpipe.megatron.state import STATE
+from megatron_envpipe.testing.harness import run_schedule
 from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec, synthetic_batches
 
 _installed: dict[str, Any] = {"config": None, "hooks": None, "calls": 0}
@@ -35,13 +38,11 @@ def _live_tensors() -> int:
 
 
 def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_rank: int | None = None,
-         force_forward_only: bool = False, **kwargs: Any) -> list[Any]:
+         **kwargs: Any) -> list[Any]:
     if stall_rank == torch.distributed.get_rank():
         # This stage hangs (as a crashed or wedged GPU would) past its peers' timeout.
         time.sleep(3 * config.comm_timeout_s)
         return []
-    if force_forward_only:
-        kwargs["forward_only"] = True
 
     if _installed["config"] != config:
         _installed["hooks"] = RecordingHooks()
@@ -53,7 +54,7 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
     runtime = STATE.runtime
     m, p = kwargs["num_microbatches"], torch.distributed.get_world_size()
     plan = runtime.prepare(p, m)  # what the executor will be given (prepare is pure)
-    store = envpipe_forward_backward(**kwargs)
+    store = run_schedule(envpipe_forward_backward, **kwargs)
     live = [_live_tensors()]
     if repeat > 1:
         # More iterations on the same model, as a training loop would run them.
@@ -61,7 +62,7 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
         for _i in range(1, repeat):
             model.zero_grad(set_to_none=True)
             again = dict(kwargs, data_iterator=synthetic_batches(TinyGPTSpec(), kwargs["num_microbatches"]))
-            envpipe_forward_backward(**again)
+            run_schedule(envpipe_forward_backward, **again)
             live.append(_live_tensors())
     rank = torch.distributed.get_rank()
     if record_dir is not None:
@@ -79,15 +80,14 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
 
 
 def envpipe_schedule(config: EnvPipeConfig, record_dir: str | None = None, repeat: int = 1,
-                     stall_rank: int | None = None, forward_only: bool = False) -> Any:
+                     stall_rank: int | None = None) -> Any:
     """A picklable schedule function running EnvPipe with ``config``.
 
     ``repeat > 1`` runs that many iterations on the same model (fresh synthetic
     data, grads zeroed in between) and records the live-tensor count after each.
-    ``stall_rank`` makes one rank skip the iteration (to test stuck transfers);
-    ``forward_only`` turns the call into an evaluation step (EnvPipe falls back).
+    ``stall_rank`` makes one rank skip the iteration (to test stuck transfers).
     """
-    return functools.partial(_run, config, record_dir, repeat, stall_rank, forward_only)
+    return functools.partial(_run, config, record_dir, repeat, stall_rank)
 
 
 def _bench(config: EnvPipeConfig, iterations: int, out_path: str, **kwargs: Any) -> list[Any]:

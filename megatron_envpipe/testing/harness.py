@@ -8,6 +8,14 @@ parameter gradients. The schedule is Megatron's own 1F1B by default, or any
 picklable callable with the same keyword signature: that is how an alternative
 executor is compared with it bit for bit.
 
+Every result also says which schedule function ran on that rank
+(:class:`ScheduleIdentity`, recorded in the rank when it was called) and
+whether EnvPipe was installed in that process. A same-math test compares an
+alternative executor with a *separate* ``run_pipeline`` call of stock Megatron
+and checks both identities: ``install()`` rebinds Megatron's schedule for the
+rest of a process, so a reference run in the same ranks after it would compare
+EnvPipe with itself.
+
 Starting ranks is dominated by importing torch and megatron (5 s per process,
 several times that when P processes import at once on two cores). Ranks are
 therefore forked from a forkserver that preloads both, paid once per parent
@@ -16,8 +24,10 @@ process, and several runs can share one set of ranks.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,13 +49,21 @@ from megatron_envpipe.testing.tiny_gpt import (
 )
 
 __all__ = [
+    "MEGATRON_1F1B",
     "PipelineRun",
     "ScheduleFn",
+    "ScheduleIdentity",
     "StageResult",
     "compare_results",
+    "identify",
     "megatron_1f1b",
     "run_pipeline",
+    "run_schedule",
 ]
+
+# Megatron-core's own non-interleaved 1F1B, by module and qualified name.
+MEGATRON_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
+_MEGATRON_1F1B_FILE = ("megatron", "core", "pipeline_parallel", "schedules.py")
 
 _HOST = "127.0.0.1"
 # Imported once by the forkserver, inherited by every rank it forks. The server
@@ -66,11 +84,70 @@ class ScheduleFn(Protocol):
     def __call__(self, **kwargs: Any) -> list[Any]: ...
 
 
+@dataclass(frozen=True)
+class ScheduleIdentity:
+    """Which schedule function ran on a rank, recorded in the rank at call time."""
+
+    name: str  # __module__.__qualname__
+    # File of its code object: functools.wraps copies names onto a wrapper, not code.
+    source: str
+    # megatron_envpipe's install() was in force in that process when it ran.
+    envpipe_installed: bool
+
+    @property
+    def is_stock_megatron(self) -> bool:
+        """Megatron's own 1F1B, in a process where EnvPipe was not installed."""
+        return (self.name == MEGATRON_1F1B and not self.envpipe_installed
+                and Path(self.source).parts[-len(_MEGATRON_1F1B_FILE):] == _MEGATRON_1F1B_FILE)
+
+
+def _envpipe_installed() -> bool:
+    # Looked up, not imported: a stock run must not load EnvPipe's patch (or executor).
+    patch = sys.modules.get("megatron_envpipe.megatron.patch")
+    return bool(patch is not None and patch.is_installed())
+
+
+def identify(fn: Callable[..., Any]) -> ScheduleIdentity:
+    """The identity of ``fn`` (a ``functools.partial`` is named by its function)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    code = getattr(fn, "__code__", None)
+    return ScheduleIdentity(name, code.co_filename if code is not None else "", _envpipe_installed())
+
+
+# The schedule functions called in this rank during the current run, in order.
+_ran: list[ScheduleIdentity] = []
+
+
+def run_schedule(fn: Callable[..., list[Any]], **kwargs: Any) -> list[Any]:
+    """Call the schedule function ``fn``, recording its identity for this run's results.
+
+    Schedules passed to :class:`PipelineRun` call their real schedule through
+    this, so the result names the function that ran, not the wrapper.
+    """
+    identity = identify(fn)
+    if identity not in _ran:
+        _ran.append(identity)
+    return fn(**kwargs)
+
+
 def megatron_1f1b(**kwargs: Any) -> list[Any]:
-    """Megatron's non-interleaved 1F1B, looked up when called (in the rank process)."""
+    """Megatron's own non-interleaved 1F1B; refuses to run anything else.
+
+    Looked up when called, in the rank process: if EnvPipe (or anything) has
+    rebound the name there, this raises instead of running the replacement.
+    """
     from megatron.core.pipeline_parallel import schedules
 
-    return schedules.forward_backward_pipelining_without_interleaving(**kwargs)
+    fn = schedules.forward_backward_pipelining_without_interleaving
+    identity = identify(fn)
+    if not identity.is_stock_megatron:
+        raise RuntimeError(
+            f"megatron_1f1b: Megatron's 1F1B is {identity.name} here (EnvPipe installed: "
+            f"{identity.envpipe_installed}); a stock reference must run in ranks where install() was never called"
+        )
+    return run_schedule(fn, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -80,10 +157,12 @@ class PipelineRun:
     ``schedule=None`` takes whatever ``get_forward_backward_func()`` returns, as
     megatron.training does. A replacement must be picklable (a module-level
     function or a ``functools.partial`` of one): it is sent to the rank processes.
+    ``forward_only`` makes it an evaluation step (no backward, no gradients).
     """
 
     num_microbatches: int
     schedule: ScheduleFn | None = None
+    forward_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +175,8 @@ class StageResult:
     losses: list[dict[str, torch.Tensor]]
     # Every parameter of the stage, by name; None if it received no gradient.
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    # The schedule functions this rank called in this run (normally one); see run_schedule.
+    schedules: tuple[ScheduleIdentity, ...] = ()
 
 
 def run_pipeline(
@@ -182,8 +263,7 @@ def _run_once(rank: int, run: PipelineRun, spec: TinyGPTSpec, pipeline_size: int
 
     config = build_config(spec, pipeline_size)
     model = build_model(spec, config)
-    schedule: Callable[..., list[Any]] = run.schedule or get_forward_backward_func()
-    store = schedule(
+    kwargs: dict[str, Any] = dict(
         forward_step_func=forward_step_func,
         data_iterator=synthetic_batches(spec, run.num_microbatches),
         model=[model],
@@ -191,14 +271,21 @@ def _run_once(rank: int, run: PipelineRun, spec: TinyGPTSpec, pipeline_size: int
         seq_length=spec.seq_length,
         micro_batch_size=spec.micro_batch_size,
         decoder_seq_length=None,
-        forward_only=False,
+        forward_only=run.forward_only,
     )
+    _ran.clear()
+    if run.schedule is None:
+        store = run_schedule(get_forward_backward_func(), **kwargs)
+    else:
+        store = run.schedule(**kwargs)
+    # A schedule that did not report its function is named by itself.
+    ran = tuple(_ran) or (identify(run.schedule),)
     losses = [{key: value.detach().cpu().clone() for key, value in item.items()} for item in store]
     grads = {
         name: None if param.grad is None else param.grad.detach().cpu().clone()
         for name, param in model.named_parameters()
     }
-    return StageResult(rank=rank, losses=losses, grads=grads)
+    return StageResult(rank=rank, losses=losses, grads=grads, schedules=ran)
 
 
 def compare_results(expected: Sequence[StageResult], actual: Sequence[StageResult]) -> list[str]:

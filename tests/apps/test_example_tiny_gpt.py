@@ -1,9 +1,12 @@
 """examples/train_tiny_gpt.py end to end, and the corpus/tokenizer/dataset it trains on.
 
-The end-to-end test launches the example with torchrun on 4 CPU ranks (gloo)
-twice, with Megatron's 1F1B order (``baseline``/``1f1b``) and with EnvPipe's
-(``envelope``/``ours``/``balanced``), and requires the per-iteration losses to
-be equal bit for bit: EnvPipe only reorders units, the arithmetic is the same.
+The end-to-end tests launch the example with torchrun on 4 CPU ranks (gloo):
+once as stock Megatron-core (``--no-envpipe``: EnvPipe never installed, its
+executor never imported), and with EnvPipe (``envelope``/``ours``/``balanced``,
+and on the simulated GPU), and require the per-iteration losses to be equal bit
+for bit: EnvPipe only reorders units, the arithmetic is Megatron's. Each run's
+``--losses-out`` names the schedule function every rank ran, and the tests
+check it: Megatron's own on the stock side, EnvPipe's executor on the other.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_tiny_gpt.py"
 NPROC = 4
 ITERS = 3
+SIM_ITERS = 9  # 1 warm-up + 4 swept clocks (300 MHz apart, 1 iteration each), then 4 planned
+MEGATRON_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
+EXECUTOR = "megatron_envpipe.megatron.executor.envpipe_forward_backward"
 
 
 # --------------------------------------------------------------------------- corpus and tokenizer
@@ -191,9 +197,14 @@ def test_example_arguments() -> None:
     for bad in (["--num-layers", "6"], ["--global-batch-size", "5"], ["--hidden-size", "30"]):
         with pytest.raises(SystemExit):
             example.parse_args(bad)
+    assert example.parse_args(["--no-envpipe"]).no_envpipe
+    # A stock run takes no EnvPipe flags: it would silently pass for an EnvPipe run.
+    for bad in (["--no-envpipe", "--envpipe-type", "envelope"], ["--no-envpipe", "--stock-reference-iters", "2"]):
+        with pytest.raises(SystemExit):
+            example.parse_args(bad)
 
 
-def _run_example(envpipe_flags: list[str], cache: Path, out: Path, iters: int = ITERS) -> tuple[dict, str]:
+def _run_example(flags: list[str], cache: Path, out: Path, iters: int = ITERS) -> tuple[dict, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [
@@ -201,7 +212,7 @@ def _run_example(envpipe_flags: list[str], cache: Path, out: Path, iters: int = 
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         str(EXAMPLE), "--pipeline-model-parallel-size", str(NPROC), "--device", "cpu",
         "--train-iters", str(iters), "--cache-dir", str(cache), "--losses-out", str(out),
-        *envpipe_flags,
+        *flags,
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
@@ -209,42 +220,79 @@ def _run_example(envpipe_flags: list[str], cache: Path, out: Path, iters: int = 
     return json.loads(out.read_text()), output
 
 
-def test_envpipe_schedule_trains_bitwise_like_megatron_1f1b(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    baseline, base_log = _run_example(
-        ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b"], cache, tmp_path / "baseline.json")
-    envpipe, env_log = _run_example(
-        ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced"],
-        cache, tmp_path / "envpipe.json")
-    for result, log in ((baseline, base_log), (envpipe, env_log)):
-        losses = result["losses"]
-        assert len(losses) == ITERS and all(math.isfinite(x) for x in losses)
-        assert abs(losses[0] - math.log(tiny_data.DEFAULT_VOCAB_SIZE)) < 0.5  # near-uniform at init
-        assert losses[-1] < losses[0]  # every stage's optimizer stepped
-        assert f"iteration {ITERS}/{ITERS} | lm loss {losses[-1]!r}" in log
-    assert envpipe["envpipe"] == {"type": "envelope", "scheduling": "ours", "reconfig": "balanced"}
-    assert baseline["tokens"] == envpipe["tokens"]
+def assert_stock(schedule: list[dict]) -> None:
+    """Every rank ran Megatron's own 1F1B, EnvPipe neither installed nor its executor imported."""
+    assert schedule == [{"functions": [MEGATRON_1F1B], "envpipe_installed": False, "executor_imported": False}] * NPROC
+
+
+def assert_envpipe(schedule: list[dict]) -> None:
+    assert schedule == [{"functions": [EXECUTOR], "envpipe_installed": True, "executor_imported": True}] * NPROC
+
+
+def hexes(losses: list[float]) -> list[str]:
     # Exact: same floats, bit for bit (JSON round-trips Python floats exactly).
-    assert [x.hex() for x in envpipe["losses"]] == [x.hex() for x in baseline["losses"]]
+    return [x.hex() for x in losses]
 
 
-def test_simulated_gpu_profiles_plans_trains_and_reports_energy(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def example_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("example") / "cache"
+
+
+@pytest.fixture(scope="module")
+def stock(example_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """The reference: stock Megatron-core, SIM_ITERS iterations (a shorter run's losses are a prefix)."""
+    return _run_example(["--no-envpipe"], example_cache, tmp_path_factory.mktemp("stock") / "stock.json", SIM_ITERS)
+
+
+def test_stock_run_is_megatron_without_envpipe(stock: tuple[dict, str]) -> None:
+    result, log = stock
+    assert result["envpipe"] is None and result["envpipe_run"] == {}
+    assert_stock(result["schedule"])
+    assert "EnvPipe off: Megatron's own schedule" in log and "EnvPipe plan" not in log
+    losses = result["losses"]
+    assert len(losses) == SIM_ITERS and all(math.isfinite(x) for x in losses)
+    assert abs(losses[0] - math.log(tiny_data.DEFAULT_VOCAB_SIZE)) < 0.5  # near-uniform at init
+    assert losses[-1] < losses[0]  # every stage's optimizer stepped
+    assert f"iteration {SIM_ITERS}/{SIM_ITERS} | lm loss {losses[-1]!r}" in log
+
+
+def test_envpipe_schedule_trains_bitwise_like_stock_megatron(
+    stock: tuple[dict, str], example_cache: Path, tmp_path: Path
+) -> None:
+    envpipe, log = _run_example(
+        ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced",
+         "--stock-reference-iters", str(ITERS)],
+        example_cache, tmp_path / "envpipe.json")
+    assert envpipe["envpipe"] == {"type": "envelope", "scheduling": "ours", "reconfig": "balanced"}
+    assert_envpipe(envpipe["schedule"])
+    assert "EnvPipe plan envelope/ours/balanced" in log
+    assert f"iteration {ITERS}/{ITERS} | lm loss {envpipe['losses'][-1]!r}" in log
+    reference = stock[0]
+    assert envpipe["tokens"] == reference["tokens"][:ITERS]
+    assert hexes(envpipe["losses"]) == hexes(reference["losses"][:ITERS])
+    # The in-process reference (before install(), same ranks) is stock Megatron too, and agrees.
+    in_process = envpipe["stock_reference"]
+    assert_stock(in_process["schedule"])
+    assert hexes(in_process["losses"]) == hexes(reference["losses"][:ITERS])
+
+
+def test_simulated_gpu_profiles_plans_trains_and_reports_energy(
+    stock: tuple[dict, str], example_cache: Path, tmp_path: Path
+) -> None:
     """Issue 4's loop on CPU: start-up profiler on the simulated GPU, plan, train, energy log."""
-    cache = tmp_path / "cache"
-    iters = 9  # 1 warm-up + 4 swept clocks (300 MHz apart, 1 iteration each), then 4 planned
     flags = ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced",
              "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.1",
              "--envpipe-profile-step", "300", "--envpipe-profile-iterations", "1",
              "--envpipe-profile-cache", str(tmp_path / "profiles"), "--envpipe-log-interval", "1"]
-    simulated, log = _run_example(flags, cache, tmp_path / "sim.json", iters)
+    simulated, log = _run_example(flags, example_cache, tmp_path / "sim.json", SIM_ITERS)
     assert "EnvPipe profiler: start-up profiler" in log and "profile cached at" in log
     assert "EnvPipe plan envelope/ours/balanced for 4 stages x 8 micro-batches from <start-up profiler" in log
     energy_lines = [line for line in log.splitlines() if "EnvPipe energy (simulated)" in line]
     assert energy_lines and all("W | saving" in line for line in energy_lines[-2:])
     # Same math: the simulated GPU changes clocks and timing, never the losses.
-    baseline, _ = _run_example(["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b"], cache,
-                               tmp_path / "base.json", iters)
-    assert [x.hex() for x in simulated["losses"]] == [x.hex() for x in baseline["losses"]]
+    assert_envpipe(simulated["schedule"])
+    assert hexes(simulated["losses"]) == hexes(stock[0]["losses"])
     # The next run reuses the cached profile: no profiling iterations.
-    _, again = _run_example(flags, cache, tmp_path / "again.json", 2)
+    _, again = _run_example(flags, example_cache, tmp_path / "again.json", 2)
     assert "reusing the cached profile" in again and "start-up profiler:" not in again.split("reusing")[0]

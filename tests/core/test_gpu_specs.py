@@ -54,3 +54,37 @@ def test_bad_value_names_key(tmp_path):
     good.write_text(text.replace("reconfig_step_mhz = 30", "reconfig_step_mhz = -30", 1))
     with pytest.raises(GpuSpecError, match=r"\[v100\] reconfig_step_mhz must be positive"):
         load_gpu_table(good)
+
+
+@pytest.mark.parametrize(
+    "old,new,needle",
+    [
+        ("p2p_power_w = 0.0", "p2p_power_w = nan", r"\[v100\] p2p_power_w = nan must be a finite number"),
+        ("clock_step_mhz = 7.5", "clock_step_mhz = inf", r"\[v100\] clock_step_mhz = inf must be a finite"),
+        ("clock_step_mhz = 7.5", "clock_step_mhz = 0.0001", "gives over 100000 clocks"),
+        ("max_clock_mhz = 1530", "max_clock_mhz = 99999999", "max_clock_mhz <= 100000"),
+        ("p2p_power_w = 0.0", "p2p_power_w = 1e12", "p2p_power_w must be between 0 and 10000 W"),
+        ("[v100]", "[V100]", r"\[V100\]: GPU names are lower case; rename it \[v100\]"),
+        ("sources = [", "sources = [1, ", "sources must be a list of strings"),
+    ],
+)
+def test_absurd_or_non_finite_table_values_name_key_and_file(tmp_path, old, new, needle):
+    text = __import__("megatron_envpipe.core.gpu_specs", fromlist=["x"]).default_table_path().read_text()
+    path = tmp_path / "gpus.toml"
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(GpuSpecError, match=needle) as info:
+        load_gpu_table(path)
+    assert str(path) in str(info.value)
+
+
+def test_undecodable_table_names_file_and_line(tmp_path):
+    path = tmp_path / "gpus.toml"
+    path.write_bytes(b"[a40]\nnvml_names = [\"\xff\"]\n")
+    with pytest.raises(GpuSpecError, match=r"gpus.toml:2: not UTF-8 text"):
+        load_gpu_table(path)
+
+
+def test_table_from_the_environment_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENVPIPE_GPU_TABLE", str(tmp_path / "none.toml"))
+    with pytest.raises(GpuSpecError, match="cannot read GPU table.*ENVPIPE_GPU_TABLE: fix it or unset the variable"):
+        load_gpu_table()

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_envpipe.core.instructions import (
     Backward,
+    CommInstruction,
     DeadlockError,
     Forward,
     Free,
@@ -187,13 +188,13 @@ def test_paired_hold_dependencies_follow_the_85_pairing():
 def simulate_programs(programs, dur):
     """Time the instruction programs themselves: compute takes its duration, a
     receive finishes once the peer has posted the send, a send once the peer
-    has posted the receive. Returns each unit's start time."""
-    from megatron_envpipe.core.instructions import CommInstruction
-
+    has posted the receive. Returns each unit's start time, and the sends that
+    had to wait for their receive."""
     n = len(programs)
     pc, now = [0] * n, [0.0] * n
     posted: dict = {}
     starts: dict = {}
+    send_waits: list = []  # sends that waited for their receive: only trailing gradient sends
     while any(pc[s] < len(programs[s].instructions) for s in range(n)):
         progressed = False
         for s in range(n):
@@ -206,9 +207,18 @@ def simulate_programs(programs, dur):
                         peer_key = (i.peer(s), i.kind, not i.is_send, i.microbatch)
                         if peer_key not in posted:
                             break
-                        # A receive completes when the data was sent; a send needs nothing
-                        # from the receiver beyond its posted receive.
-                        now[s] = max(now[s], posted[peer_key]) if not i.is_send else max(now[s], posted[peer_key])
+                        if not i.is_send:
+                            # A receive completes when the data was sent: it may hold its stage up.
+                            now[s] = max(now[s], posted[peer_key])
+                        elif posted[peer_key] > now[s]:
+                            # A send completes once its receive is posted. The timeline has no
+                            # send edge, so a send that waits may only be followed by other
+                            # send waits (the gradient sends at the end), never by a unit.
+                            rest = programs[s].instructions[pc[s] + 1:]
+                            assert not any(isinstance(j, (Forward, Backward)) for j in rest), (s, i)
+                            assert not isinstance(i, SendActivationFinish), (s, i)  # "never blocks"
+                            now[s] = posted[peer_key]
+                            send_waits.append((s, i))
                 elif isinstance(i, (Forward, Backward)):
                     unit = ("F" if isinstance(i, Forward) else "B", i.microbatch)
                     starts[(s, unit)] = now[s]
@@ -216,13 +226,14 @@ def simulate_programs(programs, dur):
                 pc[s] += 1
                 progressed = True
         assert progressed, "programs deadlocked"
-    return starts
+    return starts, send_waits
 
 
 def test_timeline_models_exactly_what_the_programs_impose():
     from megatron_envpipe.core.timeline import PipelineGraph
 
     rng = random.Random(9)
+    checked = waited = 0
     for _ in range(150):
         sched = random_schedule(random.Random(rng.random()))
         if sched.num_stages > 8 or sched.num_microbatches > 24:
@@ -230,9 +241,14 @@ def test_timeline_models_exactly_what_the_programs_impose():
         dur = {(s, (u.kind, u.microbatch)): rng.uniform(0.1, 2.0) for s, o in enumerate(sched.orders) for u in o}
         graph = PipelineGraph(sched)
         tl = graph.simulate([dur[(s, (u.kind, u.microbatch))] for s, u in graph.nodes])
-        starts = simulate_programs(build_programs(sched, prefetch=rng.choice([1, 2])), dur)
+        starts, send_waits = simulate_programs(build_programs(sched, prefetch=rng.choice([1, 2])), dur)
+        assert len(starts) == len(graph.nodes)
         for v, (s, u) in enumerate(graph.nodes):
             assert starts[(s, (u.kind, u.microbatch))] == pytest.approx(tl.start_s[v], abs=1e-9)
+        checked += 1
+        waited += bool(send_waits)
+    # Enough multi-stage schedules were compared, and the send-wait branch was exercised.
+    assert checked >= 30 and waited > 0, (checked, waited)
 
 
 def test_paired_hold_costs_energy_in_planning(gpt3_profile):

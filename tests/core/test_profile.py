@@ -61,7 +61,7 @@ def test_roundtrip(tmp_path, gpt3_profile):
         (lambda t: t.replace("0,forward,1200,0.12,25.0", "0,forward,1200,0.12"), r"p\.csv:4: 4 fields where the header"),
         (lambda t: t + "1,backward,1200,0.25,51.0\n", r"p\.csv:10: duplicate row for stage 1 backward at 1200 MHz \(first at line 9\)"),
         (lambda t: t.replace("1,", "2,"), r"stage\(s\) \[1\] missing"),
-        (lambda t: "\n".join(l for l in t.splitlines() if "1,backward" not in l), r"stage 1 has no backward rows"),
+        (lambda t: "\n".join(line for line in t.splitlines() if "1,backward" not in line), r"stage 1 has no backward rows"),
         (lambda t: "", r"empty profile"),
         (lambda t: t.splitlines()[0] + "\n", r"header but no rows"),
     ],
@@ -122,3 +122,34 @@ def test_for_pipeline_keeps_the_last_stage(gpt3_profile):
     assert gpt3_profile.for_pipeline(8) is gpt3_profile
     with pytest.raises(ProfileError, match="cannot emulate 9 stages"):
         gpt3_profile.for_pipeline(9)
+
+
+@pytest.mark.parametrize("scales", [(float("nan"), 1.0), (1.0, float("inf")), (0.0, 1.0), (1.0, -80.0)])
+def test_scaled_rejects_non_finite_or_non_positive_scales(gpt3_profile, scales):
+    with pytest.raises(ProfileError, match="scales must be positive and finite"):
+        gpt3_profile.scaled(*scales)
+
+
+def test_non_finite_points_are_rejected_however_built():
+    pts = {(0, "forward"): [ProfilePoint(1500, float("nan"), 1.0)], (0, "backward"): [ProfilePoint(1500, 0.1, 1.0)]}
+    with pytest.raises(ProfileError, match="stage 0 forward at 1500 MHz has time nan s"):
+        Profile(pts, source="<test>")
+
+
+def test_undecodable_profile_names_file_and_line(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_bytes(b"stage,instruction,frequency,time,energy\n0,forward,1500,0.1,\xff\n")
+    with pytest.raises(ProfileError, match=r"p.csv:2: not UTF-8 text \(byte 0xff"):
+        Profile.from_csv(path)
+
+
+def test_byte_order_mark_is_accepted(tmp_path, gpt3_profile):
+    path = tmp_path / "p.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + gpt3_profile.to_csv_text().encode())
+    assert Profile.from_csv(path).num_stages == gpt3_profile.num_stages
+
+
+def test_a_huge_stage_id_does_not_enumerate_every_gap():
+    pts = {(s, ins): [ProfilePoint(1500, 0.1, 1.0)] for s in (0, 10**9) for ins in ("forward", "backward")}
+    with pytest.raises(ProfileError, match=r"stage\(s\) \[1, 2, 3, 4, 5\] \.\.\. missing"):
+        Profile(pts)

@@ -12,6 +12,8 @@ from megatron_envpipe.core.schedule import (
     F,
     Schedule,
     ScheduleError,
+    build_schedule,
+    check_extra_warmup,
     clamp_extra_warmup,
     envpipe_schedule,
     one_f_one_b,
@@ -116,6 +118,33 @@ def test_extra_warmup_formula_and_clamps():
     assert clamp_extra_warmup(4, 8, raw, max_inflight=6) == (2, 2, 1, 0)
     with pytest.raises(ScheduleError, match="below the 4 in-flight"):
         clamp_extra_warmup(4, 8, raw, max_inflight=3)
+
+
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        ([3, 2, 1], r"extra warm-up has 3 value\(s\) \[3, 2, 1\] for 4 stages: give 4 whole numbers"),
+        ([1, 1, 1, 0, 0], "has 5 value"),
+        ([2, -1, 0, 0], r"stage 1 is negative \(-1\)"),
+        ([1.5, 0, 0, 0], "stage 0 is 1.5, not a whole number"),
+        ([float("nan"), 0, 0, 0], "stage 0 is nan"),
+        ([True, 0, 0, 0], "stage 0 is True"),
+        (7, "must be a list"),
+    ],
+)
+def test_extra_warmup_input_mistakes_raise_instead_of_being_clamped(raw, needle):
+    """A wrong count or a negative value is an input mistake (it used to be an IndexError or clamped away)."""
+    with pytest.raises(ScheduleError, match=needle):
+        clamp_extra_warmup(4, 8, raw)
+    with pytest.raises(ScheduleError, match=needle):
+        build_schedule("ours", 4, 8, raw)
+
+
+def test_extra_warmup_checks_keep_good_input():
+    assert check_extra_warmup(4, [4.0, 3, 1, 0]) == (4, 3, 1, 0)
+    assert build_schedule("1f1b", 4, 8, [0, 0, 0, 0]) == one_f_one_b(4, 8)
+    with pytest.raises(ScheduleError, match="scheduling '1f1b' has no extra warm-up"):
+        build_schedule("1f1b", 4, 8, [1, 0, 0, 0])
 
 
 def test_envpipe_schedule_rejects_unclamped_warmup():

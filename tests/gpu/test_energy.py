@@ -157,7 +157,7 @@ def test_units_shorter_than_the_update_period_interpolated_within_the_bound():
     dev, _, units, mon = short_unit_trace()
     measured = attribute_windows(mon, [(a, b) for _, a, b in units])
     errors = {"F": [], "B": []}
-    for (kind, a, b), e in zip(units, measured):
+    for (kind, a, b), e in zip(units, measured, strict=True):
         truth = dev.true_energy_j(b) - dev.true_energy_j(a)
         spread_w = dev.power_spread_w(a - UPDATE_S, b + UPDATE_S)  # 15 W, or 230 W next to idle
         assert abs(e - truth) <= 2 * spread_w * (UPDATE_S / 4 + 0.0005), (kind, a, e, truth)
@@ -288,7 +288,7 @@ def test_poller_thread_on_a_simulated_gpu():
         i = bisect.bisect_right(times, t)
         return times[i] - times[i - 1]
 
-    for (kind, a, b), e in zip(windows, energies):
+    for (kind, a, b), e in zip(windows, energies, strict=True):
         truth = 60.0 if kind == "F" else 116.0
         jump_j_per_s = (truth / (0.2 if kind == "F" else 0.4) - p2p_w) / scale  # energy per wall second
         bound_j = jump_j_per_s * (spacing(a) + spacing(b)) / 4 + 0.002 * truth

@@ -7,6 +7,7 @@ nvidia-ml-py error classes; the last tests run the real pynvml (no driver here).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -404,11 +405,29 @@ def test_clock_permission_reads_cap_sys_admin(tmp_path):
     assert not ok and "user namespace" in why
 
 
-def test_can_set_clocks_changes_nothing(use):
-    double = use(node(1))
+# (CapEff, uid_map) -> can_set_clocks() and the reason: CAP_SYS_ADMIN in the host's user namespace.
+HOST_NS = "         0          0 4294967295\n"
+PROC_STATES = [
+    (0x000001FFFFFFFFFF, HOST_NS, True, r"^(root|CAP_SYS_ADMIN)$"),  # full root
+    (1 << 21, HOST_NS, True, r"^(root|CAP_SYS_ADMIN)$"),  # only CAP_SYS_ADMIN
+    (0x00000000A80425FB, HOST_NS, False, r"without CAP_SYS_ADMIN|neither root nor CAP_SYS_ADMIN"),  # docker default
+    (1 << 21, "0 1000 1\n", False, r"only inside a user namespace"),  # rootless container
+]
+
+
+@pytest.mark.parametrize("driver_permission", [True, False])
+@pytest.mark.parametrize("capeff,uid_map,expected,reason", PROC_STATES)
+def test_can_set_clocks_reads_the_capabilities_and_changes_nothing(
+        use, monkeypatch, tmp_path, driver_permission, capeff, uid_map, expected, reason):
+    # The answer comes from /proc (files standing in for it here), never from trying a lock:
+    # the double's own permission flag must not change it, and no clock call may be made.
+    double = use(node(1), permission=driver_permission)
+    monkeypatch.setattr(clock_permission, "__defaults__", _proc(tmp_path, capeff, uid_map))
     gpu = NvmlGpu.for_cuda_device(0)
-    assert gpu.can_set_clocks() == clock_permission()[0]
+    assert gpu.can_set_clocks() is expected
+    assert re.search(reason, gpu.permission_reason()), gpu.permission_reason()
     assert calls(double, "nvmlDeviceSetGpuLockedClocks") == calls(double, "nvmlDeviceResetGpuLockedClocks") == []
+    assert double.gpu(double.gpus[0].uuid).locked is None
     gpu.close()
 
 

@@ -206,7 +206,7 @@ def test_context_manager_resets_and_keeps_the_original_exception(guard):
         with ClockController(gpu, guard) as ctl:
             ctl.request(1200)
             ctl.flush()
-            1 / 0
+            1 / 0  # noqa: B018 - the exception is the point
     assert gpu.history == [1200, None]
 
 
@@ -480,22 +480,25 @@ def test_sigkill_leaves_state_and_reset_clocks_repairs_it(tmp_path, persisted):
     assert data["pid"] == child.proc.pid and data["uuid"] == _gpu0(persisted).uuid
     assert _gpu0(persisted).locked == [1005, 1005]  # the crash left the GPU locked
 
-    lines = reset_clocks_from_state(child.state_dir)
+    report = reset_clocks_from_state(child.state_dir)
+    lines = report.lines
     assert len(lines) == 1 and "locked clocks reset" in lines[0] and "no longer running" in lines[0], lines
-    assert _gpu0(persisted).locked is None and child.state_files() == []
+    assert report.ok and _gpu0(persisted).locked is None and child.state_files() == []
     assert persisted.init_count == 0  # the repair closed NVML again
-    assert "no state files" in reset_clocks_from_state(child.state_dir)[0]
+    again = reset_clocks_from_state(child.state_dir)
+    assert again.ok and "no state files" in again.lines[0]
 
 
 def test_live_owner_is_left_alone_unless_forced(tmp_path, persisted):
     child = Child(tmp_path, persisted, "plain")
     child.wait_locked()
     try:
-        lines = reset_clocks_from_state(child.state_dir)
-        assert "still running" in lines[0] and f"pid {child.proc.pid}" in lines[0] and "--force" in lines[0]
+        report = reset_clocks_from_state(child.state_dir)
+        (line,) = report.problems  # left locked: not a success
+        assert "still running" in line and f"pid {child.proc.pid}" in line and "--force" in line
         assert _gpu0(persisted).locked == [1005, 1005] and len(child.state_files()) == 1
-        lines = reset_clocks_from_state(child.state_dir, force=True)
-        assert "reset forced" in lines[0]
+        report = reset_clocks_from_state(child.state_dir, force=True)
+        assert report.ok and "reset forced" in report.lines[0]
         assert _gpu0(persisted).locked is None and child.state_files() == []
     finally:
         child.proc.send_signal(signal.SIGTERM)
@@ -520,27 +523,30 @@ def test_repair_skips_other_hosts_and_unreadable_files(tmp_path, persisted):
     other = _state(d, uuid, hostname="node-elsewhere")
     bad = d / "garbage.json"
     bad.write_text("{not json")
-    lines = reset_clocks_from_state(d)
-    assert any("node-elsewhere" in ln and "skipped" in ln for ln in lines), lines
-    assert any("unreadable" in ln for ln in lines), lines
+    report = reset_clocks_from_state(d)
+    assert any("node-elsewhere" in ln and "skipped" in ln for ln in report.lines), report
+    (problem,) = report.problems  # another host's file is that host's business; garbage is ours
+    assert "unreadable" in problem and "garbage.json" in problem
     assert other.exists() and bad.exists() and persisted.gpu(uuid).locked == [900, 900]
-    assert "no such directory" in reset_clocks_from_state(tmp_path / "missing")[0]
+    missing = reset_clocks_from_state(tmp_path / "missing")
+    assert missing.ok and "no such directory" in missing.lines[0]
 
 
 def test_repair_without_permission_fails_fast_with_the_fix(tmp_path, persisted):
     d = tmp_path / "state"
     path = _state(d, persisted.gpus[0].uuid)
     persisted.update(permission=False)
-    with pytest.raises(GpuPermissionError, match="sudo envpipe reset-clocks"):
-        reset_clocks_from_state(d)
-    assert path.exists()
+    report = reset_clocks_from_state(d)
+    assert report.no_permission and len(report.problems) == 1 and "no permission" in report.problems[0]
+    assert str(path) in report.problems[0] and path.exists()
 
 
 def test_repair_of_a_gpu_that_is_gone_keeps_the_file(tmp_path, persisted):
     d = tmp_path / "state"
     path = _state(d, "GPU-deadbeef-0000-0000-0000-000000000000")
-    (line,) = reset_clocks_from_state(d)
-    assert "cannot open it" in line and path.exists()
+    report = reset_clocks_from_state(d)
+    (line,) = report.problems
+    assert "cannot open it" in line and path.exists() and not report.no_permission
 
 
 def test_reset_all_gpus_resets_every_gpu_and_clears_this_hosts_state(tmp_path, persisted):
@@ -550,7 +556,9 @@ def test_reset_all_gpus_resets_every_gpu_and_clears_this_hosts_state(tmp_path, p
     d = tmp_path / "state"
     mine = _state(d, gpus[0].uuid)
     theirs = _state(d, gpus[1].uuid, hostname="node-elsewhere")
-    lines = reset_all_gpus(d)
+    report = reset_all_gpus(d)
+    lines = report.lines
+    assert report.ok  # a GPU that cannot lock clocks has nothing to reset
     assert persisted.gpu(gpus[0].uuid).locked is None
     assert any(gpus[0].uuid in ln and "locked clocks reset" in ln for ln in lines), lines
     assert any(gpus[1].uuid in ln and "not supported" in ln for ln in lines), lines

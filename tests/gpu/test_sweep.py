@@ -221,6 +221,7 @@ def test_stage_samples_on_a_fake_clock(method, rel):
             units.append((kind, t0, ft.now))
     ft.sleep(0.003)
     got = stage_samples(mon, units, blocking, time_scale=0.1, method=method)
+    assert len(got.units) == len(units) == 6
     for u in got.units:
         ins = "forward" if u.kind == "F" else "backward"
         assert u.time_s == pytest.approx(prof.time_s(0, ins, 1800))

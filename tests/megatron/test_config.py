@@ -34,8 +34,8 @@ def test_the_headline_flags():
         (["--envpipe-extra-warmup", "1,0"], "only applies to --envpipe-scheduling ours"),
         (["--envpipe-gpu", "b9000"], "unknown GPU 'b9000'"),
         (["--envpipe-profile", "/no/such.csv"], "no such file"),
-        (["--envpipe-comm-timeout", "0"], "must be > 0 seconds"),
-        (["--envpipe-prefetch", "0"], "prefetch must be >= 1"),
+        (["--envpipe-comm-timeout", "0"], "comm-timeout 0: must be > 0 seconds"),
+        (["--envpipe-prefetch", "0"], "prefetch 0: must be >= 1"),
     ],
 )
 def test_impossible_combinations_fail_at_start_up(argv, needle):
@@ -109,9 +109,13 @@ def test_planner_config_accepts_strings():
                           reconfig_step_mhz=60, max_inflight=6, extra_warmup=(3, 2, 1, 0)),
         ),
         (
-            ["--envpipe-type", "optimal", "--envpipe-scheduling", "ours", "--envpipe-max-slowdown", "0.05",
-             "--envpipe-target-time", "8.5", "--envpipe-reconfig", "greedy"],
-            PlannerConfig("optimal", "ours", "greedy", gpu=get_gpu_spec("a40"), max_slowdown=0.05, target_time_s=8.5),
+            ["--envpipe-type", "optimal", "--envpipe-scheduling", "ours", "--envpipe-max-slowdown", "5%",
+             "--envpipe-reconfig", "greedy"],
+            PlannerConfig("optimal", "ours", "greedy", gpu=get_gpu_spec("a40"), max_slowdown=0.05),
+        ),
+        (
+            ["--envpipe-type", "optimal", "--envpipe-target-time", "8.5"],
+            PlannerConfig("optimal", "1f1b", "default", gpu=get_gpu_spec("a40"), target_time_s=8.5),
         ),
         (
             ["--envpipe-type", "uniform", "--envpipe-finish-limit", "3", "--envpipe-prefetch", "4",

@@ -18,9 +18,11 @@ pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip 
 
 from megatron_envpipe.megatron import compat as megatron_compat
 from megatron_envpipe.testing.harness import (
+    MEGATRON_1F1B,
     PipelineRun,
     StageResult,
     compare_results,
+    identify,
     megatron_1f1b,
     run_pipeline,
 )
@@ -75,6 +77,8 @@ def test_native_1f1b_produces_finite_losses_and_grads(
     m = factor * p
     result = runs[("first", m)]
     assert [stage.rank for stage in result] == list(range(p))
+    for stage in result:  # get_forward_backward_func() gave Megatron's own 1F1B, EnvPipe not installed
+        assert [i.name for i in stage.schedules] == [MEGATRON_1F1B] and stage.schedules[0].is_stock_megatron
     for stage in result[:-1]:
         assert stage.losses == []
     reports = result[-1].losses
@@ -103,6 +107,35 @@ def test_native_1f1b_is_bitwise_deterministic(native_runs: tuple[int, Runs], fac
 def test_schedule_callable_replaces_default(native_runs: tuple[int, Runs]) -> None:
     p, runs = native_runs
     assert compare_results(runs[("first", 2 * p)], runs[("explicit", 2 * p)]) == []
+    assert all(stage.schedules[0].is_stock_megatron for stage in runs[("explicit", 2 * p)])
+
+
+def test_identity_tells_megatron_from_envpipe_and_wrappers() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    import megatron_envpipe
+    from megatron_envpipe.config import EnvPipeConfig
+
+    original = schedules.forward_backward_pipelining_without_interleaving
+    assert identify(original).is_stock_megatron and identify(megatron_1f1b).name.endswith("harness.megatron_1f1b")
+
+    @functools.wraps(original)
+    def wrapper(**kwargs: object) -> list:  # same __module__ and __qualname__, other code
+        return original(**kwargs)
+
+    assert identify(wrapper).name == MEGATRON_1F1B and not identify(wrapper).is_stock_megatron
+    assert identify(functools.partial(original)).is_stock_megatron
+    try:
+        megatron_envpipe.install(EnvPipeConfig())
+        installed = identify(schedules.forward_backward_pipelining_without_interleaving)
+        assert installed.name == "megatron_envpipe.megatron.executor.envpipe_forward_backward"
+        assert installed.envpipe_installed and not identify(original).is_stock_megatron
+        # The reference schedule refuses to stand in for Megatron's where EnvPipe is installed.
+        with pytest.raises(RuntimeError, match="must run in ranks where install.. was never called"):
+            megatron_1f1b()
+    finally:
+        megatron_envpipe.uninstall()
+    assert identify(schedules.forward_backward_pipelining_without_interleaving).is_stock_megatron
 
 
 def test_fresh_processes_reproduce_results(p2_runs: Runs) -> None:

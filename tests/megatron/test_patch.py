@@ -50,3 +50,34 @@ def test_executor_without_install_is_a_clear_error():
     with pytest.raises(RuntimeError, match="before megatron_envpipe.install"):
         envpipe_forward_backward(forward_step_func=None, data_iterator=None, model=[object(), object()],
                                  num_microbatches=1, seq_length=1, micro_batch_size=1)
+
+
+def test_install_checks_megatron_args_before_rebinding(monkeypatch, tmp_path):
+    import argparse
+    import sys
+    import types
+
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.forward_backward_pipelining_without_interleaving
+    profile_of_8 = EnvPipeConfig(plan_type="envelope", profile="a40/gpt3-175b")
+    with pytest.raises(EnvPipeConfigError, match="has 8 stages but the pipeline has 4 stages"):
+        megatron_envpipe.install(profile_of_8, megatron_args=argparse.Namespace(pipeline_model_parallel_size=4))
+    assert not megatron_envpipe.is_installed()
+    # Without megatron_args: whatever megatron.training parsed in this process.
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars.get_args = lambda: argparse.Namespace(pipeline_model_parallel_size=4)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    with pytest.raises(EnvPipeConfigError, match="has 8 stages"):
+        megatron_envpipe.install(profile_of_8)
+
+    def not_parsed():
+        raise AssertionError("args is not initialized.")  # what Megatron's get_args does before parsing
+
+    global_vars.get_args = not_parsed
+    corrupt = tmp_path / "p.csv"
+    corrupt.write_text("stage,instruction,frequency,time,energy\n0,forward,1500,-1,2\n")
+    with pytest.raises(EnvPipeConfigError, match="--envpipe-profile.*time must be > 0"):
+        megatron_envpipe.install(EnvPipeConfig(plan_type="envelope", profile=str(corrupt)))
+    assert not megatron_envpipe.is_installed()
+    assert schedules.forward_backward_pipelining_without_interleaving is original

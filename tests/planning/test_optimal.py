@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -63,13 +64,13 @@ def check_plan(res, deadline=None):
 # -- options and hulls -------------------------------------------------------------------
 def test_options_are_pareto_in_effective_energy_and_hull_is_convex(gpt3_profile):
     opts = clock_options(gpt3_profile.points(0, "backward"), P2P)
-    assert opts[0].freq_mhz == 1740  # the fastest clock is first
+    assert len(opts) >= 3 and opts[0].freq_mhz == 1740  # the fastest clock is first
     for a, b in zip(opts, opts[1:]):
         assert b.time_s > a.time_s and b.cost_j < a.cost_j
     cheapest = min(p.energy_j - P2P * p.time_s for p in gpt3_profile.points(0, "backward"))
     assert opts[-1].cost_j == pytest.approx(cheapest)
     hull = lower_hull(opts)
-    assert hull[0] == 0 and hull[-1] == len(opts) - 1
+    assert len(hull) >= 3 and hull[0] == 0 and hull[-1] == len(opts) - 1
     slopes = [(opts[j].cost_j - opts[i].cost_j) / (opts[j].time_s - opts[i].time_s) for i, j in zip(hull, hull[1:])]
     assert all(s1 < s2 for s1, s2 in zip(slopes, slopes[1:]))  # convex: slopes increase
 
@@ -101,7 +102,7 @@ def test_random_synthetic_profiles_are_feasible(seed):
             res = plan_envpipe(prof, m, PlannerConfig("optimal", scheduling, "default", p2p_power_w=rng.uniform(0, 100),
                                                       max_slowdown=slowdown))
             check_plan(res)
-            assert res.score.energy_j <= res.baseline.energy_j * TIGHT or scheduling == "ours"
+            assert res.score.energy_j <= res.baseline.energy_j * TIGHT
 
 
 def test_plans_are_reproducible(bloom_profile):
@@ -164,14 +165,15 @@ def test_within_half_a_percent_of_the_milp_optimum(case, gpt3_profile, bloom_pro
     deadline = base.iteration_time_s * (1 + slowdown)
     model = TimeEnergyModel(sched, prof, prof.common_frequencies(), P2P)
     ours = model.solve(deadline)
-    exact = solve_milp(TimeEnergyModel(sched, prof, prof.common_frequencies(), P2P), deadline, time_limit_s=30)
+    # The MILP builds its own options and rows (planning/milp.py): no code shared with `model`'s LP.
+    exact = solve_milp(model, deadline, time_limit_s=120, candidates_mhz=prof.common_frequencies())
+    assert exact.optimal, exact.status  # these instances are chosen small enough to be proven optimal
+    assert exact.energy_j == pytest.approx(exact.objective_j, rel=1e-6)  # the MILP's arithmetic is the evaluator's
     assert exact.score.iteration_time_s <= deadline * TIGHT
     assert ours.score.iteration_time_s <= deadline * TIGHT
     assert ours.lp_bound_j <= exact.energy_j * TIGHT  # the LP bounds the optimum from below
-    if exact.optimal:
-        assert ours.score.energy_j <= exact.energy_j * 1.005, (ours.score.energy_j, exact.energy_j)
-    else:  # time limit: compare with the proven bound
-        assert exact.dual_bound_j is not None and ours.score.energy_j <= exact.dual_bound_j * 1.01
+    assert exact.energy_j <= ours.score.energy_j * TIGHT  # nothing beats the optimum
+    assert ours.score.energy_j <= exact.energy_j * 1.005, (ours.score.energy_j, exact.energy_j)
 
 
 def test_target_time_plan_counts_energy_until_the_target(gpt3_profile):
@@ -215,8 +217,9 @@ def test_infeasible_deadlines_are_clear_errors(gpt3_profile, capsys):
     assert code == 2 and "infeasible" in err and err.count("\n") == 1
     for bad in (["--max-slowdown", "5%"], ["--target-time", "9"]):
         assert main(["plan", "--profile", "a40/gpt3-175b", "-m", "12", "--type", "envelope", *bad]) == 2
-        assert "needs plan type 'optimal'" in capsys.readouterr().err
-    with pytest.raises(PlannerError, match="max_slowdown must be >= 0"):
+        err = capsys.readouterr().err
+        assert re.search(r"needs (plan type 'optimal'|--type optimal)", err), err
+    with pytest.raises(PlannerError, match="max_slowdown must be (a finite number )?>= 0"):
         PlannerConfig("optimal", max_slowdown=-0.1).validate()
 
 
@@ -298,11 +301,12 @@ def test_config_flags():
 
     from megatron_envpipe.config import add_envpipe_args
 
-    args = add_envpipe_args(argparse.ArgumentParser()).parse_args(
-        ["--envpipe-type", "optimal", "--envpipe-max-slowdown", "0.05", "--envpipe-target-time", "12.5"])
-    cfg = EnvPipeConfig.from_args(args)
-    assert cfg.plan_type == "optimal" and cfg.max_slowdown == 0.05 and cfg.target_time_s == 12.5
+    parser = add_envpipe_args(argparse.ArgumentParser())
+    cfg = EnvPipeConfig.from_args(parser.parse_args(["--envpipe-type", "optimal", "--envpipe-max-slowdown", "0.05"]))
+    assert cfg.plan_type == "optimal" and cfg.max_slowdown == 0.05 and cfg.target_time_s is None
+    cfg = EnvPipeConfig.from_args(parser.parse_args(["--envpipe-type", "optimal", "--envpipe-target-time", "12.5"]))
+    assert cfg.plan_type == "optimal" and cfg.target_time_s == 12.5
     with pytest.raises(EnvPipeConfigError, match="need --envpipe-type optimal"):
         EnvPipeConfig(plan_type="envelope", max_slowdown=0.1).validate()
-    with pytest.raises(EnvPipeConfigError, match="target-time must be > 0"):
+    with pytest.raises(EnvPipeConfigError, match="target-time (0: )?must be > 0"):
         EnvPipeConfig(plan_type="optimal", target_time_s=0.0).validate()

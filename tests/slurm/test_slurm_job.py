@@ -6,8 +6,10 @@ The job is the production script, ``examples/slurm/pretrain_gpt_envpipe.sbatch``
 in its CPU variant (``ENVPIPE_EXAMPLE=tiny-cpu``): one node, one srun task,
 torchrun with 4 gloo ranks = 4 pipeline stages of the tiny GPT under EnvPipe's
 schedule. It must complete, print the EnvPipe plan, reset clocks on the node,
-and train bit for bit like Megatron's 1F1B run through the single-node torchrun
-script (``examples/torchrun_single_node.sh``, same body). A second job is
+and train bit for bit like stock Megatron-core run through the single-node
+torchrun script (``examples/torchrun_single_node.sh``, same body) with
+``ENVPIPE_DISABLE=1``: EnvPipe never installed, Megatron's own 1F1B on every
+rank (each run's losses file names the function that ran). A second job is
 cancelled mid-training: each node's runner must still run ``envpipe
 reset-clocks --force`` and leave no process behind.
 
@@ -47,6 +49,8 @@ SCRIPTS = (SBATCH, COMMON, SINGLE_NODE, SETUP)
 
 NPROC = 4
 ITERS = 3
+MEGATRON_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
+EXECUTOR = "megatron_envpipe.megatron.executor.envpipe_forward_backward"
 JOB_TIMEOUT_S = 240
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
@@ -60,7 +64,8 @@ def test_scripts_are_valid_bash_and_shellcheck_clean() -> None:
         proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert proc.returncode == 0, f"bash -n {script}: {proc.stderr}"
     if shutil.which("shellcheck") is None:
-        return  # optional: apt-get install shellcheck
+        pytest.skip(f"shellcheck is not installed ({SETUP.relative_to(REPO)} installs it, or apt-get install "
+                    "shellcheck): the scripts were checked with bash -n only")
     proc = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -89,6 +94,12 @@ def _sample_value(action: argparse.Action) -> tuple[str, object]:
         return "7", 7
     if action.type is float:
         return "0.5", 0.5
+    if callable(action.type):  # a parsing function (e.g. a fraction): what it makes of a small number
+        for text in ("0.05", "7"):
+            try:
+                return text, action.type(text)
+            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                continue
     return f"value-of-{action.dest}", f"value-of-{action.dest}"
 
 
@@ -141,6 +152,28 @@ def test_defaults_are_envpipe_with_the_package_constants() -> None:
         EnvPipeConfig.from_args(args).validate_with_megatron_args(args)
     except EnvPipeConfigError as exc:  # pragma: no cover - a failure message
         pytest.fail(f"the scripts' defaults are not a valid EnvPipe config: {exc}")
+
+
+def test_envpipe_disable_runs_stock_megatron(tmp_path: Path) -> None:
+    """ENVPIPE_DISABLE=1: the tiny GPT gets --no-envpipe, Megatron-LM runs its own pretrain_gpt.py;
+    no --envpipe-* flag either way, whatever the ENVPIPE_<NAME> knobs say."""
+    from megatron_envpipe.apps.train_tiny_gpt import parse_args
+
+    knobs = {"ENVPIPE_DISABLE": "1", "ENVPIPE_TYPE": "optimal", "ENVPIPE_VERBOSE": "1"}
+    cmd = _dry_run(knobs)
+    module = cmd.index("-m", 2)
+    assert cmd[module + 1] == "megatron_envpipe.apps.train_tiny_gpt"
+    assert not [a for a in cmd if a.startswith("--envpipe-")]
+    args = parse_args(cmd[module + 2:])
+    assert args.no_envpipe and args.pipeline_model_parallel_size == NPROC
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    cmd = _dry_run({**knobs, "ENVPIPE_EXAMPLE": "megatron-lm", "MEGATRON_LM": str(tmp_path)})
+    script = cmd.index(str(tmp_path / "pretrain_gpt.py"))
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "-m" not in cmd[3:script]
+    assert not [a for a in cmd if a.startswith("--envpipe-")] and "--pipeline-model-parallel-size" in cmd
+    env = dict(os.environ, ENVPIPE_DRY_RUN="1", ENVPIPE_EXAMPLE="tiny-cpu", ENVPIPE_DISABLE="maybe")
+    proc = subprocess.run(["bash", str(SINGLE_NODE)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "ENVPIPE_DISABLE=maybe: use 1" in proc.stderr
 
 
 def test_megatron_lm_variant_needs_a_checkout_and_composes_megatron_flags(tmp_path: Path) -> None:
@@ -258,7 +291,7 @@ def jobs(slurm_cluster: None, tmp_path: Path) -> Iterator[Jobs]:
         j.cancel_leftovers()
 
 
-def test_sbatch_job_trains_bitwise_like_megatron_1f1b(jobs: Jobs, tmp_path: Path) -> None:
+def test_sbatch_job_trains_bitwise_like_stock_megatron(jobs: Jobs, tmp_path: Path) -> None:
     envpipe_out = tmp_path / "envpipe.json"
     job_id, log = jobs.submit("envpipe-test", LOSSES_OUT=str(envpipe_out))
     state, code = jobs.wait(job_id, log)
@@ -279,17 +312,22 @@ def test_sbatch_job_trains_bitwise_like_megatron_1f1b(jobs: Jobs, tmp_path: Path
 
     envpipe = json.loads(envpipe_out.read_text())
     assert envpipe["envpipe"] == {"type": "envelope", "scheduling": "ours", "reconfig": "balanced"}
+    assert envpipe["schedule"] == [{"functions": [EXECUTOR], "envpipe_installed": True,
+                                    "executor_imported": True}] * NPROC
     assert envpipe["pipeline_model_parallel_size"] == NPROC and len(envpipe["losses"]) == ITERS
     assert f"iteration {ITERS}/{ITERS} | lm loss {envpipe['losses'][-1]!r}" in text
 
-    # Baseline: Megatron's 1F1B at the same settings, through the single-node torchrun script.
+    # The reference: stock Megatron-core at the same settings (EnvPipe never installed),
+    # through the single-node torchrun script.
     baseline_out = tmp_path / "baseline.json"
-    env = jobs.env(ENVPIPE_TYPE="baseline", ENVPIPE_SCHEDULING="1f1b", ENVPIPE_RECONFIG="default",
-                   LOSSES_OUT=str(baseline_out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = jobs.env(ENVPIPE_DISABLE="1", LOSSES_OUT=str(baseline_out), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
     proc = subprocess.run(["bash", str(SINGLE_NODE)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     baseline = json.loads(baseline_out.read_text())
-    assert baseline["envpipe"] == {"type": "baseline", "scheduling": "1f1b", "reconfig": "default"}
+    assert baseline["envpipe"] is None and "--no-envpipe" in proc.stdout
+    assert baseline["schedule"] == [{"functions": [MEGATRON_1F1B], "envpipe_installed": False,
+                                     "executor_imported": False}] * NPROC
     assert baseline["tokens"] == envpipe["tokens"]
     # Exact: the same floats, bit for bit.
     assert [x.hex() for x in envpipe["losses"]] == [x.hex() for x in baseline["losses"]]

@@ -4,13 +4,14 @@
 ``pipeline_cmds`` (simulate, schedule, programs), ``gpu_cmds`` (gpus,
 reset-clocks) and ``demo_cmd`` run the commands; ``render`` shapes their JSON
 and text; ``common`` holds what they share (profiles, GPUs, plan files, the
-planner config built from the flags).
+planner config built from the flags); ``outputs`` checks ``--out``/``--csv``/
+``--plot`` before any work and writes them last, all or none.
 
 Errors: every error the package raises on purpose is an
 :class:`~megatron_envpipe.errors.EnvPipeError`; :func:`main` prints it as one
 line, ``envpipe <command>: error: <message>``, and returns 2 for a
 :class:`~megatron_envpipe.errors.UsageError` (input the user can fix) or 1
-for any other.
+for any other. A bad flag (argparse) is one such line too, exit status 2.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+import math
 from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
@@ -12,8 +12,9 @@ from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
-from megatron_envpipe.core.schedule import ScheduleError
-from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy
+from megatron_envpipe.core.schedule import ScheduleError, check_extra_warmup
+from megatron_envpipe.core.textfile import read_text
+from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
 from megatron_envpipe.errors import UsageError
 from megatron_envpipe.planning.basis import PlannerConfig
 
@@ -50,26 +51,89 @@ def load_profile(name: str, time_scale: float = 1.0, energy_scale: float = 1.0) 
     return profile
 
 
-def plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:
-    """The JSON of ``envpipe plan --out`` (or a bare plan) and the frequency plan in it."""
+def check_stages(args: argparse.Namespace, profile: Profile) -> int:
+    """The pipeline's stage count: the profile's, which ``--stages`` (when given) must match."""
+    if getattr(args, "stages", None) is not None and args.stages != profile.num_stages:
+        raise CliError(f"--stages {args.stages} does not match the profile's {profile.num_stages} stages "
+                       f"({profile.source}): drop --stages or give {profile.num_stages}")
+    return profile.num_stages
+
+
+def check_extra_warmup_flag(args: argparse.Namespace, num_stages: int, scheduling: str | None = None) -> None:
+    """--extra-warmup only with --scheduling ours (1F1B would ignore it), one value >= 0 per stage."""
+    if args.extra_warmup is None:
+        return
+    text = ",".join(str(v) for v in args.extra_warmup)
+    if (scheduling or args.scheduling) != Scheduling.OURS:
+        raise CliError(f"--extra-warmup {text} only applies to --scheduling ours: add --scheduling ours or drop it")
     try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise CliError(f"{path}: cannot read plan: {exc.strerror or exc}") from None
+        check_extra_warmup(num_stages, args.extra_warmup)
+    except ScheduleError as exc:
+        raise CliError(f"--extra-warmup {text}: {exc}") from None
+
+
+def plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:
+    """The JSON of ``envpipe plan --out`` (or a bare plan) and the frequency plan in it, all checked before use."""
+    text = read_text(path, "plan", CliError)
+
+    def reject(name: str) -> None:  # json accepts NaN and Infinity, which no plan holds
+        raise CliError(f"{path}: {name} is not a finite number: not a plan written by 'envpipe plan --out'")
+
+    try:
+        data = json.loads(text, parse_constant=reject)
     except json.JSONDecodeError as exc:
         raise CliError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise CliError(f"{path}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise CliError(f"{path}: JSON nested too deeply: not a plan written by 'envpipe plan --out'") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{path}: expected a JSON object (a plan written by 'envpipe plan --out'), "
+                       f"got {type(data).__name__}")
+    body = data["plan"] if "plan" in data else data
+    freqs = body.get("frequencies", body.get("stages")) if isinstance(body, dict) else None
+    if freqs is None:
+        raise CliError(f"{path}: no \"frequencies\" (or \"stages\") found: not a plan written by 'envpipe plan --out'")
     try:
-        body = data["plan"] if "plan" in data else data
         plan = FrequencyPlan.from_dict(
             {
-                "stages": body["frequencies"] if "frequencies" in body else body["stages"],
+                "stages": freqs,
                 "schedule": body.get("scheduling", body.get("schedule", "custom")),
                 "extra_warmup": body.get("extra_warmup", []),
             }
         )
-    except (KeyError, TypeError, ScheduleError) as exc:
-        raise CliError(f"{path}: not a plan written by 'envpipe plan --out': {exc}") from None
+    except ScheduleError as exc:
+        raise CliError(f"{path}: not a valid plan: {exc}") from None
+    _check_plan_summary(path, data, plan)
     return data, plan
+
+
+# What 'envpipe show' prints of a plan file's summary: (section, key), None = top level.
+_SUMMARY_NUMBERS = (("baseline", "iteration_time_s"), ("baseline", "energy_j"), ("plan", "iteration_time_s"),
+                    ("plan", "energy_j"), (None, "energy_saving"), (None, "slowdown"))
+
+
+def _check_plan_summary(path: str, data: dict[str, Any], plan: FrequencyPlan) -> None:
+    """The sizes a plan file states match its plan; a summary ('baseline' and 'plan') has every number 'show' prints."""
+    fix = "write the plan again with 'envpipe plan --out'"
+    schedule = plan.schedule
+    for key, actual in (("num_stages", schedule.num_stages), ("num_microbatches", schedule.num_microbatches)):
+        if key in data and data[key] != actual:
+            raise CliError(f"{path}: {key} is {data[key]!r} but the plan's clocks are for {actual}: {fix}")
+    if "baseline" not in data or "plan" not in data:
+        return  # a bare plan: clocks only
+    for section, key in _SUMMARY_NUMBERS:
+        where = data if section is None else data[section]
+        name = key if section is None else f"{section}.{key}"
+        if not isinstance(where, dict):
+            raise CliError(f"{path}: \"{section}\" must be a JSON object: {fix}")
+        value = where.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            got = "missing" if key not in where else f"{value!r}, not a finite number"
+            raise CliError(f"{path}: {name} is {got}: {fix}")
+    warnings = data.get("warnings", [])
+    if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+        raise CliError(f"{path}: warnings must be a list of strings: {fix}")
 
 
 def planner_config(

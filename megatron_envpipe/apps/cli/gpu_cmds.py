@@ -8,6 +8,7 @@ import sys
 from megatron_envpipe.core.gpu_specs import load_gpu_table
 from megatron_envpipe.gpu.base import GpuError, GpuPermissionError
 from megatron_envpipe.gpu.repair import reset_all_gpus, reset_clocks_from_state
+from megatron_envpipe.gpu.safety import REPAIR_HINT
 
 EXIT_GPU_ERROR = 2
 EXIT_NO_PERMISSION = 3
@@ -28,20 +29,32 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 def cmd_reset_clocks(args: argparse.Namespace) -> int:
     """Repair GPUs a crashed run (SIGKILL, node failure) left with locked clocks.
 
-    Its own exit statuses, which scripts rely on: 3 without permission, 2 for
-    another GPU error.
+    Exit statuses, which scripts (a SLURM epilog) rely on: 0 when every GPU
+    recorded on this host was reset, or nothing was recorded; 3 when something
+    recorded was not reset for lack of permission; 2 when it was not reset for
+    any other reason (no driver, unreadable state file, ``--state-dir`` not a
+    directory, failed reset, owner still running without ``--force``).
     """
     try:
         if args.all:
-            lines = reset_all_gpus(args.state_dir)
+            report = reset_all_gpus(args.state_dir)
         else:
-            lines = reset_clocks_from_state(args.state_dir, force=args.force)
+            report = reset_clocks_from_state(args.state_dir, force=args.force)
     except GpuPermissionError as exc:
         print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
         return EXIT_NO_PERMISSION
     except GpuError as exc:
         print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
         return EXIT_GPU_ERROR
-    for line in lines or ["nothing to reset: no GPU clocks were left locked by megatron-envpipe on this host"]:
-        print(line)
-    return 0
+    problems = set(report.problems)
+    for line in report.lines or ["nothing to reset: no GPU clocks were left locked by megatron-envpipe on this host"]:
+        print(line, file=sys.stderr if line in problems else sys.stdout, flush=True)
+    if report.ok:
+        return 0
+    n = len(report.problems)
+    summary = f"envpipe reset-clocks: error: {n} recorded GPU(s) or state file(s) not reset, see above"
+    if report.no_permission:
+        print(f"{summary}; {REPAIR_HINT}", file=sys.stderr)
+        return EXIT_NO_PERMISSION
+    print(f"{summary}; each line says what to do", file=sys.stderr)
+    return EXIT_GPU_ERROR

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 from megatron_envpipe.apps.cli.demo_cmd import cmd_demo
 from megatron_envpipe.apps.cli.gpu_cmds import cmd_gpus, cmd_reset_clocks
 from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, cmd_simulate
 from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
+from megatron_envpipe.config import fraction as parse_fraction
 from megatron_envpipe.config import int_list
+from megatron_envpipe.core.gpu_specs import MAX_CLOCK_MHZ, MAX_P2P_POWER_W
 from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.vocabulary import (
     COMM_MODELS,
@@ -29,35 +33,86 @@ COMM_NAMES = tuple(c.value for c in COMM_MODELS)
 
 
 # -- flag types -----------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+# Upper bounds: beyond them a value is a typo or a unit mistake, and sizes this large would
+# only exhaust memory or time (the shipped profiles and Megatron runs sit far below).
+MAX_MICROBATCHES = 10_000
+MAX_STAGES = 1_000
+MAX_POINTS = 1_000
+MAX_SCALE = 1e6
+MAX_SECONDS = 1e6
+MAX_LATENCY_S = 3_600.0
+MAX_SLOWDOWN = 10.0  # 1000 %
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """argparse type: a whole number in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = bounded_int(1, 10**9)
+
+
+def bounded_float(low: float, high: float, unit: str = "", low_open: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number in [low, high] (``(low, high]`` with ``low_open``); nan and inf never pass."""
+    lower = f"> {low:g}" if low_open else f">= {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"must be a finite number {lower} and <= {high:g}{unit}, got {text}")
+        return value
+
+    return parse
 
 
 def fraction(text: str) -> float:
-    """``0.05`` or ``5%`` -> 0.05 (>= 0)."""
-    try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction like 0.05 or a percentage like 5%, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    """``0.05`` or ``5%`` -> 0.05: the training flags' parser (finite, >= 0), capped at MAX_SLOWDOWN."""
+    value = parse_fraction(text)
+    if value > MAX_SLOWDOWN:
+        raise argparse.ArgumentTypeError(
+            f"must be a fraction between 0 and {MAX_SLOWDOWN:g} (0.05 or 5%: 5 % slower), got {text}"
+        )
     return value
+
+
+def warmup_list(text: str) -> list[int]:
+    """``4,3,1,0`` -> ``[4, 3, 1, 0]``: whole numbers >= 0 (their count is checked against the stages later)."""
+    values = int_list(text)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected whole numbers, one per stage, e.g. 4,3,1,0, got {text!r}")
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"extra warm-up values must be >= 0, got {text}")
+    return values
+
+
+class EnvpipeArgumentParser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported on one line like every other envpipe error (no usage block),
+    by the command it belongs to (``envpipe plan: error: ...``, also for an unknown flag)."""
+
+    command_parsers: dict[str, argparse.ArgumentParser] | None = None  # set by build_parser
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extra = self.parse_known_args(args, namespace)
+        if extra:
+            owner = (self.command_parsers or {}).get(getattr(namespace, "command", None), self)
+            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace
 
 
 # -- flag groups ----------------------------------------------------------------------
@@ -70,23 +125,28 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
         help="GPU table entry (configs/gpus.toml): clock range, steps, P2P power "
         "(default for a shipped profile: the GPU it was measured on)",
     )
-    p.add_argument("--p2p-power", type=float, help="P2P blocking power in W (default: the GPU table's)")
-    p.add_argument("--p2p-latency", type=float, default=0.0, help="latency of each P2P message in s (default 0)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply profile times (Perseus emulation: 10)")
-    p.add_argument("--energy-scale", type=float, default=1.0, help="multiply profile energies (emulation: 80)")
+    p.add_argument("--p2p-power", type=bounded_float(0.0, MAX_P2P_POWER_W, " W"),
+                   help="P2P blocking power in W (default: the GPU table's)")
+    p.add_argument("--p2p-latency", type=bounded_float(0.0, MAX_LATENCY_S, " s"), default=0.0,
+                   help="latency of each P2P message in s (default 0)")
+    p.add_argument("--time-scale", type=bounded_float(0.0, MAX_SCALE, low_open=True), default=1.0,
+                   help="multiply profile times (Perseus emulation: 10)")
+    p.add_argument("--energy-scale", type=bounded_float(0.0, MAX_SCALE, low_open=True), default=1.0,
+                   help="multiply profile energies (emulation: 80)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration")
+    p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration (.png, .pdf, .svg, ...)")
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """The pipeline and schedule flags of 'plan' and 'frontier' (read by ``common.planner_config``)."""
-    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches per iteration")
-    p.add_argument("--stages", type=positive_int, help="pipeline stages (checked against the profile)")
+    p.add_argument("--microbatches", "-m", type=bounded_int(1, MAX_MICROBATCHES), required=True,
+                   help="micro-batches per iteration")
+    p.add_argument("--stages", type=bounded_int(1, MAX_STAGES), help="pipeline stages (checked against the profile)")
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.OURS.value,
                    help="unit order (default ours)")
     p.add_argument("--max-inflight", type=positive_int, help="activation budget per stage, in micro-batches")
-    p.add_argument("--extra-warmup", type=int_list,
-                   help="override the extra warm-up r_s of ours, e.g. 4,3,1,0 (still clamped)")
+    p.add_argument("--extra-warmup", type=warmup_list,
+                   help="override the extra warm-up r_s of ours, one per stage, e.g. 4,3,1,0 (still clamped)")
     p.add_argument("--comm", choices=COMM_NAMES, default=CommModel.PER_DIRECTION.value,
                    help="communication plans are scored with: one channel per direction (what the executor "
                         "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
@@ -94,19 +154,20 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     """The sizes and unit order of 'schedule' and 'programs'."""
-    p.add_argument("--stages", type=positive_int, required=True)
-    p.add_argument("--microbatches", "-m", type=positive_int, required=True)
+    p.add_argument("--stages", type=bounded_int(1, MAX_STAGES), required=True)
+    p.add_argument("--microbatches", "-m", type=bounded_int(1, MAX_MICROBATCHES), required=True)
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.ONE_F_ONE_B.value)
-    p.add_argument("--extra-warmup", type=int_list, help="r_s for ours, e.g. 4,3,1,0 (clamped)")
+    p.add_argument("--extra-warmup", type=warmup_list, help="r_s for ours, one per stage, e.g. 4,3,1,0 (clamped)")
 
 
 # -- the parser -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = EnvpipeArgumentParser(
         prog="envpipe",
         description="Energy-saving pipeline schedules and GPU clock plans (EnvPipe) for Megatron-core.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.command_parsers = sub.choices
 
     p = sub.add_parser("plan", help="plan per-unit SM clocks from a profile and compare with the baseline")
     add_profile_args(p)
@@ -115,10 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="initial plan (default envelope)")
     p.add_argument("--reconfig", choices=RECONFIG_NAMES, default=ReconfigPolicy.BALANCED.value,
                    help="policy (default balanced)")
-    p.add_argument("--reconfig-step", type=positive_int, help="MHz per reconfiguration step (default: GPU table)")
-    p.add_argument("--max-slowdown", type=fraction, default=0.0,
+    p.add_argument("--reconfig-step", type=bounded_int(1, MAX_CLOCK_MHZ),
+                   help="MHz per reconfiguration step (default: GPU table)")
+    p.add_argument("--max-slowdown", type=fraction,
                    help="--type optimal: allowed iteration-time increase over the baseline, e.g. 0.05 or 5%% (default 0)")
-    p.add_argument("--target-time", type=positive_float, metavar="S",
+    p.add_argument("--target-time", type=bounded_float(0.0, MAX_SECONDS, " s", low_open=True), metavar="S",
                    help="--type optimal: plan for iterations lasting S seconds anyway (e.g. a straggler's pace); "
                         "energy is counted until then")
     p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
@@ -128,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("frontier", help="the iteration-time vs energy Pareto frontier of optimal plans")
     add_profile_args(p)
     add_pipeline_args(p)
-    p.add_argument("--points", type=positive_int, default=20, help="deadlines from fastest to valley (default 20)")
+    p.add_argument("--points", type=bounded_int(2, MAX_POINTS), default=20,
+                   help="deadlines from fastest to valley (default 20)")
     p.add_argument("--csv", metavar="OUT.csv", help="write time_s,energy_j,saving,slowdown")
-    p.add_argument("--target-time", type=positive_float, metavar="S",
+    p.add_argument("--target-time", type=bounded_float(0.0, MAX_SECONDS, " s", low_open=True), metavar="S",
                    help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")
     p.set_defaults(func=cmd_frontier)
 
@@ -142,11 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate one iteration of a plan or schedule on a profile")
     add_profile_args(p)
     p.add_argument("--plan", metavar="PLAN.json", help="a plan from 'envpipe plan --out'")
-    p.add_argument("--microbatches", "-m", type=positive_int, help="micro-batches (without --plan)")
-    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.ONE_F_ONE_B.value,
-                   help="unit order (without --plan)")
-    p.add_argument("--extra-warmup", type=int_list, help="r_s for --scheduling ours, e.g. 4,3,1,0")
-    p.add_argument("--freq", type=positive_int, help="one clock for every unit (default: the profile's max)")
+    p.add_argument("--microbatches", "-m", type=bounded_int(1, MAX_MICROBATCHES), help="micro-batches (without --plan)")
+    # No default: given with --plan it would be ignored, which is reported instead (see cmd_simulate).
+    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, help="unit order (without --plan; default 1f1b)")
+    p.add_argument("--extra-warmup", type=warmup_list, help="r_s for --scheduling ours, one per stage, e.g. 4,3,1,0")
+    p.add_argument("--freq", type=bounded_int(1, MAX_CLOCK_MHZ),
+                   help="one clock for every unit (default: the profile's max)")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("schedule", help="print a schedule's per-stage unit order")

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_envpipe.apps.cli.common import CliError, gpu_for, load_profile, p2p_power, plan_from_file
+from megatron_envpipe.apps.cli.common import (
+    CliError,
+    check_extra_warmup_flag,
+    gpu_for,
+    load_profile,
+    p2p_power,
+    plan_from_file,
+)
+from megatron_envpipe.apps.cli.outputs import check_outputs, write_outputs
 from megatron_envpipe.apps.cli.render import print_json, recv_wait_ms, score_dict
-from megatron_envpipe.apps.plot import draw_timelines
+from megatron_envpipe.apps.plot import image_format, timelines_image
 from megatron_envpipe.core.instructions import DeadlockError, build_programs, check_deadlock
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
 from megatron_envpipe.core.schedule import build_schedule, clamp_extra_warmup
@@ -14,23 +22,42 @@ from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import Scheduling
 
 
+def _check_simulate_flags(args: argparse.Namespace) -> None:
+    """--plan brings its own schedule and clocks: the flags that would set them are reported, not ignored."""
+    if args.plan is None:
+        if args.microbatches is None:
+            raise CliError("simulate needs --plan PLAN.json, or --microbatches M (with --scheduling/--freq)")
+        return
+    given = [flag for flag, value in (("--microbatches", args.microbatches), ("--scheduling", args.scheduling),
+                                      ("--extra-warmup", args.extra_warmup), ("--freq", args.freq))
+             if value is not None]
+    if given:
+        raise CliError(f"--plan brings its own schedule and clocks: drop {', '.join(given)} "
+                       "(or drop --plan to simulate a schedule at one clock)")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    check_outputs(args, "--plot")
+    _check_simulate_flags(args)
+    plan = plan_from_file(args.plan)[1] if args.plan is not None else None
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
     gpu = gpu_for(args)
     p2p = p2p_power(args, gpu)
-    if args.plan:
-        _, plan = plan_from_file(args.plan)
+    if plan is not None:
         schedule = plan.schedule
+        if schedule.num_stages != profile.num_stages:
+            raise CliError(f"--plan {args.plan} has {schedule.num_stages} stages, the profile {profile.num_stages} "
+                           f"({profile.source}): simulate it on the profile it was planned for")
     else:
-        if args.microbatches is None:
-            raise CliError("simulate needs --plan PLAN.json, or --microbatches M (with --scheduling/--freq)")
         p = profile.num_stages
+        scheduling = args.scheduling or Scheduling.ONE_F_ONE_B.value
+        check_extra_warmup_flag(args, p, scheduling)
         r = None
-        if args.scheduling == Scheduling.OURS:
+        if scheduling == Scheduling.OURS:
             if not args.extra_warmup:
                 raise CliError("--scheduling ours needs --extra-warmup r0,r1,...")
             r = clamp_extra_warmup(p, args.microbatches, args.extra_warmup)
-        schedule = build_schedule(args.scheduling, p, args.microbatches, r)
+        schedule = build_schedule(scheduling, p, args.microbatches, r)
         freq = args.freq or profile.max_frequency()
         plan = FrequencyPlan.constant(schedule, [freq] * p)
     evaluator = PlanEvaluator(schedule, profile, p2p, args.p2p_latency)
@@ -45,8 +72,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "peak_inflight_activations": list(schedule.peak_inflight()),
         "critical_path": [f"S{s} {u}" for s, u in reversed(crit)],
     }
-    if args.plot:
-        draw_timelines([(f"simulated {schedule.name}", plan, timeline)], args.plot)
+    if args.plot is not None:
+        write_outputs([(args.plot, timelines_image([(f"simulated {schedule.name}", plan, timeline)],
+                                                   image_format(args.plot)))])
     if args.json:
         print_json(data)
         return 0
@@ -67,6 +95,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
+    check_extra_warmup_flag(args, args.stages)
     r = None
     if args.scheduling == Scheduling.OURS:
         r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages, args.max_inflight)
@@ -77,6 +106,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_programs(args: argparse.Namespace) -> int:
+    check_extra_warmup_flag(args, args.stages)
     r = None
     if args.scheduling == Scheduling.OURS:
         r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages)

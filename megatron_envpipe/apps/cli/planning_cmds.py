@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_envpipe.apps.cli.common import CliError, gpu_for, load_profile, p2p_power, plan_from_file, planner_config
+from megatron_envpipe.apps.cli.common import (
+    CliError,
+    check_extra_warmup_flag,
+    check_stages,
+    gpu_for,
+    load_profile,
+    p2p_power,
+    plan_from_file,
+    planner_config,
+)
+from megatron_envpipe.apps.cli.outputs import check_outputs, json_text, write_outputs
 from megatron_envpipe.apps.cli.render import print_json, print_result, result_to_dict
-from megatron_envpipe.apps.plot import draw_frontier, draw_timelines
-from megatron_envpipe.core.atomic import write_json_atomic
+from megatron_envpipe.apps.plot import frontier_image, image_format, timelines_image
 from megatron_envpipe.core.plan import format_envpipe
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.vocabulary import CommModel, PlanType, ReconfigPolicy, Scheduling
@@ -18,14 +27,32 @@ from megatron_envpipe.planning.frontier import Frontier, compute_frontier
 from megatron_envpipe.planning.planner import plan_envpipe
 
 
+def _check_plan_flags(args: argparse.Namespace) -> None:
+    """Flag combinations that would be ignored or contradict each other: reported, not silently dropped."""
+    if args.max_slowdown is not None and args.target_time is not None:
+        raise CliError("--target-time and --max-slowdown both set the deadline: give one of them")
+    if args.type != PlanType.OPTIMAL:
+        for flag, value in (("--max-slowdown", args.max_slowdown), ("--target-time", args.target_time)):
+            if value is not None:
+                raise CliError(f"{flag} needs --type optimal (--type {args.type} plans have no deadline): "
+                               f"add --type optimal or drop {flag}")
+    if args.compat == "perseus":
+        if (args.type != PlanType.ENVELOPE or args.scheduling != Scheduling.ONE_F_ONE_B
+                or args.reconfig != ReconfigPolicy.BALANCED):
+            raise CliError(
+                "--compat perseus reproduces Perseus's EnvPipe (envelope, 1f1b, balanced); "
+                "drop --type/--scheduling/--reconfig or set them to those values"
+            )
+        ignored = [flag for flag, given in (
+            ("--max-inflight", args.max_inflight is not None), ("--reconfig-step", args.reconfig_step is not None),
+            ("--p2p-latency", args.p2p_latency != 0.0), ("--comm paired", args.comm != CommModel.PER_DIRECTION),
+        ) if given]
+        if ignored:
+            raise CliError(f"--compat perseus has no {', '.join(ignored)}: drop it")
+
+
 def _plan_perseus(args: argparse.Namespace, profile: Profile, gpu, extra: dict[str, Any]) -> PlanResult:
     """--compat perseus: Perseus's EnvPipe re-implementation; what it reports goes into ``extra``."""
-    if (args.type != PlanType.ENVELOPE or args.scheduling != Scheduling.ONE_F_ONE_B
-            or args.reconfig != ReconfigPolicy.BALANCED):
-        raise CliError(
-            "--compat perseus reproduces Perseus's EnvPipe (envelope, 1f1b, balanced); "
-            "drop --type/--scheduling/--reconfig or set them to those values"
-        )
     compat = plan_envpipe_perseus(
         profile,
         args.microbatches,
@@ -41,29 +68,31 @@ def _plan_perseus(args: argparse.Namespace, profile: Profile, gpu, extra: dict[s
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_outputs(args, "--out", "--plot")
+    _check_plan_flags(args)
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
+    check_extra_warmup_flag(args, check_stages(args, profile))
     gpu = gpu_for(args)
     extra: dict[str, Any] = {}
     if args.compat == "perseus":
         result = _plan_perseus(args, profile, gpu, extra)
     else:
+        max_slowdown = args.max_slowdown if args.max_slowdown is not None else 0.0
         config = planner_config(args, gpu, args.type, args.reconfig, reconfig_step_mhz=args.reconfig_step,
-                                max_slowdown=args.max_slowdown, target_time_s=args.target_time)
+                                max_slowdown=max_slowdown, target_time_s=args.target_time)
         result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
-    if args.stages is not None and args.stages != result.schedule.num_stages:
-        raise CliError(f"--stages {args.stages} does not match the profile's {result.schedule.num_stages} stages")
     data = result_to_dict(result, profile, extra)
-    if args.out:
-        write_json_atomic(args.out, data)
-    if args.plot:
-        draw_timelines(
+    picture = None
+    if args.plot is not None:
+        picture = timelines_image(
             [
                 ("baseline: 1F1B at f_max", result.baseline_plan, result.baseline_timeline),
                 (f"plan: {result.config.plan_type}/{result.config.scheduling}/{result.config.reconfig}",
                  result.plan, result.timeline),
             ],
-            args.plot,
+            image_format(args.plot),
         )
+    write_outputs([(args.plot, picture), (args.out, json_text(data))])
     if args.json:
         print_json(data)
     else:
@@ -131,21 +160,23 @@ def _print_frontier(fr: Frontier, profile: Profile, target_time: float | None, p
 
 
 def cmd_frontier(args: argparse.Namespace) -> int:
+    check_outputs(args, "--csv", "--plot")
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
+    check_extra_warmup_flag(args, check_stages(args, profile))
     gpu = gpu_for(args)
     config = planner_config(args, gpu, PlanType.OPTIMAL, ReconfigPolicy.DEFAULT)
     fr = compute_frontier(profile, args.microbatches, config, points=args.points, num_stages=args.stages)
     picked = fr.pick(args.target_time) if args.target_time is not None else None
-    if args.csv:
-        fr.to_csv(args.csv)
-    if args.plot:
+    picture = None
+    if args.plot is not None:
         # EnvPipe's own plan for comparison: the same pipeline, no --extra-warmup, no --comm.
         envpipe_config = planner_config(args, gpu, PlanType.ENVELOPE, ReconfigPolicy.BALANCED,
                                         extra_warmup=None, comm=CommModel.PER_DIRECTION)
         envpipe = plan_envpipe(profile, args.microbatches, envpipe_config)
-        draw_frontier(fr, args.plot, args.target_time,
-                      others=[(f"EnvPipe envelope+balanced ({args.scheduling})", envpipe.score.iteration_time_s,
-                               envpipe.score.energy_j)])
+        picture = frontier_image(fr, image_format(args.plot), args.target_time,
+                                 others=[(f"EnvPipe envelope+balanced ({args.scheduling})",
+                                          envpipe.score.iteration_time_s, envpipe.score.energy_j)])
+    write_outputs([(args.plot, picture), (args.csv, fr.csv_text() if args.csv is not None else "")])
     data = _frontier_dict(fr, profile, args.target_time, picked)
     if args.json:
         print_json(data)

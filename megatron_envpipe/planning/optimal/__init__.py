@@ -51,7 +51,7 @@ Pure Python apart from the LP (``numpy`` + ``highspy`` or ``scipy``, imported
 only in :mod:`.lp` and :mod:`.model`, only when an optimal plan is asked for).
 
 Modules: :mod:`.options` (step 1), :mod:`.lp` and :mod:`.rows` (the LP's
-backends and constraint rows, shared with :mod:`~megatron_envpipe.planning.milp`),
+backends (also the MILP's solver) and constraint rows; the MILP oracle builds its own),
 :mod:`.model` (the problem and step 2), :mod:`.search` (steps 3-5),
 :mod:`.entry` (candidate schedules and :func:`plan_optimal`),
 :mod:`.deadline` (what meeting a deadline means).
