@@ -22,6 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
+from megatron_envpipe.core.memory import (
+    AUTO,
+    MaxInflight,
+    MemoryModel,
+    budget_problem,
+    parse_max_inflight,
+    show_budget,
+)
 from megatron_envpipe.core.profile import Profile, ProfileError
 from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
 from megatron_envpipe.core.vocabulary import (
@@ -50,7 +58,10 @@ class EnvPipeConfig:
     # "simulated:<profile>" (a GPU model on CPU), or a GPU table key (NVML + that table).
     gpu: str | None = None
     profile: str | None = None  # Perseus CSV; None: measure at start-up
-    max_inflight: int | None = None  # activation budget per stage for "ours"
+    # Activation budget per stage for "ours" (core.memory): "auto" (derived from measured memory),
+    # None (no limit), one number for every stage, or one per stage.
+    max_inflight: MaxInflight = AUTO
+    sim_memory: MemoryModel | None = None  # stands in for the device's memory in "auto" (CPU, simulated GPU)
     extra_warmup: tuple[int, ...] | None = None
     p2p_power_w: float | None = None
     reconfig_step_mhz: int | None = None
@@ -87,6 +98,7 @@ class EnvPipeConfig:
         if self.reconfig not in RECONFIG_POLICIES:
             bad(f"--envpipe-reconfig {self.reconfig!r}: choose one of {', '.join(RECONFIG_POLICIES)}")
         self._validate_numbers()
+        self._validate_max_inflight()
         if self.extra_warmup is not None:
             if self.scheduling != Scheduling.OURS:
                 bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours: add "
@@ -145,10 +157,45 @@ class EnvPipeConfig:
                 f"{_show(self.max_slowdown / 100)} or {x}%"
             )
 
+    def _validate_max_inflight(self) -> None:
+        """``--envpipe-max-inflight``: auto, none, a whole number >= 1, or one per stage; the memory model's numbers."""
+        flag, value = "--envpipe-max-inflight", self.max_inflight
+        example = "give e.g. auto, none, 8 or 4,3,2,2"
+        if value is None or value == AUTO:
+            pass
+        elif isinstance(value, tuple):
+            if not value:
+                raise EnvPipeConfigError(f"{flag} is empty: give one budget per pipeline stage, e.g. 4,3,2,2, or auto")
+            for s, b in enumerate(value):
+                problem = _number_problem(b, "int", ("ge", 1), None, "micro-batch activations")
+                if problem:
+                    raise EnvPipeConfigError(f"{flag} {show_budget(value)}: stage {s}'s entry {_show(b)} {problem}; "
+                                             f"{example}")
+        elif isinstance(value, str):
+            raise EnvPipeConfigError(f"{flag} {value!r}: {example}")
+        else:
+            problem = _number_problem(value, "int", ("ge", 1), None, "micro-batch activations")
+            if problem:
+                raise EnvPipeConfigError(f"{flag} {_show(value)}: {problem}; {example}")
+        model = self.sim_memory
+        if model is not None:
+            problem = model.problem() if isinstance(model, MemoryModel) else "not a memory model"
+            if problem:
+                raise EnvPipeConfigError(f"--envpipe-sim-memory: {problem}; give GIB_FREE,MIB_PER_MICROBATCH, "
+                                         "e.g. 2,256")
+            if self.scheduling != Scheduling.OURS or value != AUTO:
+                raise EnvPipeConfigError(
+                    "--envpipe-sim-memory only applies to --envpipe-max-inflight auto with --envpipe-scheduling ours "
+                    f"(this run has {flag} {show_budget(value)}, --envpipe-scheduling {self.scheduling}): "
+                    "drop --envpipe-sim-memory or use those")
+
     def validate_with_megatron_args(self, args: Any) -> "EnvPipeConfig":
         """Every check that needs Megatron's own flags, run once at argument parsing.
 
-        Virtual pipelines; ``--envpipe-scheduling ours`` without pipelining; the
+        A setting other than Megatron's own (baseline/1f1b/default) with a virtual
+        pipeline or without pipelining (Megatron then never calls the schedule
+        EnvPipe replaces, so it would silently do nothing); a profile on a GPU whose
+        P2P blocking power is unknown, without ``--envpipe-p2p-power``; the
         profile (read once here: readable, parses, one stage per pipeline stage);
         ``--envpipe-extra-warmup`` (one entry per stage); and the activation budget
         ``--envpipe-max-inflight`` (at least what 1F1B itself holds on stage 0).
@@ -156,21 +203,35 @@ class EnvPipeConfig:
         attributes it lacks are not checked.
         """
         self.validate()
+        stock = "--envpipe-type baseline --envpipe-scheduling 1f1b --envpipe-reconfig default"
+        settings = " ".join(f"{flag} {value}" for flag, value, default in (
+            ("--envpipe-type", self.plan_type, PlanType.BASELINE),
+            ("--envpipe-scheduling", self.scheduling, Scheduling.ONE_F_ONE_B),
+            ("--envpipe-reconfig", self.reconfig, ReconfigPolicy.DEFAULT)) if value != default)
         vpp_flags = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in _VIRTUAL_PIPELINE_ARGS
                      if getattr(args, name, None) is not None]
-        if vpp_flags and (self.scheduling != Scheduling.ONE_F_ONE_B or self.plan_type != PlanType.BASELINE):
+        if vpp_flags and not self.is_stock:
             raise EnvPipeConfigError(
-                f"EnvPipe has no interleaved (virtual-pipeline) schedule ({', '.join(vpp_flags)}): drop "
-                "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage, "
-                "or run --envpipe-type baseline --envpipe-scheduling 1f1b"
+                f"EnvPipe has no interleaved (virtual-pipeline) schedule ({', '.join(vpp_flags)}), so {settings} "
+                "would do nothing: drop --virtual-pipeline-model-parallel-size / "
+                f"--num-layers-per-virtual-pipeline-stage, or run {stock}"
+            )
+        spec = _table_gpu(self.gpu)
+        if self.profile is not None and self.p2p_power_w is None and spec is not None and spec.p2p_power_w is None:
+            raise EnvPipeConfigError(
+                f"--envpipe-profile {self.profile} on --envpipe-gpu {self.gpu}: the P2P blocking power of "
+                f"{spec.key.upper()} is unknown (configs/gpus.toml has no published measurement): give "
+                "--envpipe-p2p-power W (measure it with Zeus's examples/pipeline_frequency_optimizer/profile_p2p.py), "
+                "or drop --envpipe-profile and let the start-up profiler measure it"
             )
         pp = getattr(args, "pipeline_model_parallel_size", None)
         if not _is_int(pp):
             return self
-        if pp < 2 and self.scheduling == Scheduling.OURS:
+        if pp < 2 and not self.is_stock:
             raise EnvPipeConfigError(
-                f"--envpipe-scheduling ours needs pipeline parallelism (--pipeline-model-parallel-size is {pp}): "
-                "set --pipeline-model-parallel-size >= 2"
+                f"EnvPipe needs pipeline parallelism: --pipeline-model-parallel-size is {pp}, so Megatron runs no "
+                f"pipeline schedule and {settings} would do nothing: set --pipeline-model-parallel-size >= 2, "
+                f"or run {stock}"
             )
         if pp >= 2:
             profile = load_profile(self.profile) if self.profile is not None else None
@@ -198,14 +259,19 @@ class EnvPipeConfig:
                 f"--envpipe-extra-warmup {_show_list(self.extra_warmup)} has {len(self.extra_warmup)} "
                 f"entries but {pipeline}: give exactly one per stage, first stage first, e.g. {example}"
             )
-        if self.max_inflight is not None:
+        if self.max_inflight == AUTO:
+            return  # derived from memory, never below what 1F1B holds
+        if isinstance(self.max_inflight, int):
             need = num_stages if num_microbatches is None else min(num_stages, num_microbatches)
             if self.max_inflight < need:
                 raise EnvPipeConfigError(
                     f"--envpipe-max-inflight {self.max_inflight} is below the {need} micro-batch activations "
                     f"that 1F1B itself keeps in flight on stage 0, as {pipeline}: give at least {need} "
-                    "(more allows extra warm-up), or drop the flag for no limit"
+                    "(more allows extra warm-up), auto, or none for no limit"
                 )
+        problem = budget_problem(num_stages, num_microbatches, self.max_inflight)
+        if problem:
+            raise EnvPipeConfigError(f"--envpipe-max-inflight {problem} (--pipeline-model-parallel-size {num_stages})")
 
     @property
     def is_stock(self) -> bool:
@@ -249,6 +315,8 @@ class EnvPipeConfig:
                 values[f.name] = getattr(args, key)
         if values.get("extra_warmup") is not None:
             values["extra_warmup"] = tuple(values["extra_warmup"])
+        if isinstance(values.get("max_inflight"), list):
+            values["max_inflight"] = tuple(values["max_inflight"])
         return cls(**values).validate()
 
 
@@ -258,7 +326,6 @@ class EnvPipeConfig:
 # >= x, ("gt", x) is > x. Every number must be finite: nan fails every comparison, and so
 # passed checks written as `value < 0`.
 _NUMBERS: dict[str, tuple[str, str, tuple[str, float], float | None, str, str]] = {
-    "max_inflight": ("--envpipe-max-inflight", "int", ("ge", 1), None, "micro-batch activations", "8"),
     "p2p_power_w": ("--envpipe-p2p-power", "float", ("ge", 0), 5000.0, "W", "70"),
     "reconfig_step_mhz": ("--envpipe-reconfig-step", "int", ("ge", 1), None, "MHz", "30"),
     "finish_limit": ("--envpipe-finish-limit", "int", ("ge", 0), None, "iterations", "10"),
@@ -273,11 +340,18 @@ _NUMBERS: dict[str, tuple[str, str, tuple[str, float], float | None, str, str]] 
     "max_slowdown": ("--envpipe-max-slowdown", "float", ("ge", 0), None, "", "0.05 (or 5%)"),
     "target_time_s": ("--envpipe-target-time", "float", ("gt", 0), None, "seconds", "8.5"),
 }
-_OPTIONAL_NUMBERS = frozenset({"max_inflight", "p2p_power_w", "reconfig_step_mhz", "profile_step_mhz",
+_OPTIONAL_NUMBERS = frozenset({"p2p_power_w", "reconfig_step_mhz", "profile_step_mhz",
                                "target_time_s"})
 # Megatron's flags that turn on the interleaved schedule (names differ across releases).
 _VIRTUAL_PIPELINE_ARGS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                           "num_virtual_stages_per_pipeline_rank")
+
+
+def _table_gpu(gpu: str | None) -> GpuSpec | None:
+    """The GPU-table entry ``--envpipe-gpu`` names, or None (auto, none, nvml, simulated: known at run time)."""
+    if not gpu or gpu in ("auto", "none", "nvml") or gpu.startswith("simulated"):
+        return None
+    return get_gpu_spec(gpu)  # validate() has checked the key
 
 
 def _is_int(value: Any) -> bool:
@@ -397,6 +471,22 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def max_inflight_arg(text: str) -> MaxInflight:
+    """argparse type of the activation-budget flags: ``auto``, ``none``/``unlimited``, ``8``, ``4,3,2,2``."""
+    try:
+        return parse_max_inflight(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def memory_model_arg(text: str) -> MemoryModel:
+    """argparse type of ``--envpipe-sim-memory``: ``GIB_FREE,MIB_PER_MICROBATCH``."""
+    try:
+        return MemoryModel.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--envpipe-*`` flags; returns the parser (Megatron's extra_args_provider shape)."""
     d = EnvPipeConfig()
@@ -416,8 +506,16 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "entry of configs/gpus.toml (NVML with that table's steps and P2P power)")
     g.add_argument("--envpipe-profile", dest="envpipe_profile", default=d.profile,
                    help="Perseus-format time/energy profile CSV; default: measure at start-up")
-    g.add_argument("--envpipe-max-inflight", dest="envpipe_max_inflight", type=int, default=d.max_inflight,
-                   help="activation-memory budget per stage (micro-batch activations) for 'ours'")
+    g.add_argument("--envpipe-max-inflight", dest="envpipe_max_inflight", type=max_inflight_arg,
+                   default=d.max_inflight,
+                   help="activation-memory budget for 'ours', in micro-batch activations: auto (default: from the "
+                        "activation memory and free memory measured in the first 1F1B iterations on CUDA, or "
+                        "--envpipe-sim-memory; no limit where neither exists), none, N for every stage, or one per "
+                        "stage, e.g. 4,3,2,2")
+    g.add_argument("--envpipe-sim-memory", dest="envpipe_sim_memory", type=memory_model_arg, default=None,
+                   metavar="GIB_FREE,MIB_PER_MICROBATCH",
+                   help="memory model for --envpipe-max-inflight auto in place of measuring the device (CPU, "
+                        "simulated GPU): GiB free per stage at 1F1B's peak, MiB of activations per micro-batch")
     g.add_argument("--envpipe-extra-warmup", dest="envpipe_extra_warmup", type=int_list, default=None,
                    help="override EnvPipe's extra warm-up forwards per stage, e.g. 4,3,1,0 (clamped)")
     g.add_argument("--envpipe-p2p-power", dest="envpipe_p2p_power_w", type=float, default=d.p2p_power_w,

@@ -39,7 +39,7 @@ ENVPIPE_PROFILE_STEP=${ENVPIPE_PROFILE_STEP:-}           # start-up profiler: MH
 ENVPIPE_PROFILE_ITERATIONS=${ENVPIPE_PROFILE_ITERATIONS:-2}   # start-up profiler: iterations per clock
 ENVPIPE_MEASURE_ITERATIONS=${ENVPIPE_MEASURE_ITERATIONS:-1}   # iterations timed before planning without clock control
 ENVPIPE_ON_NO_PERMISSION=${ENVPIPE_ON_NO_PERMISSION:-fail}    # fail | monitor (train, only measure energy)
-ENVPIPE_MAX_INFLIGHT=${ENVPIPE_MAX_INFLIGHT:-}           # activation budget per stage for ours; empty: none
+ENVPIPE_MAX_INFLIGHT=${ENVPIPE_MAX_INFLIGHT:-}           # activation budget for ours: auto, none, N, b0,b1,...; empty: auto
 ENVPIPE_EXTRA_WARMUP=${ENVPIPE_EXTRA_WARMUP:-}           # e.g. 4,3,1,0; empty: EnvPipe's
 ENVPIPE_P2P_POWER=${ENVPIPE_P2P_POWER:-}                 # W of a GPU blocked in P2P; empty: GPU table
 ENVPIPE_RECONFIG_STEP=${ENVPIPE_RECONFIG_STEP:-}         # MHz per reconfiguration step; empty: GPU table
@@ -50,6 +50,7 @@ ENVPIPE_THRESHOLD_SCALE=${ENVPIPE_THRESHOLD_SCALE:-4.0}  # critical-path wait th
 ENVPIPE_PREFETCH=${ENVPIPE_PREFETCH:-2}                  # receives posted ahead per channel
 ENVPIPE_COMM_TIMEOUT=${ENVPIPE_COMM_TIMEOUT:-300}        # s before a stuck P2P transfer raises
 ENVPIPE_SIM_TIME_SCALE=${ENVPIPE_SIM_TIME_SCALE:-0.02}   # simulated GPU: wall s per simulated s
+ENVPIPE_SIM_MEMORY=${ENVPIPE_SIM_MEMORY:-}               # memory model for max-inflight auto off CUDA: GIB_FREE,MIB_PER_MICROBATCH
 ENVPIPE_LOG_INTERVAL=${ENVPIPE_LOG_INTERVAL:-}           # plan/energy line every N iterations; empty: LOG_INTERVAL
 ENVPIPE_VERBOSE=${ENVPIPE_VERBOSE:-0}                    # 1: print each stage's instruction program
 # After torchrun, on every node: `envpipe reset-clocks` repairs GPUs whose clocks
@@ -264,6 +265,7 @@ envpipe_compose_args() {
     _envpipe_opt --envpipe-profile-cache "$ENVPIPE_PROFILE_CACHE"
     _envpipe_opt --envpipe-profile-step "$ENVPIPE_PROFILE_STEP"
     _envpipe_opt --envpipe-max-inflight "$ENVPIPE_MAX_INFLIGHT"
+    _envpipe_opt --envpipe-sim-memory "$ENVPIPE_SIM_MEMORY"
     _envpipe_opt --envpipe-extra-warmup "$ENVPIPE_EXTRA_WARMUP"
     _envpipe_opt --envpipe-p2p-power "$ENVPIPE_P2P_POWER"
     _envpipe_opt --envpipe-reconfig-step "$ENVPIPE_RECONFIG_STEP"

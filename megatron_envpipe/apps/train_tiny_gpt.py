@@ -156,7 +156,9 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group(backend="nccl")
+        # Bound to the device: NCCL communicators are created eagerly, at group creation, not
+        # lazily inside the first iteration (EnvPipe's channels then split the pipeline group).
+        dist.init_process_group(backend="nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group(backend="gloo")

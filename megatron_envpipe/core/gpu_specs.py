@@ -2,7 +2,9 @@
 
 Loaded and validated here so a bad table fails at start-up naming the key and
 file. Pure Python (``tomllib``), no NVML: the runtime NVML backend refines the
-candidate list with the device's own supported clocks.
+candidate list with the device's own supported clocks. A GPU whose P2P
+blocking power nobody has published a measurement of says ``"unknown"``:
+:meth:`GpuSpec.known_p2p_power_w` then raises instead of planning with 0 W.
 """
 
 from __future__ import annotations
@@ -15,13 +17,21 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from megatron_envpipe.core.resources import configs_dir
+from megatron_envpipe.core.resources import configs_dir, shipped_profiles
 from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.errors import UsageError
 
 
 class GpuSpecError(UsageError, ValueError):
     """A missing GPU entry or an invalid clock table."""
+
+
+class P2PPowerUnknownError(GpuSpecError):
+    """The table has no P2P blocking power for this GPU, and none was given."""
+
+
+# What the table says where no P2P blocking power has been measured and published.
+P2P_UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -33,8 +43,23 @@ class GpuSpec:
     clock_step_mhz: float
     profile_step_mhz: int
     reconfig_step_mhz: int
-    p2p_power_w: float
+    p2p_power_w: float | None  # None: "unknown" in the table
     sources: tuple[str, ...]
+
+    def known_p2p_power_w(self) -> float:
+        """P2P blocking power from the table; P2PPowerUnknownError where it is unknown.
+
+        Planning with 0 W would score idle time as free and favour slow clocks
+        wrongly, so a caller without a value of its own must not go on.
+        """
+        if self.p2p_power_w is None:
+            raise P2PPowerUnknownError(
+                f"P2P blocking power of {self.key.upper()} is unknown (configs/gpus.toml has no published "
+                "measurement): give --p2p-power W (--envpipe-p2p-power W in training; measure it with Zeus's "
+                "examples/pipeline_frequency_optimizer/profile_p2p.py) or let the start-up profiler measure it "
+                "(train without --envpipe-profile)"
+            )
+        return self.p2p_power_w
 
     def candidate_clocks(self, available_mhz: Iterable[int] | None = None) -> tuple[int, ...]:
         """Clocks the planner may use, fastest first; the true maximum is always first.
@@ -68,7 +93,7 @@ _FIELDS = {
     "clock_step_mhz": (int, float),
     "profile_step_mhz": (int,),
     "reconfig_step_mhz": (int,),
-    "p2p_power_w": (int, float),
+    "p2p_power_w": (int, float, str),  # a string only as P2P_UNKNOWN
     "sources": list,
 }
 
@@ -118,7 +143,8 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
                 raise GpuSpecError(f"{path}: [{key}] lacks {name}; every entry needs {', '.join(_FIELDS)}")
             value = entry[name]
             if isinstance(value, bool) or not isinstance(value, types if isinstance(types, tuple) else (types,)):
-                want = {list: "a list of strings", (int,): "an integer"}.get(types, "a number")
+                want = {list: "a list of strings", (int,): "an integer",
+                        (int, float, str): f'a number (W) or "{P2P_UNKNOWN}"'}.get(types, "a number")
                 raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} has the wrong type: give {want}")
             if isinstance(value, float) and not math.isfinite(value):  # TOML has nan and inf
                 raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} must be a finite number")
@@ -138,9 +164,14 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
         if (entry["max_clock_mhz"] - entry["min_clock_mhz"]) / entry["clock_step_mhz"] > MAX_CLOCKS:
             raise GpuSpecError(f"{path}: [{key}] clock_step_mhz = {entry['clock_step_mhz']} gives over {MAX_CLOCKS} "
                                "clocks: give NVML's clock spacing in MHz (e.g. 15)")
-        if not 0 <= entry["p2p_power_w"] <= MAX_P2P_POWER_W:
+        p2p = entry["p2p_power_w"]
+        if isinstance(p2p, str):
+            if p2p != P2P_UNKNOWN:
+                raise GpuSpecError(f'{path}: [{key}] p2p_power_w = "{p2p}": give a number (W) or "{P2P_UNKNOWN}"')
+            p2p = None
+        elif not 0 < p2p <= MAX_P2P_POWER_W:  # 0 W is no measurement: write "unknown"
             raise GpuSpecError(f"{path}: [{key}] p2p_power_w must be between 0 and {MAX_P2P_POWER_W:g} W, "
-                               f"got {entry['p2p_power_w']}")
+                               f'got {p2p} (write "{P2P_UNKNOWN}" where it has not been measured)')
         specs.append(
             (
                 key,
@@ -152,7 +183,7 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
                     clock_step_mhz=float(entry["clock_step_mhz"]),
                     profile_step_mhz=entry["profile_step_mhz"],
                     reconfig_step_mhz=entry["reconfig_step_mhz"],
-                    p2p_power_w=float(entry["p2p_power_w"]),
+                    p2p_power_w=float(p2p) if p2p is not None else None,
                     sources=tuple(entry["sources"]),
                 ),
             )
@@ -171,7 +202,12 @@ def get_gpu_spec(key: str, path: str | os.PathLike[str] | None = None) -> GpuSpe
 
 
 def spec_for_profile_source(source: str) -> GpuSpec | None:
-    """The GPU a shipped profile's name starts with (``a40/gpt3-175b`` -> a40); None for a CSV or an unknown GPU."""
+    """The GPU a shipped profile's name starts with (``a40/gpt3-175b`` -> a40), also when the shipped
+    file is given by its path; None for another CSV or an unknown GPU."""
+    if source.endswith(".csv"):
+        # The same file makes the same GPU (P2P power, clock table) whichever way it is named.
+        path = Path(source).resolve()
+        source = next((name for name, p in shipped_profiles().items() if p.resolve() == path), source)
     if "/" not in source or source.endswith(".csv"):
         return None
     try:

@@ -20,7 +20,11 @@ order, or the §8.5 pairing, hold activations until gradients arrive; see
 :func:`check_deadlock` runs every program against a rendezvous model: a send
 completes only once the peer has posted the matching receive; ops on one
 stream complete in FIFO order; nothing is buffered. It reports the stuck
-stages, instructions and peers if the programs can block forever.
+stages, instructions and peers if the programs can block forever. With
+``lazy_communicators`` it also models NCCL's lazy communicator creation (the
+first operation on a channel, on either stage, is a blocking rendezvous of
+its two stages); :mod:`~megatron_envpipe.core.communicators` gives the warm-up
+order that makes those first uses a chain instead of a cycle.
 """
 
 from __future__ import annotations
@@ -255,6 +259,9 @@ def build_programs(
 def check_deadlock(
     programs: Sequence[StageProgram],
     shared_pair_stream: bool = False,
+    *,
+    lazy_communicators: bool = False,
+    warmup: Sequence[Sequence[tuple[int, int, str]]] | None = None,
 ) -> int:
     """Prove the programs complete under strict rendezvous; return the steps taken.
 
@@ -264,17 +271,38 @@ def check_deadlock(
     (FIFO, no buffering: a send needs the posted receive). Streams are one per
     channel (sender, receiver, kind), or with ``shared_pair_stream`` one per
     pair of stages for both directions (PyTorch's default per-pair NCCL
-    communicator), which is where naive orders deadlock.
+    communicator), which is where naive orders deadlock. A stream is one
+    communicator.
+
+    ``lazy_communicators``: a communicator does not exist until the first op
+    on it, and creating it blocks the stage until the other stage also
+    creates it (NCCL's lazy init: both ranks must join). ``warmup`` (per
+    stage, channels ``(sender, receiver, kind)``) are creations each stage
+    performs in that order before its program, each a rendezvous of the two
+    stages (and the one-element message the executor sends on it, which pairs
+    the same two stages at the same point).
 
     Also checks that every message is sent and received exactly once and in
     the same order on both sides. Raises :class:`DeadlockError`.
     """
 
-    def stream(stage: int, ins: CommInstruction):
-        snd, rcv, kind = ins.channel(stage)
+    def comm(snd: int, rcv: int, kind: str) -> tuple:
         return (min(snd, rcv), max(snd, rcv)) if shared_pair_stream else (snd, rcv, kind)
 
+    def stream(stage: int, ins: CommInstruction):
+        return comm(*ins.channel(stage))
+
     num = len(programs)
+    warm = [list(w) for w in warmup] if warmup is not None else [[] for _ in range(num)]
+    if len(warm) != num:
+        raise DeadlockError(f"warm-up for {len(warm)} stages, programs for {num}")
+    for s, channels in enumerate(warm):
+        for snd, rcv, _ in channels:
+            if s not in (snd, rcv) or abs(snd - rcv) != 1 or not (0 <= snd < num and 0 <= rcv < num):
+                raise DeadlockError(f"stage {s}: warm-up channel {(snd, rcv)} is not one of its channels")
+    ready: list[set[tuple]] = [set() for _ in range(num)]  # communicators each stage has created
+    joining: dict[int, tuple] = {}  # stage -> communicator it is blocked creating
+    wpcs = [0] * num
     pcs = [0] * num
     queues: dict[tuple, dict[int, deque]] = {}
     completed: set[tuple[int, int]] = set()  # (stage, instruction index)
@@ -297,16 +325,40 @@ def check_deadlock(
             completed.add((sa, ia))
             completed.add((sb, ib))
 
+    def create(s: int, key: tuple, peer: int) -> bool:
+        """Stage ``s`` needs communicator ``key`` (shared with ``peer``): True once it exists."""
+        if key in ready[s]:
+            return True
+        if joining.get(peer) == key:  # the peer is already waiting in the same creation
+            ready[s].add(key)
+            ready[peer].add(key)
+            del joining[peer]
+            joining.pop(s, None)
+            return True
+        joining[s] = key
+        return False
+
     progress = True
     while progress:
         progress = False
         for s, prog in enumerate(programs):
+            while wpcs[s] < len(warm[s]):
+                snd, rcv, kind = warm[s][wpcs[s]]
+                if not create(s, comm(snd, rcv, kind), rcv if snd == s else snd):
+                    break
+                wpcs[s] += 1
+                steps += 1
+                progress = True
+            if wpcs[s] < len(warm[s]):
+                continue  # blocked in its warm-up
             while pcs[s] < len(prog.instructions):
                 ins = prog.instructions[pcs[s]]
                 if isinstance(ins, CommInstruction):
                     peer = ins.peer(s)
                     if not 0 <= peer < num:
                         raise DeadlockError(f"stage {s}: {ins} has no peer stage {peer}")
+                    if ins.is_start and lazy_communicators and not create(s, stream(s, ins), peer):
+                        break  # blocked creating the communicator
                     if ins.is_start:
                         key = stream(s, ins)
                         qs = queues.setdefault(key, {})
@@ -324,13 +376,20 @@ def check_deadlock(
                 pcs[s] += 1
                 steps += 1
                 progress = True
-    stuck = [s for s, prog in enumerate(programs) if pcs[s] < len(prog.instructions)]
+    stuck = [s for s, prog in enumerate(programs) if wpcs[s] < len(warm[s]) or pcs[s] < len(prog.instructions)]
     if stuck:
         parts = []
         for s in stuck:
+            if wpcs[s] < len(warm[s]):
+                snd, rcv, kind = warm[s][wpcs[s]]
+                parts.append(f"stage {s} blocked at warm-up creating communicator {comm(snd, rcv, kind)} "
+                             f"waiting on stage {rcv if snd == s else snd}")
+                continue
             ins = programs[s].instructions[pcs[s]]
             peer = ins.peer(s) if isinstance(ins, CommInstruction) else None
-            parts.append(f"stage {s} blocked at {ins}" + (f" waiting on stage {peer}" if peer is not None else ""))
+            what = f" creating communicator {joining[s]}" if s in joining else ""
+            parts.append(f"stage {s} blocked at {ins}{what}"
+                         + (f" waiting on stage {peer}" if peer is not None else ""))
         raise DeadlockError("deadlock: " + "; ".join(parts))
     for key, qs in queues.items():
         left = [str(op[2]) for q in qs.values() for op in q]

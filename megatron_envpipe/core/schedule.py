@@ -393,7 +393,10 @@ def clamp_extra_warmup(
     else:
         budgets = list(max_inflight)
         if len(budgets) != num_stages:
-            raise ScheduleError(f"memory budget has {len(budgets)} entries for {num_stages} stages")
+            raise ScheduleError(
+                f"activation budget (max-inflight) {','.join(str(b).lower() for b in budgets)} has {len(budgets)} "
+                f"entries but the pipeline has {num_stages} stages: give one per stage, first stage first"
+            )
     r = []
     for s in range(num_stages):
         value = raw[s]
@@ -402,8 +405,8 @@ def clamp_extra_warmup(
             base = min(num_microbatches, num_stages - s)  # what 1F1B already holds
             if budget < base:
                 raise ScheduleError(
-                    f"stage {s}: activation budget {budget} is below the {base} in-flight "
-                    f"activations that 1F1B itself needs"
+                    f"stage {s}: activation budget (max-inflight) {budget} is below the {base} in-flight "
+                    f"activations that 1F1B itself needs there: give at least {base} for stage {s}"
                 )
             value = min(value, budget - base)
         value = min(value, max(0, num_microbatches - (num_stages - s)))

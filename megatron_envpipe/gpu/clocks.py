@@ -14,6 +14,10 @@ long-lived worker thread that takes requests from a FIFO queue:
 * An error in the worker (permission lost, GPU lost, a failed event) is kept and
   re-raised in the training thread at the next ``request`` / ``flush`` /
   ``close``; later queued requests are dropped, never applied out of order.
+* ``on_error="monitor"`` (what training uses): the first error instead switches
+  the controller to *monitor-only* for good: the clocks are reset to the
+  driver's default at once, one warning says so, and every later request is
+  dropped without touching the GPU or raising; energy is still measured.
 * ``close(reset=True)`` drains the queue, stops the worker and resets the clocks.
 
 Pure Python: no torch import.
@@ -21,15 +25,21 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from typing import Any, Protocol
 
+from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.base import GpuDevice, GpuError
-from megatron_envpipe.gpu.safety import ClockGuard, default_guard
+from megatron_envpipe.gpu.safety import REPAIR_HINT, ClockGuard, default_guard
 
 __all__ = ["ClockController", "Synchronizable"]
+
+log = logging.getLogger("megatron_envpipe")
+
+ON_ERROR = ("raise", "monitor")
 
 
 class Synchronizable(Protocol):
@@ -45,8 +55,12 @@ class ClockController:
     """
 
     def __init__(self, device: GpuDevice, guard: ClockGuard | None = None, *,
-                 drain_timeout_s: float = 60.0, name: str = "envpipe-clocks") -> None:
+                 drain_timeout_s: float = 60.0, name: str = "envpipe-clocks", on_error: str = "raise") -> None:
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         self.device = device
+        self.on_error = on_error
+        self.monitor_only: str | None = None  # why clock control stopped (on_error="monitor")
         self.guard = guard if guard is not None else default_guard()
         self.guard.ensure_signal_handlers()  # main thread only; a no-op when already installed
         self.drain_timeout_s = drain_timeout_s
@@ -75,12 +89,16 @@ class ClockController:
     def request(self, freq_mhz: int, after: Synchronizable | None = None) -> bool:
         """Queue a change to ``freq_mhz``, applied once ``after.synchronize()`` returns.
 
-        Returns False when the request was redundant and dropped. Raises a
-        stored worker error (once as raised, then as a :class:`GpuError`).
+        Returns False when the request was redundant and dropped, or the
+        controller is monitor-only. Raises a stored worker error (once as
+        raised, then as a :class:`GpuError`) unless ``on_error="monitor"``.
         """
         self._raise_error()
         if self._closed:
             raise GpuError("clock controller is closed")
+        if self.monitor_only is not None:
+            self.dropped += 1
+            return False
         f = int(freq_mhz)
         with self._cv:
             self.requested += 1
@@ -104,11 +122,27 @@ class ClockController:
             raise GpuError(f"clock changes still pending after {timeout} s (an `after` event that never completes?)")
         self._raise_error()
 
+    def fall_back(self, cause: BaseException | str) -> None:
+        """Switch to monitor-only for good: no more clock changes, the clocks reset to the
+        driver's default now (the guard still resets at exit if this fails), one warning."""
+        with self._apply_lock:
+            if self.monitor_only is not None:
+                return
+            self.monitor_only = str(cause) or repr(cause)
+            try:
+                self.guard.reset(self.device)
+                now = "clocks reset to the driver's default"
+            except (EnvPipeError, OSError, RuntimeError) as exc:
+                now = f"resetting the clocks failed too ({exc}; {REPAIR_HINT})"
+        log.warning("EnvPipe: clock control on %s failed (%s): continuing monitor-only, %s; energy is "
+                    "still measured", self.device.info().label(), self.monitor_only, now)
+
     def close(self, reset: bool = True) -> None:
         """Drain, stop the worker, reset the clocks (``reset``); idempotent.
 
         The reset happens even when the worker failed; its error is raised
-        afterwards unless it was already raised in the training thread.
+        afterwards unless it was already raised in the training thread (or
+        reported by the monitor-only warning).
         """
         if self._closed:
             return
@@ -169,7 +203,7 @@ class ClockController:
 
     def _raise_error(self) -> None:
         err = self._error
-        if err is None:
+        if err is None or self.on_error == "monitor":
             return
         if not self._error_reported:
             self._error_reported = True
@@ -183,7 +217,7 @@ class ClockController:
                 return
             freq, after = item
             try:
-                if self._error is not None or self._stopping:
+                if self._error is not None or self._stopping or self.monitor_only is not None:
                     self.dropped += 1
                     continue
                 if after is not None:
@@ -191,7 +225,7 @@ class ClockController:
                     after.synchronize()
                     self.wait_seconds += time.perf_counter() - t0
                 with self._apply_lock:
-                    if self._stopping:
+                    if self._stopping or self.monitor_only is not None:  # never re-lock after a fall-back
                         self.dropped += 1
                     elif self.device.locked_clock_mhz() == freq:
                         self.skipped += 1
@@ -206,6 +240,8 @@ class ClockController:
             except BaseException as exc:  # kept and re-raised in the training thread
                 if self._error is None:
                     self._error = exc
+                    if self.on_error == "monitor":
+                        self.fall_back(exc)
             finally:
                 with self._cv:
                     self._pending -= 1

@@ -9,7 +9,17 @@ interpolation of that trace. Interpolation assumes constant power between two
 recorded samples: a window boundary that falls between samples where power
 jumps (compute <-> idle) is off by at most ``jump_w * sample_spacing_s / 4``
 joules, so the error shrinks with the counter's update period relative to the
-window, not with the window's length alone.
+window, not with the window's length alone. Whole iterations are measured by
+reading the counter at their two edges (:class:`IterationEnergyMeter`, as Zeus
+does): no waiting for the next update.
+
+Measurement never stops training. A counter that stands still while the GPU
+draws power (*stalled*) or goes back (driver reload) leaves a gap in the
+trace; a window over a gap, a window the trace cannot cover, or an edge read
+that fails raises an :class:`EnergyMonitorError` (or the device's own error)
+whose ``reason`` names why, and the caller reports the window *unmeasured*.
+The poller survives failed reads (they only thin the trace) and resumes with
+the counter.
 
 Times are in the monitor's clock (``time.monotonic`` by default): windows must
 be stamped with the same clock.
@@ -30,13 +40,44 @@ from megatron_envpipe.gpu.base import GpuDevice
 
 log = logging.getLogger("megatron_envpipe")
 
+# A stepped counter (NVML) updates at least this often while the GPU draws power.
+STEPPED_COUNTER_PERIOD_S = 0.1
+# Below this a GPU draws no power at all: only a simulated GPU idles there, and its
+# counter then rightly stands still. Real GPUs idle at tens of watts.
+ZERO_POWER_W = 0.5
+# The poller retries a failing counter with growing pauses, up to this one.
+MAX_RETRY_PAUSE_S = 0.5
+
+STALLED = "counter stalled"
+WENT_BACK = "counter went backwards"
+READ_FAILED = "counter read failed"
+
 
 class EnergyMonitorError(EnvPipeError, RuntimeError):
-    """A window the trace cannot answer (not covered, or the poller failed)."""
+    """A window the trace cannot answer; ``reason`` says why in a few words (for reports)."""
+
+    reason = "energy trace incomplete"
 
 
-class InseparablePowersError(EnvPipeError, ValueError):
-    """The counter samples cannot tell the labels' powers apart (too few samples)."""
+class CounterStalledError(EnergyMonitorError):
+    """The counter stood still while the GPU drew power."""
+
+    reason = STALLED
+
+
+class CounterWentBackError(EnergyMonitorError):
+    """The counter went back (driver reload, wrap): the energy around the jump is unknown."""
+
+    reason = WENT_BACK
+
+
+class CounterReadError(EnergyMonitorError):
+    """Reading the counter failed."""
+
+    reason = READ_FAILED
+
+
+_GAP_ERRORS: dict[str, type[EnergyMonitorError]] = {STALLED: CounterStalledError, WENT_BACK: CounterWentBackError}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +93,15 @@ class EnergyMonitor:
     the nearest sample (default: one poll interval, the poller's own lag).
     ``retain_s``: if set, the poller drops samples older than this (bounds
     memory for long runs; otherwise call :meth:`trim`).
+    ``counter_period_s``: 0 for a counter that is exact at every read (the
+    simulated GPU's: an unchanged read at zero power is then a sample of the
+    trace); otherwise the longest time a stepped counter (NVML) goes without
+    updating while the GPU draws power. Default: 0 for simulated devices, else
+    :data:`STEPPED_COUNTER_PERIOD_S`.
+    ``stall_after_s``: a stepped counter unchanged this long while the device
+    reports power is stalled (default ``max(0.5, 5 * counter_period_s)``); an
+    exact counter is stalled as soon as it reads unchanged while the device
+    drew power.
     """
 
     def __init__(
@@ -61,6 +111,8 @@ class EnergyMonitor:
         clock: Callable[[], float] = time.monotonic,
         edge_tolerance_s: float | None = None,
         retain_s: float | None = None,
+        counter_period_s: float | None = None,
+        stall_after_s: float | None = None,
     ) -> None:
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
@@ -68,6 +120,12 @@ class EnergyMonitor:
         self.poll_interval_s = float(poll_interval_s)
         self.edge_tolerance_s = float(poll_interval_s if edge_tolerance_s is None else edge_tolerance_s)
         self.retain_s = retain_s
+        if counter_period_s is None:
+            counter_period_s = 0.0 if device.simulated else STEPPED_COUNTER_PERIOD_S
+        self.counter_period_s = float(counter_period_s)
+        if stall_after_s is None:
+            stall_after_s = max(0.5, 5 * self.counter_period_s)
+        self.stall_after_s = float(stall_after_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -76,17 +134,25 @@ class EnergyMonitor:
         self._last_raw_mj: float | None = None
         self._offset_mj = 0.0  # added after a counter reset, to keep the trace monotonic
         self._last_read_s: float | None = None
+        self._last_change_s: float | None = None  # read time of the last value that changed
         self._unchanged_since_sample = False
+        self._stall_from: float | None = None  # trace time the open stall began (None: not stalled)
+        self._gaps: list[tuple[float, float, str]] = []  # (from, to, reason): windows there are unmeasured
+        self._failing: BaseException | None = None  # the last read failed with this
+        self._warned_read = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._error: BaseException | None = None
+        # counters, for reports
+        self.read_errors = 0
+        self.stalls = 0
+        self.went_back = 0
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> "EnergyMonitor":
         if self._thread is not None:
             return self
         self._stop.clear()
-        self.sample()  # the trace starts now, not one poll interval later
+        self._poll_once()  # the trace starts now, not one poll interval later
         self._thread = threading.Thread(target=self._run, name="envpipe-energy-monitor", daemon=True)
         self._thread.start()
         return self
@@ -96,9 +162,7 @@ class EnergyMonitor:
         if thread is not None:
             self._stop.set()
             thread.join()
-            if self._error is None:
-                self.sample()  # extend the trace to the stop time
-        self._raise_poller_error()
+            self._poll_once()  # extend the trace to the stop time
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -109,6 +173,11 @@ class EnergyMonitor:
     def running(self) -> bool:
         return self._thread is not None
 
+    @property
+    def failing(self) -> BaseException | None:
+        """The error of the last read, while the counter keeps failing (None once a read works)."""
+        return self._failing
+
     def __enter__(self) -> "EnergyMonitor":
         return self.start()
 
@@ -116,53 +185,135 @@ class EnergyMonitor:
         self.stop()
 
     def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            failures = 0 if self._poll_once() else failures + 1
+            if self.retain_s is not None and self._last_read_s is not None:
+                self.trim(self._last_read_s - self.retain_s)
+            # A failing counter is retried ever more slowly: the poll must not busy a broken driver.
+            pause = self.poll_interval_s * 2 ** min(failures, 10)
+            self._stop.wait(min(pause, max(MAX_RETRY_PAUSE_S, self.poll_interval_s)))
+
+    def _poll_once(self) -> bool:
+        """One poll; a failed read is counted and logged once, never raised (whatever the
+        backend raised: this is the boundary of the poller thread). Returns whether it read."""
         try:
-            while not self._stop.is_set():
-                self.sample()
-                if self.retain_s is not None and self._last_read_s is not None:
-                    self.trim(self._last_read_s - self.retain_s)
-                self._stop.wait(self.poll_interval_s)
-        except BaseException as exc:  # surfaced to the trainer on the next query
-            with self._lock:
-                self._error = exc
-                self._changed.notify_all()
+            self.sample()
+        except Exception as exc:  # noqa: BLE001 - see the docstring; counted and reported
+            if not self._warned_read:
+                self._warned_read = True
+                log.warning("EnvPipe: reading the energy counter of %s failed (%r); retrying, and windows "
+                            "it cannot cover are reported unmeasured", self.device.info().label(), exc)
+            return False
+        return True
 
     # -- sampling ------------------------------------------------------------------------
     def sample(self) -> bool:
         """Read the counter once; record it if it changed. Returns whether it was recorded.
 
-        The poller calls this; tests with a fake clock call it directly.
+        The poller calls this; tests with a fake clock call it directly. Raises
+        what the device raised (after counting it) when the read fails.
         """
+        return self._read()[2]
+
+    def read(self) -> tuple[float, float]:
+        """Read the counter now, recording it like a poll: ``(time, cumulative mJ)`` on the
+        trace's scale (continuous across counter resets). Raises what the device raised."""
+        t, e, _ = self._read()
+        return t, e
+
+    def _read(self) -> tuple[float, float, bool]:
+        exact = self.counter_period_s == 0
+        # An exact counter that reads unchanged although the GPU drew power when the read
+        # began has stalled; at zero power it is right. (Power read afterwards could
+        # belong to a unit that began in between.)
+        power_w = self._power_w() if exact else None
         t_before = self._clock()
-        raw_mj = float(self.device.energy_mj())
+        try:
+            raw_mj = float(self.device.energy_mj())
+        except BaseException as exc:
+            with self._lock:
+                self.read_errors += 1
+                self._failing = exc
+                self._changed.notify_all()
+            raise
         t_after = self._clock()
         # The value belongs to some instant of the read call: take its middle.
         t = 0.5 * (t_before + t_after)
         with self._lock:
+            self._failing = None
             last = self._last_raw_mj
             if last is not None and raw_mj == last:
-                self._last_read_s = max(t, self._last_read_s or t)
-                self._unchanged_since_sample = True
-                return False
-            if self._unchanged_since_sample and self._last_read_s is not None:
+                recorded = self._unchanged_exact(t, power_w) if exact else self._unchanged_stepped(t)
+                return t, raw_mj + self._offset_mj, recorded
+            if not exact and self._unchanged_since_sample and self._last_read_s is not None:
                 # A stepped counter (NVML) updated somewhere between the previous,
                 # unchanged read and this one: the middle is the unbiased guess.
                 t_stamp = 0.5 * (self._last_read_s + t)
             else:
                 t_stamp = t
             if self._times and t_stamp <= self._times[-1]:
-                return False  # a concurrent read was recorded later: keep the trace ordered
-            self._last_read_s = t
-            self._unchanged_since_sample = False
+                return t, raw_mj + self._offset_mj, False  # a concurrent read was recorded later
             if last is not None and raw_mj < last:
-                # Driver reload or counter wrap: continue the trace from where it was.
+                # Driver reload or counter wrap: continue the trace from where it was; the energy
+                # since the previous read is unknown, so windows over it are unmeasured.
                 log.warning("GPU energy counter went back from %.0f to %.0f mJ; continuing the trace", last, raw_mj)
                 self._offset_mj += last - raw_mj
+                self._gaps.append((self._last_read_s if self._last_read_s is not None else t_stamp, t, WENT_BACK))
+                self.went_back += 1
+            if self._stall_from is not None:
+                self._gaps.append((self._stall_from, t_stamp, STALLED))
+                self._stall_from = None
+            self._last_read_s = t
+            self._last_change_s = t
+            self._unchanged_since_sample = False
             self._last_raw_mj = raw_mj
             self._times.append(t_stamp)
             self._energies_mj.append(raw_mj + self._offset_mj)
             self._changed.notify_all()
-            return True
+            return t, raw_mj + self._offset_mj, True
+
+    def _power_w(self) -> float | None:
+        try:
+            return float(self.device.power_w())
+        except Exception:  # noqa: BLE001 - unknown power: a counter standing still then counts as stalled
+            return None
+
+    def _unchanged_exact(self, t: float, power_w: float | None) -> bool:
+        """An exact counter read unchanged at ``t`` (lock held): a sample of a flat stretch at
+        zero power, else a stall. Returns whether recorded."""
+        self._last_read_s = max(t, self._last_read_s or t)
+        if self._stall_from is not None or not self._times:
+            return False
+        if power_w is None or power_w >= ZERO_POWER_W:
+            self._open_stall()
+            return False
+        if t <= self._times[-1]:
+            return False
+        if len(self._times) >= 2 and self._energies_mj[-2] == self._energies_mj[-1]:
+            self._times[-1] = t  # extend the flat stretch rather than adding a sample per poll
+        else:
+            self._times.append(t)
+            self._energies_mj.append(self._energies_mj[-1])
+        self._changed.notify_all()
+        return True
+
+    def _unchanged_stepped(self, t: float) -> bool:
+        """A stepped counter read unchanged at ``t`` (lock held): between updates, or stalled
+        once it stood still ``stall_after_s`` while the GPU drew power. Never recorded."""
+        self._last_read_s = max(t, self._last_read_s or t)
+        self._unchanged_since_sample = True
+        flat_s = t - (self._last_change_s if self._last_change_s is not None else t)
+        if self._stall_from is None and self._times and flat_s > self.stall_after_s:
+            power_w = self._power_w()
+            if power_w is None or power_w >= ZERO_POWER_W:
+                self._open_stall()
+        return False
+
+    def _open_stall(self) -> None:
+        self._stall_from = self._times[-1]
+        self.stalls += 1
+        self._changed.notify_all()
 
     def samples(self) -> tuple[EnergySample, ...]:
         with self._lock:
@@ -180,11 +331,34 @@ class EnergyMonitor:
         with self._lock:
             return self._times[-1] if self._times else None
 
+    def gaps(self) -> tuple[tuple[float, float, str], ...]:
+        """``(from, to, reason)`` of every stretch the trace cannot answer for (an open
+        stall ends at ``inf``)."""
+        with self._lock:
+            return self._gaps_locked()
+
+    def _gaps_locked(self) -> tuple[tuple[float, float, str], ...]:
+        open_ = [(self._stall_from, math.inf, STALLED)] if self._stall_from is not None else []
+        return tuple(self._gaps) + tuple(open_)
+
+    def gap_in(self, t0: float, t1: float) -> str | None:
+        """The reason ``[t0, t1]`` overlaps a gap of the trace, or None."""
+        with self._lock:
+            return next((why for a, b, why in self._gaps_locked() if a < t1 and b > t0), None)
+
+    def check_window(self, t0: float, t1: float) -> None:
+        """Raise the :class:`EnergyMonitorError` of a gap that ``[t0, t1]`` overlaps."""
+        why = self.gap_in(t0, t1)
+        if why is not None:
+            raise _GAP_ERRORS[why](
+                f"the energy of [{t0:.6f}, {t1:.6f}] s on {self.device.info().label()} is unknown: {why}")
+
     def wait_covered(self, t: float, timeout_s: float = 1.0) -> None:
         """Block until a sample at or after ``t`` exists (the counter updated after ``t``).
 
         NVML's counter updates every ~10 ms, so a window that just ended is
-        answerable only after the next update. Raises on timeout, naming why.
+        answerable only after the next update. Raises at once for a stalled or
+        failing counter, and on timeout, naming why.
         """
         if self._thread is None:
             with self._lock:
@@ -195,19 +369,21 @@ class EnergyMonitor:
                 "running: start() it before the window (or call sample())"
             )
         deadline = time.monotonic() + timeout_s
+        label = self.device.info().label()
         with self._changed:
             while not self._times or self._times[-1] < t:
-                if self._error is not None:
-                    break
+                if self._stall_from is not None:
+                    raise CounterStalledError(f"the energy counter of {label} stalled at {self._stall_from:.6f} s")
+                if self._failing is not None:
+                    raise CounterReadError(f"reading the energy counter of {label} fails: {self._failing!r}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     newest = self._times[-1] if self._times else None
                     raise EnergyMonitorError(
-                        f"the energy counter of {self.device.info().label()} did not change after {t:.6f} s "
+                        f"the energy counter of {label} did not change after {t:.6f} s "
                         f"within {timeout_s:g} s (newest sample at {newest}): is the GPU's counter frozen?"
                     )
                 self._changed.wait(left)
-        self._raise_poller_error()
 
     def trim(self, before_t: float) -> None:
         """Forget samples before ``before_t``, keeping one at or before it so windows from ``before_t`` work."""
@@ -216,19 +392,20 @@ class EnergyMonitor:
             if i > 0:
                 del self._times[:i]
                 del self._energies_mj[:i]
+            self._gaps = [g for g in self._gaps if g[1] > before_t]
 
     # -- queries -------------------------------------------------------------------------
     def energy_mj_at(self, t: float) -> float:
         """Cumulative energy at ``t`` (mJ), interpolated linearly between samples."""
-        self._raise_poller_error()
         with self._lock:
             return self._interpolate(t)
 
     def energy_j(self, t0: float, t1: float) -> float:
-        """Energy in joules between ``t0`` and ``t1`` (``t0 <= t1``) on the monitor's clock."""
+        """Energy in joules between ``t0`` and ``t1`` (``t0 <= t1``) on the monitor's clock;
+        raises an :class:`EnergyMonitorError` if the window overlaps a gap of the trace."""
         if t1 < t0:
             raise ValueError(f"window ends before it starts: [{t0}, {t1}]")
-        self._raise_poller_error()
+        self.check_window(t0, t1)
         with self._lock:
             return (self._interpolate(t1) - self._interpolate(t0)) / 1000.0
 
@@ -259,109 +436,6 @@ class EnergyMonitor:
         t_a, t_b = times[i - 1], times[i]
         e_a, e_b = energies[i - 1], energies[i]
         return e_a + (e_b - e_a) * (t - t_a) / (t_b - t_a)
-
-    def _raise_poller_error(self) -> None:
-        if self._error is not None:
-            raise EnergyMonitorError(f"energy poller failed: {self._error!r}") from self._error
-
-
-def attribute_windows(
-    monitor: EnergyMonitor, windows: Sequence[tuple[float, float]], wait_timeout_s: float = 1.0
-) -> list[float]:
-    """Energy (J) of each ``(t0, t1)`` window; waits until the trace covers the last one."""
-    if not windows:
-        return []
-    monitor.wait_covered(max(t1 for _, t1 in windows), timeout_s=wait_timeout_s)
-    return [monitor.energy_j(t0, t1) for t0, t1 in windows]
-
-
-def fit_window_powers(
-    monitor: EnergyMonitor,
-    windows: Sequence[tuple[str, float, float]],
-    other_label: str = "other",
-    wait_timeout_s: float = 1.0,
-) -> dict[str, float]:
-    """Power of each label of ``(label, t0, t1)`` windows, by least squares on the counter.
-
-    Interpolation blends a window's power with its neighbours' wherever the
-    samples around its edges straddle a power jump. If instead each label has
-    one constant power (all forwards of an iteration at one clock), every
-    counter increment ``E_i - E_(i-1)`` is ``sum_label P_label * overlap_label(i)``,
-    a small linear system that is exact even for windows shorter than the
-    counter period. Time not in any window is ``other_label``. Windows must not
-    overlap (ValueError). Returns joules per second of the monitor's clock;
-    raises :class:`InseparablePowersError` if the labels cannot be told apart.
-    """
-    if not windows:
-        return {}
-    ws = sorted((float(a), float(b), str(lbl)) for lbl, a, b in windows)
-    for (a0, b0, l0), (a1, _, l1) in zip(ws, ws[1:]):
-        if a1 < b0:
-            raise ValueError(f"windows overlap: {l0} [{a0}, {b0}] and {l1} starting at {a1}")
-    span0, span1 = ws[0][0], max(b for _, b, _ in ws)
-    monitor.wait_covered(span1, timeout_s=wait_timeout_s)
-    monitor.energy_j(span0, span1)  # raises, naming why, if the trace does not cover the span
-    samples = monitor.samples_between(span0, span1)
-    # Segments tiling the time line: windows, and other_label in between and outside.
-    segments: list[tuple[float, float, str]] = []
-    t = -math.inf
-    for a, b, lbl in ws:
-        if a > t:
-            segments.append((t, a, other_label))
-        segments.append((a, b, lbl))
-        t = b
-    segments.append((t, math.inf, other_label))
-    labels = sorted({lbl for _, _, lbl in segments})
-    index = {lbl: i for i, lbl in enumerate(labels)}
-    k = len(labels)
-    normal = [[0.0] * k for _ in range(k)]
-    rhs = [0.0] * k
-    seg = 0
-    for prev, cur in zip(samples, samples[1:]):
-        t_a, t_b = prev.time_s, cur.time_s
-        row = [0.0] * k
-        while segments[seg][1] <= t_a:
-            seg += 1
-        j = seg
-        while j < len(segments) and segments[j][0] < t_b:
-            a, b, lbl = segments[j]
-            row[index[lbl]] += min(b, t_b) - max(a, t_a)
-            j += 1
-        d_j = (cur.energy_mj - prev.energy_mj) / 1000.0
-        for r in range(k):
-            if row[r]:
-                rhs[r] += row[r] * d_j
-                for c in range(k):
-                    normal[r][c] += row[r] * row[c]
-    present = [i for i in range(k) if normal[i][i] > 0]
-    solution = _solve([[normal[r][c] for c in present] for r in present], [rhs[r] for r in present])
-    if solution is None:
-        raise InseparablePowersError(
-            f"cannot separate the powers of {[labels[i] for i in present]}: too few counter samples"
-        )
-    return {labels[i]: p for i, p in zip(present, solution)}
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if (nearly) singular."""
-    n = len(b)
-    scale = max((abs(a[i][i]) for i in range(n)), default=0.0)
-    if scale == 0.0:
-        return None
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) <= 1e-12 * scale:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
 
 
 # -- per-iteration energy ------------------------------------------------------------------
@@ -420,27 +494,52 @@ def mean_iteration(parts: Sequence[PipelineIterationEnergy], skip_first: int = 0
 
 
 class IterationEnergyMeter:
-    """Brackets iterations of one stage: ``begin(i)`` ... ``end()`` -> :class:`IterationEnergy`."""
+    """Brackets iterations of one stage: ``begin(i)`` ... ``end()`` -> :class:`IterationEnergy`.
+
+    Each edge reads the counter directly (Zeus's way): exact for the simulated
+    GPU, whose counter is exact at every read, and for NVML stale by at most one
+    counter update at each edge (~10 ms of power, which averages out over
+    iterations), with no waiting for the next update. An edge given as ``t`` is
+    interpolated from the trace instead. The iteration is unmeasured (an
+    :class:`EnergyMonitorError` naming why) if an edge read fails or the
+    iteration overlaps a gap of the trace (stall, counter reset).
+    """
 
     def __init__(self, monitor: EnergyMonitor, stage: int, clock: Callable[[], float] | None = None) -> None:
         self.monitor = monitor
         self.stage = stage
         self._clock = clock or monitor.clock
-        self._open: tuple[int, float] | None = None
+        self._open: tuple[int, float, float | None] | None = None
         self.history: list[IterationEnergy] = []
 
     def begin(self, iteration: int, t: float | None = None) -> None:
         if self._open is not None:
             raise RuntimeError(f"iteration {self._open[0]} is still open; end() it first")
-        self._open = (iteration, self._clock() if t is None else t)
+        if t is None:
+            t, e = self.monitor.read()
+            self._open = (iteration, t, e)
+        else:
+            self._open = (iteration, t, None)
+
+    def cancel(self) -> None:
+        """Forget an open iteration (one that will not be measured)."""
+        self._open = None
 
     def end(self, t: float | None = None, wait_timeout_s: float = 1.0) -> IterationEnergy:
         if self._open is None:
             raise RuntimeError("end() without begin()")
-        iteration, start_s = self._open
-        end_s = self._clock() if t is None else t
+        iteration, start_s, e0 = self._open
         self._open = None
-        (energy_j,) = attribute_windows(self.monitor, [(start_s, end_s)], wait_timeout_s)
-        result = IterationEnergy(iteration, self.stage, start_s, end_s, energy_j)
+        e1: float | None = None
+        if t is None:
+            end_s, e1 = self.monitor.read()
+        else:
+            end_s = t
+        self.monitor.check_window(start_s, end_s)
+        if e0 is None or e1 is None:
+            self.monitor.wait_covered(end_s, timeout_s=wait_timeout_s)
+            e0 = self.monitor.energy_mj_at(start_s) if e0 is None else e0
+            e1 = self.monitor.energy_mj_at(end_s) if e1 is None else e1
+        result = IterationEnergy(iteration, self.stage, start_s, end_s, (e1 - e0) / 1000.0)
         self.history.append(result)
         return result

@@ -7,9 +7,16 @@
   training thread never synchronizes the device.
 * ``unit_begin``/``unit_end`` tell the device (the simulated GPU models the
   unit's time and energy from them; real GPUs ignore them).
-* Every iteration's energy comes from the background energy monitor
-  (interpolated NVML counter), and profiling iterations attribute energy to
-  each unit and P2P wait.
+* Every iteration's energy comes from the counter read at its two edges, and
+  profiling iterations attribute energy to each unit and P2P wait from the
+  background energy monitor's trace (interpolated NVML counter).
+
+Measurement never stops training: an error of energy measurement or clock
+control stays in the hooks. An iteration whose energy cannot be known (a
+failing, stalled or reset counter) is *unmeasured*: counted by reason, logged
+once per reason, and reported with the energy; a failed clock change switches
+this GPU to monitor-only (the clock controller logs it once; the clocks are
+still reset at exit).
 """
 
 from __future__ import annotations
@@ -17,14 +24,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.schedule import Unit
+from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.base import GpuDevice
 from megatron_envpipe.gpu.clocks import ClockController
-from megatron_envpipe.gpu.energy import EnergyMonitor, IterationEnergy, IterationEnergyMeter
+from megatron_envpipe.gpu.energy import (
+    READ_FAILED,
+    EnergyMonitor,
+    EnergyMonitorError,
+    IterationEnergy,
+    IterationEnergyMeter,
+)
+from megatron_envpipe.gpu.safety import REPAIR_HINT
 from megatron_envpipe.gpu.sweep import StageSamples, UnitWindow, stage_samples
 
 log = logging.getLogger("megatron_envpipe")
@@ -32,6 +48,29 @@ log = logging.getLogger("megatron_envpipe")
 # Blocking windows shorter than this are dominated by the counter's ~10 ms
 # update period at their edges; the P2P power fit ignores them.
 MIN_BLOCKING_WINDOW_S = 0.02
+
+# What energy measurement and clock control may raise at the device boundary: our
+# own errors (GpuError wraps NVML's), OS errors, and RuntimeError (torch events,
+# bindings). They stay in the hooks; anything else is a bug and propagates.
+DEVICE_ERRORS = (EnvPipeError, OSError, RuntimeError)
+
+CLOCK_CONTROL_LOST = "clock control lost"
+
+
+def unmeasured_reason(exc: BaseException) -> str:
+    """A few words for reports: the monitor's reason, else a failed counter read."""
+    return exc.reason if isinstance(exc, EnergyMonitorError) else READ_FAILED
+
+
+@dataclass(frozen=True)
+class EnergyStatus:
+    """One GPU's energy measurement after an iteration, as the energy report gathers it."""
+
+    energy: IterationEnergy | None  # this iteration's; None: not measured
+    reason: str | None  # why this iteration is not measured
+    intervals: int  # iterations bracketed so far
+    unmeasured: tuple[tuple[str, int], ...]  # (reason, iterations) so far
+    clock_control_lost: str | None = None  # why this GPU is monitor-only
 
 
 class GpuHooks(ExecutionHooks):
@@ -43,13 +82,20 @@ class GpuHooks(ExecutionHooks):
         self.clock = time.perf_counter  # the executor's host clock: windows and monitor agree
         self.controller: ClockController | None = None
         if control:
-            self.controller = ClockController(device, guard)
+            self.controller = ClockController(device, guard, on_error="monitor")
         self.monitor: EnergyMonitor | None = None
         if device.backend != "none":
             self.monitor = EnergyMonitor(device, poll_interval_s=poll_interval_s, clock=self.clock).start()
         self._meter: IterationEnergyMeter | None = None
         self.stage = 0
+        self.iteration = 0
         self.last_energy: IterationEnergy | None = None
+        self.last_unmeasured: str | None = None  # why the last iteration's energy is unknown
+        self.intervals = 0
+        self.unmeasured: dict[str, int] = {}
+        self._fault: str | None = None  # this iteration's, once known
+        self._begun_s = 0.0
+        self._logged: set[str] = set()
         # The simulated GPU knows each unit's exact (modelled) window; host marks
         # would add scheduling noise on a busy CPU.
         self._device_windows: list[tuple[str, float, float]] = []
@@ -57,26 +103,37 @@ class GpuHooks(ExecutionHooks):
     # -- ExecutionHooks --------------------------------------------------------------
     def iteration_begin(self, stage: int, iteration: int) -> None:
         self.stage = stage
+        self.iteration = iteration
         self._device_windows = []
+        self._fault = None
+        self._begun_s = self.clock()
         if self.monitor is not None:
             if self._meter is None:
                 self._meter = IterationEnergyMeter(self.monitor, stage, clock=self.clock)
-            self._meter.begin(iteration)
+            self._meter.cancel()  # an iteration the executor abandoned is never ended
+            try:
+                self._meter.begin(iteration)
+            except DEVICE_ERRORS as exc:
+                self._fault = self._note(exc)
 
     def set_frequency(self, freq_mhz: int) -> None:
-        if self.controller is None:
+        controller = self.controller
+        if controller is None or controller.monitor_only is not None:
             return
-        after = None
-        if self.cuda:
-            import torch  # only CUDA runs get here: this layer imports without torch
+        try:
+            after = None
+            if self.cuda:
+                import torch  # only CUDA runs get here: this layer imports without torch
 
-            after = torch.cuda.Event()
-            after.record()
-        self.controller.request(freq_mhz, after=after)
-        if self.device.simulated:
-            # The simulated GPU models the next unit with whatever clock is locked when
-            # it begins; a real GPU gets the same order from the event above.
-            self.controller.flush()
+                after = torch.cuda.Event()
+                after.record()
+            controller.request(freq_mhz, after=after)
+            if self.device.simulated:
+                # The simulated GPU models the next unit with whatever clock is locked when
+                # it begins; a real GPU gets the same order from the event above.
+                controller.flush()
+        except DEVICE_ERRORS as exc:
+            controller.fall_back(exc)
 
     def unit_begin(self, unit: Unit) -> None:
         self.device.unit_begin(self.stage, unit.kind)
@@ -88,18 +145,59 @@ class GpuHooks(ExecutionHooks):
             self._device_windows.append(window)
 
     def iteration_end(self, measurement: IterationMeasurement | None) -> None:
-        if self._meter is not None:
-            self.last_energy = self._meter.end()
-            self.monitor.trim(self.last_energy.start_s - 1.0)
+        if self._meter is None or self.monitor is None:
+            return
+        energy = None
+        if self._fault is None:
+            try:
+                energy = self._meter.end()
+            except DEVICE_ERRORS as exc:
+                self._fault = self._note(exc)
+        else:
+            self._meter.cancel()
+        self.intervals += 1
+        self.last_energy = energy
+        self.last_unmeasured = self._fault
+        if self._fault is not None:
+            self.unmeasured[self._fault] = self.unmeasured.get(self._fault, 0) + 1
+        self.monitor.trim(self._begun_s - 1.0)
 
     def close(self) -> None:
         try:
             if self.controller is not None:
-                self.controller.close(reset=True)
+                try:
+                    self.controller.close(reset=True)
+                except DEVICE_ERRORS as exc:
+                    log.error("EnvPipe: resetting the clocks of %s failed: %s; %s",
+                              self.device.info().label(), exc, REPAIR_HINT)
         finally:
             if self.monitor is not None:
                 self.monitor.stop()
-            self.device.close()
+            try:
+                self.device.close()
+            except DEVICE_ERRORS as exc:
+                log.warning("EnvPipe: closing %s failed: %s", self.device.info().label(), exc)
+
+    # -- measurement status -------------------------------------------------------------
+    @property
+    def clock_control_lost(self) -> str | None:
+        """Why this GPU went monitor-only mid-run (None while clocks are under control)."""
+        return self.controller.monitor_only if self.controller is not None else None
+
+    def energy_status(self) -> EnergyStatus:
+        """This GPU's measurement of the last iteration and so far, for the energy report."""
+        return EnergyStatus(self.last_energy, self.last_unmeasured, self.intervals,
+                            tuple(sorted(self.unmeasured.items())), self.clock_control_lost)
+
+    def _note(self, exc: BaseException, what: str = "energy of iteration") -> str:
+        """Log the first interval of each reason; later ones are counted and reported."""
+        reason = unmeasured_reason(exc)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("EnvPipe stage %d: the %s %d is not measured (%s: %s); training goes on, and such "
+                        "intervals are counted and reported with the energy", self.stage, what,
+                        self.iteration, reason, exc)
+        return reason
 
     # -- profiling -------------------------------------------------------------------
     @property
@@ -108,18 +206,26 @@ class GpuHooks(ExecutionHooks):
         return tuple(self._device_windows)
 
     def stage_samples(self, windows: Sequence[tuple[str, float, float]],
-                      blocking: Sequence[tuple[float, float]]) -> StageSamples:
-        """Time (device seconds) and energy of each unit and P2P wait of one iteration."""
+                      blocking: Sequence[tuple[float, float]]) -> StageSamples | None:
+        """Time (device seconds) and energy of each unit and P2P wait of one iteration;
+        None when they are not known (energy unmeasured, or the clock was not the swept one)."""
         if self.monitor is None:
             raise RuntimeError("profiling needs a device with an energy counter")
+        if self.clock_control_lost is not None or self.last_unmeasured is not None:
+            return None
         if len(self._device_windows) == len(windows):
             windows = self._device_windows
             # The GPU blocks (P2P power) in the gaps between its units.
             blocking = [(a[2], b[1]) for a, b in zip(windows, windows[1:]) if b[1] > a[2]]
-        return stage_samples(
-            self.monitor,
-            [UnitWindow(k, a, b) for k, a, b in windows],
-            blocking,
-            time_scale=self.time_scale,
-            min_blocking_s=MIN_BLOCKING_WINDOW_S * self.time_scale if self.device.simulated else MIN_BLOCKING_WINDOW_S,
-        )
+        try:
+            return stage_samples(
+                self.monitor,
+                [UnitWindow(k, a, b) for k, a, b in windows],
+                blocking,
+                time_scale=self.time_scale,
+                min_blocking_s=(MIN_BLOCKING_WINDOW_S * self.time_scale if self.device.simulated
+                                else MIN_BLOCKING_WINDOW_S),
+            )
+        except DEVICE_ERRORS as exc:
+            self._note(exc, "profile of iteration")
+            return None

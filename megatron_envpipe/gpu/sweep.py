@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS
-from megatron_envpipe.gpu.energy import EnergyMonitor, InseparablePowersError, attribute_windows, fit_window_powers
+from megatron_envpipe.gpu.attribution import InseparablePowersError, attribute_windows, fit_window_powers
+from megatron_envpipe.gpu.energy import EnergyMonitor
 
 # EnvPipe's profiler: PROFILE_ITER_LIMIT 5 -> 6 iterations per clock (envpipe.md §5).
 ENVPIPE_ITERATIONS_PER_CLOCK = 6
@@ -138,7 +139,7 @@ def stage_samples(
     (Perseus/Merak; biased towards the neighbours' power where a window's edges
     fall between counter samples). ``"regress"`` (default): one power per kind
     (F, B, blocking, the rest) fitted to all counter increments of the
-    iteration (:func:`~megatron_envpipe.gpu.energy.fit_window_powers`), exact for a
+    iteration (:func:`~megatron_envpipe.gpu.attribution.fit_window_powers`), exact for a
     constant power per kind, which holds within a profiling iteration (one
     clock); falls back to interpolation if the kinds cannot be separated.
     """
@@ -279,6 +280,12 @@ class ClockSweep:
     the raw-energy valley; stopping on raw energy could cut it off (on the A40
     GPT-3 profile raw energy bottoms at 945 MHz, the P2P-aware metric at 870).
     ``p2p_power_w`` fixes P_p2p; otherwise the measured blocking power is used.
+
+    An iteration whose samples are missing on some stage (``None``: its energy
+    was not measured, or its clock not held) counts as used but not as
+    measured: the clock is repeated. After ``max_unmeasured`` such iterations
+    in a row the sweep stops with what it measured so far (possibly nothing:
+    then :meth:`profile` raises and the caller plans without one).
     """
 
     def __init__(
@@ -292,6 +299,7 @@ class ClockSweep:
         p2p_aware: bool = True,
         p2p_power_w: float | None = None,
         valley_margin: float = 0.01,
+        max_unmeasured: int = 3,
     ) -> None:
         cands = tuple(int(f) for f in candidates_mhz)
         if not cands:
@@ -304,6 +312,8 @@ class ClockSweep:
             raise ValueError("warmup_iterations and stop_after_rising must be >= 0")
         if not 0 <= trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+        if max_unmeasured < 1:
+            raise ValueError(f"max_unmeasured must be >= 1, got {max_unmeasured}")
         if valley_margin < 0:
             raise ValueError(f"valley_margin must be >= 0, got {valley_margin}")
         if p2p_power_w is not None and p2p_power_w < 0:
@@ -315,6 +325,9 @@ class ClockSweep:
         self.trim_fraction = trim_fraction
         self.p2p_aware = p2p_aware
         self.valley_margin = valley_margin
+        self.max_unmeasured = max_unmeasured
+        self.unmeasured_iterations = 0
+        self._unmeasured_in_a_row = 0
         self._p2p_given = p2p_power_w
         self.iterations_used = 0
         self.results: list[ClockResult] = []
@@ -343,19 +356,24 @@ class ClockSweep:
             return None
         return self.candidates_mhz[0] if self.in_warmup else self.candidates_mhz[self._index]
 
-    def record(self, freq_mhz: int, stage_samples: Sequence[StageSamples | tuple[Sequence, Sequence]]) -> None:
+    def record(self, freq_mhz: int,
+               stage_samples: Sequence[StageSamples | tuple[Sequence, Sequence] | None]) -> None:
         """One iteration's samples, one entry per stage (stage 0 first): a
-        :class:`StageSamples` or a ``(units, blocking)`` pair of plain tuples."""
+        :class:`StageSamples`, a ``(units, blocking)`` pair of plain tuples, or
+        None for a stage whose samples were not measured."""
         expected = self.next_clock()
         if expected is None:
             raise RuntimeError("the clock sweep is done; nothing more to record")
         if int(freq_mhz) != expected:
             raise ValueError(f"recorded an iteration at {freq_mhz} MHz, but the sweep asked for {expected} MHz")
-        samples = tuple(s if isinstance(s, StageSamples) else StageSamples.of(*s) for s in stage_samples)
-        if not samples:
+        if not stage_samples:
             raise ValueError("no stages in the samples")
-        if self._num_stages is not None and len(samples) != self._num_stages:
-            raise ValueError(f"got samples of {len(samples)} stages, earlier iterations had {self._num_stages}")
+        if self._num_stages is not None and len(stage_samples) != self._num_stages:
+            raise ValueError(f"got samples of {len(stage_samples)} stages, earlier iterations had {self._num_stages}")
+        if any(s is None for s in stage_samples):
+            self._record_unmeasured(int(freq_mhz))
+            return
+        samples = tuple(s if isinstance(s, StageSamples) else StageSamples.of(*s) for s in stage_samples)
         for stage, s in enumerate(samples):
             for u in s.units:
                 instruction_of(u.kind)  # raises on a bad kind
@@ -364,12 +382,27 @@ class ClockSweep:
         self._num_stages = len(samples)
         was_warmup = self.in_warmup
         self.iterations_used += 1
+        self._unmeasured_in_a_row = 0
         if was_warmup:
             return
         self._pending.append(samples)
         self._blocking.extend(b for s in samples for b in s.blocking)
         if len(self._pending) >= self.iterations_per_clock:
             self._finish_clock()
+
+    def _record_unmeasured(self, freq_mhz: int) -> None:
+        was_warmup = self.in_warmup
+        self.iterations_used += 1
+        if was_warmup:  # warm-up samples are discarded anyway
+            return
+        self.unmeasured_iterations += 1
+        self._unmeasured_in_a_row += 1
+        if self._unmeasured_in_a_row >= self.max_unmeasured:
+            self._pending = []
+            self.stop_reason = (
+                f"stopped: {self._unmeasured_in_a_row} iterations in a row at {freq_mhz} MHz were not measured "
+                f"on every stage; keeping the {len(self.results)} clock(s) measured before"
+            )
 
     def _finish_clock(self) -> None:
         freq = self.candidates_mhz[self._index]
@@ -469,5 +502,7 @@ class ClockSweep:
             f"start-up profiler: {len(measured)}/{len(self.candidates_mhz)} clocks ({span}) in "
             f"{self.iterations_used} iterations (EnvPipe: {self.envpipe_iterations()}); "
             f"valley {self.valley_clock_mhz()} MHz; P2P power "
-            f"{'not measured' if p2p is None else f'{p2p:.1f} W'}; {self.stop_reason or 'running'}"
+            f"{'not measured' if p2p is None else f'{p2p:.1f} W'}; "
+            + (f"{self.unmeasured_iterations} iteration(s) unmeasured; " if self.unmeasured_iterations else "")
+            + (self.stop_reason or "running")
         )

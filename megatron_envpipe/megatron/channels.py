@@ -1,26 +1,85 @@
 """Point-to-point channels between pipeline stages, and one iteration's async transfers.
 
-:class:`PipelineChannels` creates one process group per direction and
-neighbouring pair (once per pipeline, cached by the executor state).
-:class:`P2PTransfers` is a stage's bookkeeping of the ``isend``/``irecv`` its
-instruction program starts and finishes: which peer and group each message
-uses, the in-flight work, time-limited waits that name the stuck transfer, and
-activation sends found complete early (so their outputs can be freed).
+:class:`PipelineChannels` gives every neighbouring pair of stages one
+communicator per direction (once per pipeline, cached by the executor state)
+and, before the first iteration, uses each in the pipeline's one creation
+order (:mod:`~megatron_envpipe.core.communicators`), so that NCCL's lazy
+communicator creation cannot deadlock. :class:`P2PTransfers` is a stage's
+bookkeeping of the ``isend``/``irecv`` its instruction program starts and
+finishes: which peer and group each message uses, the in-flight work,
+time-limited waits that name the stuck transfer, and activation sends found
+complete early (so their outputs can be freed).
+
+How the groups are made (:func:`create_channel_groups`), by what torch 2.13
+does (``torch/distributed/distributed_c10d.py``, ``ProcessGroupNCCL``):
+
+* ``new_group`` without ``use_local_synchronization`` must be called by every
+  rank of the world, in the same order (group names come from a world-wide
+  counter); with an eagerly initialised NCCL world each call is also an
+  ``ncclCommSplit`` of the whole world. ``new_subgroups_by_enumeration`` is
+  just a loop over it. Creating one group per pair for every pipeline on every
+  rank (:data:`PER_PAIR`, the original way) costs ``2 (P-1) x pipelines`` such
+  calls.
+* Lazily initialised NCCL (no ``device_id``) and gloo (:data:`WORLD_GROUPS`):
+  two world-sized groups, one per direction, two world-wide calls in all. An
+  unbatched ``isend``/``irecv`` on a lazy NCCL group creates its own 2-rank
+  communicator per pair of ranks at its first use, so every pair and direction
+  still gets a communicator (and stream) of its own.
+* Eagerly initialised NCCL (``device_id`` bound, :data:`SPLIT`): P2P ops on a
+  group use its one communicator, so the pairs need groups of their own; one
+  ``split_group`` of the pipeline group per class of disjoint pairs (four
+  classes) makes them, collectives over the pipeline only, none over the world.
+  ``new_group(use_local_synchronization=True)`` would avoid the world too, but
+  with a bound device it splits the world's communicator with only the
+  members calling, which hangs.
+
+A ``split_group`` group's name hashes its ranks with the number of process
+groups the calling rank has registered, a rank-local count (Megatron gives
+first and last stages embedding groups the others lack). Names that differ on
+the two ends of a pair make ``destroy_process_group`` shut groups down in
+different orders on different ranks (pytorch#189073, #190396), so the split
+strategy first pads every stage of the pipeline to the same count with
+one-rank groups and completes each class with one-rank groups.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_envpipe.core import instructions as ins
+from megatron_envpipe.core.communicators import Channel, creation_order, disjoint_classes, warmup_order
 from megatron_envpipe.errors import EnvPipeError
 
-__all__ = ["CommError", "CommTimeoutError", "P2PTransfers", "PipelineChannels", "TransferKey"]
+__all__ = [
+    "PER_PAIR",
+    "SPLIT",
+    "WORLD_GROUPS",
+    "ChannelGroups",
+    "CommError",
+    "CommTimeoutError",
+    "P2PTransfers",
+    "PipelineChannels",
+    "TransferKey",
+    "create_channel_groups",
+    "per_pair_groups",
+    "registered_group_count",
+    "split_pipeline_groups",
+    "world_direction_groups",
+]
+
+log = logging.getLogger("megatron_envpipe")
+
+PER_PAIR = "per-pair new_group"
+WORLD_GROUPS = "two world groups"
+SPLIT = "split_group of the pipeline"
 
 
 class CommError(EnvPipeError, RuntimeError):
@@ -31,29 +90,194 @@ class CommTimeoutError(CommError):
     """A P2P transfer did not complete within ``--envpipe-comm-timeout``."""
 
 
+# -- group creation ---------------------------------------------------------------------
+@dataclass
+class ChannelGroups:
+    """The process groups of this rank's channels.
+
+    ``act[s]`` carries activations from stage ``s`` to ``s + 1``, ``grad[s]``
+    gradients from ``s + 1`` to ``s``; only the pairs this rank belongs to.
+    """
+
+    strategy: str
+    ranks: tuple[int, ...]  # the pipeline's global ranks, by stage
+    stage: int
+    act: dict[int, Any] = field(default_factory=dict)
+    grad: dict[int, Any] = field(default_factory=dict)
+
+    def store(self, channel: Channel, group: Any) -> None:
+        snd, rcv, kind = channel
+        if self.stage in (snd, rcv):
+            (self.act if kind == ins.ACT else self.grad)[min(snd, rcv)] = group
+
+
+def _layout(api: Any, pp_group: Any, strategy: str) -> ChannelGroups:
+    ranks = tuple(api.get_process_group_ranks(pp_group))
+    return ChannelGroups(strategy, ranks, ranks.index(api.get_rank()))
+
+
+def per_pair_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
+    """Two ``new_group`` per pair of every pipeline, on every rank (world-wide calls)."""
+    out = _layout(api, pp_group, PER_PAIR)
+    everyone: list[Any] = [None] * api.get_world_size()
+    api.all_gather_object(everyone, list(out.ranks))  # every rank must create every pipeline's groups
+    for pipeline in sorted({tuple(r) for r in everyone}):
+        for s in range(len(pipeline) - 1):
+            pair = [pipeline[s], pipeline[s + 1]]
+            g_act = api.new_group(pair, group_desc="ENVPIPE_ACTIVATIONS")
+            g_grad = api.new_group(pair, group_desc="ENVPIPE_GRADIENTS")
+            if pipeline == out.ranks:
+                out.act[s], out.grad[s] = g_act, g_grad
+    return out
+
+
+def world_direction_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
+    """One world-sized group per direction; lazy NCCL makes a communicator per pair inside each."""
+    out = _layout(api, pp_group, WORLD_GROUPS)
+    groups = {ins.ACT: api.new_group(group_desc="ENVPIPE_ACTIVATIONS"),
+              ins.GRAD: api.new_group(group_desc="ENVPIPE_GRADIENTS")}
+    for channel in creation_order(len(out.ranks)):
+        out.store(channel, groups[channel[2]])
+    return out
+
+
+def registered_group_count(api: Any = dist) -> int | None:
+    """How many process groups this rank has registered, or None if torch does not say.
+
+    torch (2.13) salts the hashed name of a ``split_group`` group with this
+    rank-local count; no public API reads it.
+    """
+    world = getattr(getattr(api, "distributed_c10d", None), "_world", None)
+    names = getattr(world, "pg_names", None)
+    return len(names) if names is not None else None
+
+
+def split_pipeline_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
+    """Pair groups split from the (eagerly initialised) pipeline group: collectives over the pipeline only."""
+    out = _layout(api, pp_group, SPLIT)
+    p = len(out.ranks)
+    counts: list[Any] = [None] * p
+    api.all_gather_object(counts, registered_group_count(api), group=pp_group)
+    if None not in counts:
+        # Pad with one-rank groups until every stage has registered as many groups as the
+        # most: then both ends of every pair hash the same name below.
+        top = max(counts)
+        for j in range(1, top - min(counts) + 1):
+            api.split_group(parent_pg=pp_group, split_ranks=[[g] for g in range(p) if top - counts[g] >= j],
+                            group_desc="ENVPIPE_PAD")
+    for members in disjoint_classes(p):
+        pairs = [sorted(c[:2]) for c in members]
+        covered = {g for pair in pairs for g in pair}
+        # Uncovered stages get a one-rank group, so that every stage registers one group per call.
+        split = pairs + [[g] for g in range(p) if g not in covered]
+        kind = members[0][2]
+        group = api.split_group(parent_pg=pp_group, split_ranks=split,
+                                group_desc="ENVPIPE_ACTIVATIONS" if kind == ins.ACT else "ENVPIPE_GRADIENTS")
+        for channel in members:
+            out.store(channel, group)
+    return out
+
+
+def _eager_world(api: Any) -> bool:
+    """The default group is bound to a device: NCCL communicators are created eagerly."""
+    world = getattr(getattr(api, "group", None), "WORLD", None)
+    return getattr(world, "bound_device_id", None) is not None
+
+
+def create_channel_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
+    """This rank's channel groups, made with as few world-wide calls as torch allows.
+
+    Every rank of the world calls it at the same point (the first iteration),
+    for its own pipeline. ``api`` is ``torch.distributed`` or a stand-in.
+    """
+    if api.get_world_size(pp_group) < 2:
+        return _layout(api, pp_group, "none")
+    if not _eager_world(api):
+        return world_direction_groups(pp_group, api)
+    if hasattr(api, "split_group") and "nccl" in str(api.get_backend(pp_group)):
+        return split_pipeline_groups(pp_group, api)
+    return per_pair_groups(pp_group, api)
+
+
+def _fingerprint(group: Any) -> int:
+    """A number from the group's name, equal on both ends of a pair when their names agree."""
+    digest = hashlib.sha1(str(getattr(group, "group_name", "")).encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+def _wait_work(work: Any, timeout: datetime.timedelta, where: str) -> None:
+    """Wait at most ``timeout`` for ``work``; CommTimeoutError / CommError say ``where``."""
+    t0 = time.monotonic()
+    limit = timeout.total_seconds()
+    try:
+        ok = work.wait(timeout)
+    except RuntimeError as exc:
+        waited = time.monotonic() - t0
+        if waited >= 0.9 * limit or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            raise CommTimeoutError(
+                f"{where} did not complete within {limit:g} s: that stage is stuck or has died "
+                f"(raise --envpipe-comm-timeout if it is legitimately slow). Transport said: {exc}"
+            ) from exc
+        raise CommError(f"{where} failed after {waited:.1f} s: {exc}") from exc
+    if ok is False:
+        raise CommTimeoutError(f"{where} did not complete within {limit:g} s")
+
+
 class PipelineChannels:
-    """One process group per direction and neighbouring pair of this pipeline.
+    """One communicator per direction and neighbouring pair of this pipeline.
 
     Separate communicators keep activations and gradients on separate NCCL
     streams, so neither can queue behind the other (the deadlock of a shared
-    per-pair stream, envpipe.md §8.3). Every rank must create every group in
-    the same order, so the pipelines' rank lists are gathered first.
+    per-pair stream, envpipe.md §8.3). Every rank of the world constructs its
+    pipeline's channels at the same point (the groups' creation involves all
+    of them, see :func:`create_channel_groups`); :meth:`warm_up` then makes
+    the first use of each channel, in the pipeline's one creation order.
     """
 
-    def __init__(self, pp_group: Any) -> None:
-        mine = dist.get_process_group_ranks(pp_group)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        self.act: dict[int, Any] = {}  # stage -> group for activations stage -> stage+1
-        self.grad: dict[int, Any] = {}  # stage -> group for gradients stage+1 -> stage
-        for ranks in sorted({tuple(r) for r in everyone}):
-            for s in range(len(ranks) - 1):
-                pair = [ranks[s], ranks[s + 1]]
-                g_act = dist.new_group(pair)
-                g_grad = dist.new_group(pair)
-                if tuple(ranks) == tuple(mine):
-                    self.act[s], self.grad[s] = g_act, g_grad
-        self.ranks = tuple(mine)
+    def __init__(self, pp_group: Any, api: Any = dist) -> None:
+        groups = create_channel_groups(pp_group, api)
+        self.strategy = groups.strategy
+        self.ranks, self.stage = groups.ranks, groups.stage
+        self.act: dict[int, Any] = groups.act  # stage -> group for activations stage -> stage+1
+        self.grad: dict[int, Any] = groups.grad  # stage -> group for gradients stage+1 -> stage
+        self.warmed = False
+        log.debug("EnvPipe stage %d: P2P channel groups by %s", self.stage, self.strategy)
+
+    def group(self, channel: Channel) -> Any:
+        snd, rcv, kind = channel
+        return (self.act if kind == ins.ACT else self.grad)[min(snd, rcv)]
+
+    def warm_up(self, device: torch.device, timeout: datetime.timedelta) -> None:
+        """Send one number over each of this stage's channels, in the pipeline's creation order.
+
+        A lazily created NCCL communicator comes into being at the first
+        operation on it and blocks until both ranks join; the programs' own first
+        operations touch a pair's two channels in opposite orders on its two
+        stages (a cycle), this order is a chain (proof: ``check_deadlock`` with
+        ``lazy_communicators``). Unbatched ``isend``/``irecv`` like the programs,
+        so it creates exactly the communicators they use. The number is a
+        fingerprint of the group's name; a mismatch is logged. Once per channels.
+        """
+        if self.warmed:
+            return
+        for channel in warmup_order(self.stage, len(self.ranks)):
+            snd, rcv, kind = channel
+            group = self.group(channel)
+            peer = self.ranks[rcv if snd == self.stage else snd]
+            mine = torch.tensor([_fingerprint(group)], dtype=torch.int64, device=device)
+            if snd == self.stage:
+                work = dist.isend(mine, dst=peer, group=group)
+                theirs = mine
+            else:
+                theirs = torch.empty_like(mine)
+                work = dist.irecv(theirs, src=peer, group=group)
+            where = (f"EnvPipe stage {self.stage} (rank {self.ranks[self.stage]}): warm-up of the {kind} "
+                     f"channel {snd} -> {rcv} with peer rank {peer}")
+            _wait_work(work, timeout, where)
+            if int(theirs.item()) != int(mine.item()):
+                log.warning("%s: the group's name differs on the two ranks; destroy_process_group may shut "
+                            "groups down in different orders on them", where)
+        self.warmed = True
 
 
 # (kind, is_send, micro-batch): one message of one iteration.
@@ -82,6 +306,7 @@ class P2PTransfers:
         self.dtype, self.device = dtype, device
         self.pending: dict[TransferKey, tuple[Any, torch.Tensor]] = {}
         self.reaped: set[TransferKey] = set()  # activation sends found complete (and freed) early
+        channels.warm_up(device, self.timeout)  # first iteration only: before any program op
 
     def _route(self, instr: ins.CommInstruction) -> tuple[int | None, Any]:
         """(peer rank, process group) of a message."""
@@ -141,18 +366,5 @@ class P2PTransfers:
         self.pending.clear()
 
     def _wait(self, work: Any, instr: ins.Instruction, peer: int | None) -> None:
-        t0 = time.monotonic()
-        limit = self.timeout.total_seconds()
         where = f"EnvPipe stage {self.stage} (rank {dist.get_rank()}): {instr} with peer rank {peer}"
-        try:
-            ok = work.wait(self.timeout)
-        except RuntimeError as exc:
-            waited = time.monotonic() - t0
-            if waited >= 0.9 * limit or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise CommTimeoutError(
-                    f"{where} did not complete within {limit:g} s: that stage is stuck or has died "
-                    f"(raise --envpipe-comm-timeout if it is legitimately slow). Transport said: {exc}"
-                ) from exc
-            raise CommError(f"{where} failed after {waited:.1f} s: {exc}") from exc
-        if ok is False:
-            raise CommTimeoutError(f"{where} did not complete within {limit:g} s")
+        _wait_work(work, self.timeout, where)

@@ -16,6 +16,7 @@ from megatron_envpipe.gpu import open_gpu
 from megatron_envpipe.gpu.hooks import GpuHooks
 from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control, combine_stage_devices
 from megatron_envpipe.megatron.groups import StageGroups
+from megatron_envpipe.megatron.memory import memory_source
 from megatron_envpipe.megatron.state import ExecutorState
 
 __all__ = ["profile_layout_key", "setup_device"]
@@ -67,4 +68,5 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
         mine = StageDevice.of(device, control)
     facts = combine_stage_devices(groups.agree(groups.gather_stages(mine)))
     runtime.attach_device(facts, _profile_cache_key(layout_key, facts))
+    runtime.attach_memory(memory_source(groups, torch_device, cfg))
     state.device_ready = True

@@ -41,6 +41,7 @@ from megatron_envpipe.megatron.compat import call_backward_step, call_forward_st
 from megatron_envpipe.megatron.devices import profile_layout_key, setup_device
 from megatron_envpipe.megatron.dispatch import Handler, checked_handler_table
 from megatron_envpipe.megatron.groups import StageGroups
+from megatron_envpipe.megatron.memory import MemoryProbe
 from megatron_envpipe.megatron.reporting import report_energy
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.megatron.state import STATE
@@ -178,6 +179,7 @@ class StageIteration:
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self.no_sync_context: Any = None
         self.timer: UnitTimer | None = None  # set by run() when the plan measures
+        self.memory: MemoryProbe | None = None  # set by run() when the plan measures memory
         self.last_backward: int | None = None
 
     def handler_table(self) -> dict[type[ins.Instruction], Handler]:
@@ -217,6 +219,11 @@ class StageIteration:
             setup_device(STATE, self.groups, self.device,
                          profile_layout_key(config, self.model, self.groups, self.send_shape, self.dtype))
             self.hooks = STATE.hooks
+            # Each node reads its own profile cache: all ranks take the first one's, or a node that found
+            # no cached profile would profile while the others plan, and their collectives would hang.
+            runtime = self.runtime
+            runtime.profile, runtime.profile_p2p_power_w = self.groups.agree(
+                self.groups.gather_stages((runtime.profile, runtime.profile_p2p_power_w)))[0]
         plan = self.runtime.prepare(self.num_stages, self.m)
         program = plan.programs[self.stage].instructions
         if self.runtime.config.verbose and STATE.shown_program != program:
@@ -230,6 +237,9 @@ class StageIteration:
         self._disable_grad_sync()
         self.hooks.iteration_begin(self.stage, self.runtime.iteration)
         self.timer = UnitTimer(self.device, host_sync=plan.profiling) if plan.measure else None
+        if plan.measure_memory:
+            self.memory = MemoryProbe(self.device, self.runtime.config.sim_memory)
+            self.memory.iteration_begin()
         order = plan.schedule.orders[self.stage]
         self.last_backward = order[-1].microbatch if not order[-1].is_forward else None
         handlers = self.handlers
@@ -269,7 +279,7 @@ class StageIteration:
     def _finish_measurement(self, order: tuple[Unit, ...], profiling: bool) -> None:
         """Hand the stage's timings (and, profiling, energy samples) to the run-time; report energy."""
         timer = self.timer
-        measurement = gathered = samples = None
+        measurement = gathered = samples = memory = None
         if timer is not None:
             measurement = timer.measurement(order)
             gathered = self.groups.agree(self.groups.gather_stages(measurement))
@@ -278,8 +288,10 @@ class StageIteration:
             windows, blocking = timer.host_windows(order)
             mine = self.hooks.stage_samples(windows, blocking)
             samples = self.groups.agree(self.groups.gather_stages(mine))
+        if self.memory is not None:
+            memory = self.groups.agree(self.groups.gather_stages(self.memory.result()))
         iteration = self.runtime.iteration
-        self.runtime.finish(self.num_stages, self.m, gathered, samples)
+        self.runtime.finish(self.num_stages, self.m, gathered, samples, memory)
         report_energy(self.runtime, self.hooks, self.groups, iteration)
 
     # -- handlers: compute -------------------------------------------------------------
@@ -293,7 +305,11 @@ class StageIteration:
             timer.compute_ends(begin)
 
     def _forward(self, instr: ins.Forward) -> None:
+        probe = self.memory
+        before = probe.forward_begin() if probe is not None else 0
         self._run_unit(F(instr.microbatch), self._forward_step)
+        if probe is not None:
+            probe.forward_end(before)
 
     def _backward(self, instr: ins.Backward) -> None:
         mb = instr.microbatch

@@ -2,8 +2,9 @@
 
 Megatron hands the schedule a process-group collection; :class:`StageGroups`
 reads the stage, pipeline size and tensor/context-parallel sizes from it once
-per iteration and gathers picklable Python objects over the pipeline and the
-model-parallel peers of the stage.
+per iteration, gathers picklable Python objects over the pipeline, and makes
+the model-parallel peers of the stage and the data-parallel replicas of the
+pipeline agree on them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class StageGroups:
     tp_size: int
     cp_size: int
     model_parallel: tuple[Any, ...]  # the stage's TP and CP groups of more than one rank
+    replicas: Any = None  # the data-parallel group of this rank, when it has more than one rank
 
     @classmethod
     def of(cls, pg_collection: Any) -> "StageGroups":
@@ -39,8 +41,12 @@ class StageGroups:
             g for g in (getattr(pg_collection, name, None) for name in ("tp", "cp"))
             if g is not None and g.size() > 1
         )
+        # "dp" where the collection has it (Megatron >= 0.19's default), else "dp_cp": CP peers
+        # already agree, so broadcasting over DP x CP from its first rank gives the same result.
+        replicas = next((g for g in (getattr(pg_collection, name, None) for name in ("dp", "dp_cp"))
+                         if g is not None), None)
         return cls(pg_collection, pp.rank(), pp.size(), _size(pg_collection, "tp"), _size(pg_collection, "cp"),
-                   model_parallel)
+                   model_parallel, replicas if replicas is not None and replicas.size() > 1 else None)
 
     @property
     def pp_group(self) -> Any:
@@ -61,13 +67,18 @@ class StageGroups:
         return everyone
 
     def agree(self, value: Any) -> Any:
-        """Make every TP/CP rank of a stage use the first one's data.
+        """Make every rank use the data of the first TP/CP rank of data-parallel replica 0.
 
         Tensor-parallel peers must run the same schedule and clocks, or their
-        collectives inside forward/backward would hang; feeding identical data to
-        the deterministic planner guarantees it.
+        collectives inside forward/backward would hang; data-parallel replicas
+        should too, or each would plan from its own measurements and the replicas
+        would run different clocks (and the slowest would set everyone's pace).
+        Feeding identical data to the deterministic run-time guarantees one plan.
+        TP/CP first, so each replica's first ranks hold its data before the
+        replicas take replica 0's. A collective: every rank of the layout calls it.
         """
-        for group in self.model_parallel:
+        groups = self.model_parallel + ((self.replicas,) if self.replicas is not None else ())
+        for group in groups:
             box = [value]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             value = box[0]

@@ -7,6 +7,11 @@ globals at call time, so rebinding that one name redirects every caller
 ``get_forward_backward_func`` at import; where it exists we also wrap it, so
 a training loop that already imported it sees the executor too.
 
+The schedules EnvPipe has no replacement for, Megatron's interleaved one
+(virtual pipelines) and its no-pipelining one (PP = 1), are rebound the same
+way to a pass-through that logs once that EnvPipe is not running, instead of
+being silently ignored.
+
 Flags are checked before anything is rebound: ``install(config, megatron_args=args)``
 (or, without ``megatron_args``, the namespace ``megatron.training`` parsed in this
 process, if it did) runs :meth:`EnvPipeConfig.validate_with_megatron_args`;
@@ -16,8 +21,10 @@ its first call, before any rank runs a unit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
@@ -29,6 +36,28 @@ from megatron_envpipe.megatron.state import STATE
 log = logging.getLogger("megatron_envpipe")
 
 _saved: dict[str, Any] = {}
+
+# Megatron's schedules EnvPipe does not replace -> why, logged once per install() when one runs.
+_NOT_REPLACED = {
+    "forward_backward_pipelining_with_interleaving":
+        "virtual pipeline: Megatron's interleaved schedule runs (EnvPipe has none), without EnvPipe's "
+        "order, clocks or energy reports",
+    "forward_backward_no_pipelining":
+        "no pipeline parallelism (pipeline-model-parallel size 1): Megatron's no-pipelining schedule runs, "
+        "without EnvPipe's order, clocks or energy reports",
+}
+
+
+def _logged_once(original: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    """``original``, logging ``reason`` the first time it runs after each ``install()``."""
+
+    @functools.wraps(original)
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        if STATE.warn_once(reason):
+            log.warning("EnvPipe: %s", reason)
+        return original(*args, **kwargs)
+
+    return schedule
 
 
 def _parsed_megatron_args() -> Any:
@@ -63,6 +92,13 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
     if "schedule" not in _saved:
         _saved["schedule"] = schedules.forward_backward_pipelining_without_interleaving
         schedules.forward_backward_pipelining_without_interleaving = envpipe_forward_backward
+        replacements = {_saved["schedule"]: envpipe_forward_backward}  # Megatron's function -> ours
+        for name, reason in _NOT_REPLACED.items():
+            original = getattr(schedules, name, None)
+            if original is not None:  # get_forward_backward_func looks them up at call time too
+                _saved[name] = original
+                replacements[original] = _logged_once(original, reason)
+                setattr(schedules, name, replacements[original])
         try:  # megatron.training (>= 0.17 in the wheel, or a Megatron-LM checkout)
             from megatron.training import training as mtraining
         except Exception:  # noqa: BLE001 - absent or not importable here (e.g. Python 3.11 + 0.19)
@@ -70,13 +106,12 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
         if mtraining is not None and hasattr(mtraining, "get_forward_backward_func"):
             original_gffb = mtraining.get_forward_backward_func
             _saved["training_gffb"] = original_gffb
-            original_schedule = _saved["schedule"]
 
             def get_forward_backward_func(*args: Any, **kwargs: Any) -> Any:
                 # Today this already resolves through `schedules`; the wrapper keeps
-                # the routing if a release ever binds the schedule at import time.
+                # the routing if a release ever binds the schedules at import time.
                 func = original_gffb(*args, **kwargs)
-                return envpipe_forward_backward if func is original_schedule else func
+                return replacements.get(func, func)
 
             mtraining.get_forward_backward_func = get_forward_backward_func
     STATE.configure(runtime, _saved["schedule"], hooks)
@@ -93,6 +128,9 @@ def uninstall() -> None:
         from megatron.core.pipeline_parallel import schedules  # installed: megatron is loaded
 
         schedules.forward_backward_pipelining_without_interleaving = _saved.pop("schedule")
+        for name in _NOT_REPLACED:
+            if name in _saved:
+                setattr(schedules, name, _saved.pop(name))
     if "training_gffb" in _saved:
         from megatron.training import training as mtraining
 

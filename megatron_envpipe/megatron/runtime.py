@@ -8,7 +8,11 @@ One :class:`EnvPipeRuntime` per process holds EnvPipe's phases (envpipe.md §1):
    and the P2P-blocking power, until energy rises below the valley; the
    profile is cached for the next run;
    **measure** (no clock control, no profile): time 1F1B units at the one clock;
-2. **plan**: the schedule (``ours``: extra warm-up ``r_s``) and the clock plan;
+   **memory** (``ours`` with ``--envpipe-max-inflight auto`` where memory can be measured):
+   the activation memory per micro-batch and the memory free at 1F1B's peak, in the
+   1F1B iterations above or, with a profile, in 1F1B iterations of their own; they
+   give the activation budget per stage (:mod:`megatron_envpipe.core.memory`);
+2. **plan**: the schedule (``ours``: extra warm-up ``r_s``, within the budget) and the clock plan;
 3. **reconfigure** (``greedy``/``balanced``): after each iteration, walk the
    measured critical path and raise clocks, until the finish limit;
 4. **steady**: keep the plan.
@@ -21,6 +25,7 @@ executor supplies the data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,14 +35,15 @@ from megatron_envpipe.config import EnvPipeConfig, load_profile
 from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
 from megatron_envpipe.core.instructions import StageProgram, build_programs
 from megatron_envpipe.core.measurement import IterationMeasurement
+from megatron_envpipe.core.memory import AUTO, Budget, StageMemory, budget_line, derive_budget, within_budget
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.schedule import Schedule, one_f_one_b
-from megatron_envpipe.core.vocabulary import ReconfigPolicy
+from megatron_envpipe.core.vocabulary import ReconfigPolicy, Scheduling
 from megatron_envpipe.gpu.profile_cache import ProfileCache
 from megatron_envpipe.gpu.startup import DeviceFacts
 from megatron_envpipe.gpu.sweep import ClockSweep, sweep_candidates
-from megatron_envpipe.planning.basis import PlanResult, planner_candidates
+from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
 
@@ -45,6 +51,9 @@ log = logging.getLogger("megatron_envpipe")
 
 # Label of the one clock a run without clock control has; it is never set.
 NOMINAL_CLOCK_MHZ = 1000
+# 1F1B iterations whose memory the activation budget is derived from. CUDA: two, because
+# optimizer state (Adam's moments) is allocated by the first optimizer step, after iteration 1.
+MEMORY_ITERATIONS = {"cuda": 2, "model": 1}
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ class IterationPlan:
     measure: bool  # time every unit and hand the measurement back
     phase: str
     profiling: bool = False  # attribute energy to every unit (sweep iteration)
+    measure_memory: bool = False  # measure activation and free memory, hand them back (1F1B iteration)
 
 
 @dataclass
@@ -106,6 +116,10 @@ class EnvPipeRuntime:
         self.last_result: PlanResult | None = None
         self.planned_at: int | None = None  # iteration count when the plan took over
         self.energy_log: list[EnergyReport] = []
+        self.memory_source: str | None = None  # "cuda" when every stage can measure its memory
+        self._memory: dict[tuple[int, int], list[tuple[StageMemory, ...]]] = {}
+        self.budgets: dict[tuple[int, int], Budget] = {}  # the activation budget each plan was made with
+        self._told_no_memory = False
 
     # -- facts from the executor ---------------------------------------------------------
     def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None) -> None:
@@ -118,6 +132,11 @@ class EnvPipeRuntime:
             cached = self._cache_lookup()
             if cached is not None:
                 self.profile = cached
+
+    def attach_memory(self, source: str | None) -> None:
+        """How the pipeline measures memory for ``--envpipe-max-inflight auto`` ("cuda" or None),
+        agreed by every stage; ``--envpipe-sim-memory`` replaces it."""
+        self.memory_source = source
 
     @property
     def profiling(self) -> bool:
@@ -141,6 +160,7 @@ class EnvPipeRuntime:
         self.check_pipeline(num_stages, num_microbatches)
         state = self._by_m.get(key)
         if state is None:
+            memory = self._memory_wanted(num_stages, num_microbatches)
             if self.profile is None and not self.config.is_stock:
                 if self.device is not None and self.device.control:
                     sweep = self._sweep_for()
@@ -148,12 +168,19 @@ class EnvPipeRuntime:
                         f = sweep.next_clock()
                         self._sweep_clock = f
                         return self._uniform(num_stages, num_microbatches, f, measure=True, profiling=True,
-                                             phase=f"profile {f} MHz (iteration {sweep.iterations_used + 1})")
+                                             phase=f"profile {f} MHz (iteration {sweep.iterations_used + 1})",
+                                             measure_memory=memory)
                 else:
                     done = len(self._measured.get(key, []))
                     if done < self.config.measure_iterations:
                         return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=True,
-                                             phase=f"measure {done + 1}/{self.config.measure_iterations}")
+                                             phase=f"measure {done + 1}/{self.config.measure_iterations}",
+                                             measure_memory=memory)
+            if memory:
+                done = len(self._memory.get(key, []))
+                return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=False,
+                                     measure_memory=True, phase=f"measure activation memory {done + 1}/"
+                                     f"{MEMORY_ITERATIONS[self._memory_kind()]}")
             state = self._make_state(num_stages, num_microbatches)
             self._by_m[key] = state
         rc = state.reconfigurer
@@ -162,11 +189,12 @@ class EnvPipeRuntime:
         programs = state.programs_for(plan, self.config.prefetch)
         return IterationPlan(state.schedule, plan, programs, measure, "reconfigure" if measure else "steady")
 
-    def _uniform(self, p: int, m: int, freq: int, *, measure: bool, phase: str, profiling: bool = False) -> IterationPlan:
+    def _uniform(self, p: int, m: int, freq: int, *, measure: bool, phase: str, profiling: bool = False,
+                 measure_memory: bool = False) -> IterationPlan:
         sched = one_f_one_b(p, m)
         plan = FrequencyPlan.constant(sched, [freq] * p)
         return IterationPlan(sched, plan, tuple(build_programs(sched, plan, self.config.prefetch)),
-                             measure, phase, profiling)
+                             measure, phase, profiling, measure_memory)
 
     def finish(
         self,
@@ -174,10 +202,13 @@ class EnvPipeRuntime:
         num_microbatches: int,
         measurements: Sequence[IterationMeasurement] | None,
         samples: Sequence[Any] | None = None,
+        memory: Sequence[StageMemory] | None = None,
     ) -> None:
         """After an iteration: every stage's measurement (identical on all stages), if measured,
-        and in profiling iterations every stage's energy samples."""
+        in profiling iterations every stage's energy samples, and if asked every stage's memory."""
         self.iteration += 1
+        if memory is not None:
+            self._memory.setdefault((num_stages, num_microbatches), []).append(tuple(memory))
         if samples is not None and self._sweep is not None and not self._sweep.done:
             self._sweep.record(self._sweep_clock, samples)
             if self._sweep.done:
@@ -213,6 +244,57 @@ class EnvPipeRuntime:
         self.energy_log.append(report)
         return report
 
+    # -- activation budget ---------------------------------------------------------------
+    def _memory_kind(self) -> str | None:
+        return "model" if self.config.sim_memory is not None else self.memory_source
+
+    def _memory_wanted(self, num_stages: int, num_microbatches: int) -> bool:
+        """Whether this 1F1B iteration should measure memory: ``ours`` with an auto budget, a way to
+        measure, extra warm-up possible at all (M > P), and fewer measured iterations than needed."""
+        kind = self._memory_kind()
+        if (self.config.max_inflight != AUTO or self.config.scheduling != Scheduling.OURS or kind is None
+                or num_microbatches <= num_stages):
+            return False
+        return len(self._memory.get((num_stages, num_microbatches), [])) < MEMORY_ITERATIONS[kind]
+
+    def _budget(self, num_stages: int, num_microbatches: int) -> Budget:
+        """The activation budget to plan with: the flag's, or under ``auto`` the one derived from the
+        measured memory (logged), or no limit when nothing could be measured (logged once)."""
+        cfg = self.config
+        if cfg.max_inflight != AUTO:
+            return cfg.max_inflight
+        runs = self._memory.get((num_stages, num_microbatches))
+        if not runs:
+            if cfg.scheduling == Scheduling.OURS and num_microbatches > num_stages and not self._told_no_memory:
+                self._told_no_memory = True
+                log.info("EnvPipe: --envpipe-max-inflight auto: this device's memory cannot be measured (not CUDA, "
+                         "no --envpipe-sim-memory): no activation budget, as with --envpipe-max-inflight none")
+            return None
+        merged = [functools.reduce(StageMemory.merge, stage) for stage in zip(*runs, strict=True)]
+        budget = derive_budget(num_microbatches, merged)
+        source = ("memory model --envpipe-sim-memory" if self._memory_kind() == "model"
+                  else f"measured over {len(runs)} 1F1B iteration(s)")
+        log.info("EnvPipe %s", budget_line(budget, merged, source))
+        return budget
+
+    def _plan_within(self, profile: Profile, num_microbatches: int, pcfg: PlannerConfig) -> PlanResult:
+        """Plan; under ``auto`` plan without the budget first and keep that plan when it fits, so the
+        budget changes a plan only where it binds, and log the saving it gives up where it does."""
+        budget = pcfg.max_inflight
+        if self.config.max_inflight != AUTO or budget is None:
+            return plan_envpipe(profile, num_microbatches, pcfg)
+        free = plan_envpipe(profile, num_microbatches, dataclasses.replace(pcfg, max_inflight=None))
+        peaks = list(free.schedule.peak_inflight())
+        if within_budget(peaks, budget):
+            log.info("EnvPipe activation budget does not bind: the plan's peak in-flight activations %s fit", peaks)
+            return free
+        bound = plan_envpipe(profile, num_microbatches, pcfg)
+        log.info("EnvPipe activation budget binds: predicted energy saving %.2f%% within it (peak in-flight %s) "
+                 "vs %.2f%% without (peak in-flight %s): %.2f points given up",
+                 100 * bound.energy_saving, list(bound.schedule.peak_inflight()), 100 * free.energy_saving, peaks,
+                 100 * (free.energy_saving - bound.energy_saving))
+        return bound
+
     # -- planning -----------------------------------------------------------------------
     def _nominal_clock(self) -> int:
         if self.device is not None and self.device.clocks_mhz:
@@ -231,6 +313,9 @@ class EnvPipeRuntime:
 
     def _finish_sweep(self) -> None:
         sweep = self._sweep
+        if not sweep.results:  # no clock's energy was measured: plan without a profile
+            log.warning("EnvPipe profiler: %s; planning without a profile", sweep.summary())
+            return
         self.profile = sweep.profile()
         self.profile_p2p_power_w = sweep.p2p_power_w()
         log.info("EnvPipe profiler: %s", sweep.summary())
@@ -287,11 +372,15 @@ class EnvPipeRuntime:
         cfg = self.config
         profile = self._profile_for(num_stages, num_microbatches)
         p2p = cfg.p2p_power_w if cfg.p2p_power_w is not None else self.profile_p2p_power_w
+        if p2p is None and self.profile is None:  # timed at one clock, no energy: P2P power cannot matter
+            p2p = 0.0
         # Offline we simulate the chosen policy on the profile; online it keeps correcting from measurements.
-        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p)
+        budget = self._budget(num_stages, num_microbatches)
+        self.budgets[(num_stages, num_microbatches)] = budget
+        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget)
         if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
             pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
-        result = plan_envpipe(profile, num_microbatches, pcfg)
+        result = self._plan_within(profile, num_microbatches, pcfg)
         self.last_result = result
         self.planned_at = self.iteration
         log.info(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from megatron_envpipe.core.gpu_specs import GpuSpec
 from megatron_envpipe.core.instructions import paired_hold_dependencies
+from megatron_envpipe.core.memory import AUTO
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import (
@@ -48,9 +49,11 @@ class PlannerConfig:
     scheduling: Scheduling = Scheduling.OURS
     reconfig: ReconfigPolicy = ReconfigPolicy.BALANCED
     gpu: GpuSpec | None = None
-    p2p_power_w: float | None = None  # None: the GPU table's value (0 if unknown)
+    p2p_power_w: float | None = None  # None: the GPU table's value (an error where unknown; 0 W without a GPU)
     reconfig_step_mhz: int | None = None  # None: the GPU table's value (30 MHz)
-    max_inflight: int | tuple[int | None, ...] | None = None  # activation budget per stage
+    # Activation budget: one for every stage or one per stage, None = no limit. "auto" (training's
+    # default: the run-time derives it from memory) means no limit to a planner on its own.
+    max_inflight: int | tuple[int | None, ...] | None = None
     extra_warmup: tuple[int, ...] | None = None  # override EnvPipe's r_s (clamped anyway)
     p2p_latency_s: float = 0.0
     max_iterations: int = 100_000
@@ -68,6 +71,10 @@ class PlannerConfig:
         for name, enum in (("plan_type", PlanType), ("scheduling", Scheduling), ("reconfig", ReconfigPolicy),
                            ("comm", CommModel)):
             object.__setattr__(self, name, coerce_enum(enum, getattr(self, name)))
+        if self.max_inflight == AUTO:
+            object.__setattr__(self, "max_inflight", None)
+        elif isinstance(self.max_inflight, list):
+            object.__setattr__(self, "max_inflight", tuple(self.max_inflight))
 
     def validate(self) -> "PlannerConfig":
         if self.plan_type not in PLAN_TYPES:
@@ -87,6 +94,10 @@ class PlannerConfig:
             raise PlannerError(f"P2P latency must be a finite number >= 0 s, got {self.p2p_latency_s}")
         if self.extra_warmup is not None and any(not r >= 0 for r in self.extra_warmup):
             raise PlannerError(f"extra warm-up values must be >= 0, got {list(self.extra_warmup)}")
+        budgets = self.max_inflight if isinstance(self.max_inflight, tuple) else (self.max_inflight,)
+        if any(b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1) for b in budgets):
+            raise PlannerError(f"activation budget (max-inflight) must be whole numbers >= 1 (micro-batch "
+                               f"activations) or None for no limit, got {self.max_inflight!r}")
         if self.max_iterations < 1:
             raise PlannerError("max_iterations must be >= 1")
         if self.comm not in ("per-direction", "paired"):
@@ -106,9 +117,11 @@ class PlannerConfig:
 
     @property
     def effective_p2p_power_w(self) -> float:
+        """The given P2P power, else the GPU table's; P2PPowerUnknownError (a UsageError) where the
+        table has none, rather than planning with 0 W."""
         if self.p2p_power_w is not None:
             return self.p2p_power_w
-        return self.gpu.p2p_power_w if self.gpu is not None else 0.0
+        return self.gpu.known_p2p_power_w() if self.gpu is not None else 0.0
 
     @property
     def effective_reconfig_step_mhz(self) -> int:

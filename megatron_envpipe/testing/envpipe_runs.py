@@ -4,13 +4,17 @@
 schedule function: in each rank it installs EnvPipe (once per config), runs
 the executor, and writes what the stage did to ``record_dir/rank<r>-<n>.json``
 (the instructions it dispatched, the program it was given, the live-tensor
-count after the call) so tests can check it against the plan. The executor is
-called through :func:`~megatron_envpipe.testing.harness.run_schedule`, so each
-result names it as the function that ran.
+count after the call) so tests can check it against the plan.
+``planned_schedule(config, record_dir, iterations)`` lets EnvPipe open its own
+(simulated) GPUs, profile, plan and run that many iterations, and writes each
+rank's final clock plan and profile, so tests can check that ranks agree. The
+executor is called through :func:`~megatron_envpipe.testing.harness.run_schedule`,
+so each result names it as the function that ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -26,10 +30,20 @@ from megatron_envpipe.core.hooks import RecordingHooks
 from megatron_envpipe.megatron.executor import envpipe_forward_backward
 from megatron_envpipe.megatron.patch import install
 from megatron_envpipe.megatron.state import STATE
-from megatron_envpipe.testing.harness import run_schedule
-from megatron_envpipe.testing.tiny_gpt import TinyGPTSpec, synthetic_batches
+from megatron_envpipe.testing.harness import rank_batches, run_schedule
 
 _installed: dict[str, Any] = {"config": None, "hooks": None, "calls": 0}
+
+
+def _pipeline_position() -> tuple[int, int]:
+    """(pipeline size, this rank's stage): with TP or DP the world is larger than the pipeline."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+
+
+def _model_of(kwargs: dict[str, Any]) -> Any:
+    return kwargs["model"][0] if isinstance(kwargs["model"], list) else kwargs["model"]
 
 
 def _live_tensors() -> int:
@@ -52,23 +66,24 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
     hooks: RecordingHooks = _installed["hooks"]
     start = len(hooks.instructions)
     runtime = STATE.runtime
-    m, p = kwargs["num_microbatches"], torch.distributed.get_world_size()
+    m = kwargs["num_microbatches"]
+    p, stage = _pipeline_position()
     plan = runtime.prepare(p, m)  # what the executor will be given (prepare is pure)
     store = run_schedule(envpipe_forward_backward, **kwargs)
     live = [_live_tensors()]
     if repeat > 1:
         # More iterations on the same model, as a training loop would run them.
-        model = kwargs["model"][0] if isinstance(kwargs["model"], list) else kwargs["model"]
+        model = _model_of(kwargs)
         for _i in range(1, repeat):
             model.zero_grad(set_to_none=True)
-            again = dict(kwargs, data_iterator=synthetic_batches(TinyGPTSpec(), kwargs["num_microbatches"]))
+            again = dict(kwargs, data_iterator=rank_batches(m))
             run_schedule(envpipe_forward_backward, **again)
             live.append(_live_tensors())
     rank = torch.distributed.get_rank()
     if record_dir is not None:
         record = {
             "executed": hooks.instructions[start:],
-            "planned": [str(i) for i in plan.programs[rank].instructions],
+            "planned": [str(i) for i in plan.programs[stage].instructions],
             "phase": plan.phase,
             "extra_warmup": list(plan.schedule.extra_warmup),
             "live_tensors": live,
@@ -90,18 +105,65 @@ def envpipe_schedule(config: EnvPipeConfig, record_dir: str | None = None, repea
     return functools.partial(_run, config, record_dir, repeat, stall_rank)
 
 
+def _run_planned(config: EnvPipeConfig, record_dir: str, iterations: int, replica_caches: tuple[str, ...] | None,
+                 **kwargs: Any) -> list[Any]:
+    if replica_caches is not None:  # as if each replica ran on its own node, with its own cache
+        from megatron.core import parallel_state
+
+        config = dataclasses.replace(config, profile_cache=replica_caches[parallel_state.get_data_parallel_rank()])
+    install(config)  # no hooks: the executor opens this rank's (simulated) GPU and profiles it
+    _installed["config"] = None  # envpipe_schedule installs its recording hooks again
+    runtime = STATE.runtime
+    m = kwargs["num_microbatches"]
+    p, _ = _pipeline_position()
+    model = _model_of(kwargs)
+    phases, store = [], []
+    for i in range(iterations):
+        if i:  # the same model and data again, as if the optimizer had not stepped
+            model.zero_grad(set_to_none=True)
+            kwargs = dict(kwargs, data_iterator=rank_batches(m))
+        # The device is opened by the first call; from then on prepare() says what the call will do.
+        phases.append(runtime.prepare(p, m).phase if runtime.device is not None else "start-up")
+        store = run_schedule(envpipe_forward_backward, **kwargs)
+    final = runtime.prepare(p, m)
+    record = {
+        "phases": phases,
+        "plan": final.plan.to_dict(),
+        "profile": runtime.profile.to_csv_text() if runtime.profile is not None else None,
+        "profile_p2p_power_w": runtime.profile_p2p_power_w,
+        "planned_at": runtime.planned_at,
+        "profile_cache": config.profile_cache,
+    }
+    write_json_atomic(Path(record_dir) / f"rank{torch.distributed.get_rank()}.json", record, indent=None)
+    return store  # the last iteration's
+
+
+def planned_schedule(config: EnvPipeConfig, record_dir: str, iterations: int,
+                     replica_caches: tuple[str, ...] | None = None) -> Any:
+    """A picklable schedule function: ``iterations`` iterations of EnvPipe on its own devices.
+
+    ``install(config)`` without hooks, so ``config.gpu`` (e.g. ``simulated:a40/gpt3-175b``)
+    is opened, swept and planned for; every iteration runs the same data on the same
+    weights (grads zeroed in between), so the last one's losses and grads are comparable
+    with one stock iteration. Each rank writes ``record_dir/rank<global rank>.json``:
+    the phase of every iteration, the final clock plan, the profile it was planned from.
+    ``replica_caches`` gives each data-parallel replica its own profile cache directory.
+    """
+    return functools.partial(_run_planned, config, record_dir, iterations, replica_caches)
+
+
 def _bench(config: EnvPipeConfig, iterations: int, out_path: str, **kwargs: Any) -> list[Any]:
     """Alternate Megatron's schedule and EnvPipe's executor on one model; time each."""
     install(config)
     native = STATE.original
-    model = kwargs["model"][0] if isinstance(kwargs["model"], list) else kwargs["model"]
+    model = _model_of(kwargs)
     m = kwargs["num_microbatches"]
     times: dict[str, list[float]] = {"native": [], "envpipe": []}
     store: list[Any] = []
     for i in range(iterations + 2):  # the first two rounds warm up (allocator, group creation)
         for name, fn in (("native", native), ("envpipe", envpipe_forward_backward)):
             model.zero_grad(set_to_none=True)
-            args = dict(kwargs, data_iterator=synthetic_batches(TinyGPTSpec(), m))
+            args = dict(kwargs, data_iterator=rank_batches(m))
             torch.distributed.barrier()
             t0 = time.perf_counter()
             store = fn(**args)

@@ -1,10 +1,13 @@
 """Run one training iteration of a pipeline-parallel tiny GPT on CPU ranks over gloo.
 
-``run_pipeline(P, runs)`` starts ``P`` rank processes, initialises Megatron's
-model-parallel state with ``pipeline_model_parallel_size=P`` and, for every
+``run_pipeline(P, runs)`` starts ``P`` rank processes (``TP x P x DP`` with
+``tensor_parallel_size`` / ``data_parallel_size``), initialises Megatron's
+model-parallel state with ``initialize_model_parallel`` and, for every
 requested run, builds the model afresh (identical weights each time), calls a
 schedule function for one iteration and records each rank's losses and
-parameter gradients. The schedule is Megatron's own 1F1B by default, or any
+parameter gradients. Data-parallel replicas read their own micro-batches and
+average their grads at the end of the iteration
+(:func:`~megatron_envpipe.testing.tiny_gpt.average_data_parallel_grads`). The schedule is Megatron's own 1F1B by default, or any
 picklable callable with the same keyword signature: that is how an alternative
 executor is compared with it bit for bit.
 
@@ -30,7 +33,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +44,7 @@ import torch.multiprocessing as mp
 
 from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims
 from megatron_envpipe.testing.tiny_gpt import (
+    Batch,
     TinyGPTSpec,
     build_config,
     build_model,
@@ -57,6 +61,7 @@ __all__ = [
     "compare_results",
     "identify",
     "megatron_1f1b",
+    "rank_batches",
     "run_pipeline",
     "run_schedule",
 ]
@@ -177,6 +182,10 @@ class StageResult:
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     # The schedule functions this rank called in this run (normally one); see run_schedule.
     schedules: tuple[ScheduleIdentity, ...] = ()
+    # Where the rank sits: pipeline stage, tensor-parallel rank, data-parallel replica.
+    stage: int = 0
+    tp_rank: int = 0
+    dp_rank: int = 0
 
 
 def run_pipeline(
@@ -185,17 +194,23 @@ def run_pipeline(
     *,
     spec: TinyGPTSpec | None = None,
     timeout_s: float = 300.0,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> list[list[StageResult]]:
-    """Start ``pipeline_size`` gloo ranks, execute ``runs`` in order, return results.
+    """Start ``TP x pipeline_size x DP`` gloo ranks, execute ``runs`` in order, return results.
 
     ``spec`` defaults to ``TinyGPTSpec()``. Result ``[i][r]`` is run ``i`` on
-    rank ``r`` (rank == pipeline stage: TP=DP=1).
+    global rank ``r``, laid out as Megatron's ``initialize_model_parallel`` does
+    (TP fastest, then DP, then PP); with TP = DP = 1, rank == pipeline stage.
     A rank that raises aborts all ranks and its error is re-raised here with its
     traceback; ranks still alive after ``timeout_s`` (e.g. a P2P deadlock) are
     killed and ``TimeoutError`` is raised.
     """
     if pipeline_size < 2:
         raise ValueError("pipeline tests need at least 2 stages")
+    if tensor_parallel_size < 1 or data_parallel_size < 1:
+        raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+    world_size = tensor_parallel_size * pipeline_size * data_parallel_size
     check_megatron_installed()
     spec = spec or TinyGPTSpec()
     runs = list(runs)
@@ -208,17 +223,17 @@ def run_pipeline(
         out_dir = Path(tmp)
         context = mp.start_processes(
             _rank_main,
-            args=(pipeline_size, store.port, runs, spec, str(out_dir)),
-            nprocs=pipeline_size,
+            args=(world_size, store.port, runs, spec, str(out_dir), pipeline_size, tensor_parallel_size),
+            nprocs=world_size,
             join=False,
             start_method="forkserver",
         )
         _join(context, timeout_s)
         per_rank = [
             torch.load(out_dir / f"rank{rank}.pt", weights_only=False)
-            for rank in range(pipeline_size)
+            for rank in range(world_size)
         ]
-    return [[per_rank[rank][i] for rank in range(pipeline_size)] for i in range(len(runs))]
+    return [[per_rank[rank][i] for rank in range(world_size)] for i in range(len(runs))]
 
 
 def _join(context: mp.ProcessContext, timeout_s: float) -> None:
@@ -240,6 +255,8 @@ def _rank_main(
     runs: list[PipelineRun],
     spec: TinyGPTSpec,
     out_dir: str,
+    pipeline_size: int,
+    tensor_parallel_size: int,
 ) -> None:
     # One intra-op thread per rank: P ranks would oversubscribe a small machine,
     # and CPU kernels' reduction splits must not depend on its core count.
@@ -249,23 +266,42 @@ def _rank_main(
     store = dist.TCPStore(_HOST, port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                                 pipeline_model_parallel_size=pipeline_size)
         with cpu_shims("cpu"):
-            results = [_run_once(rank, run, spec, world_size) for run in runs]
+            results = [_run_once(rank, run, spec, pipeline_size, tensor_parallel_size) for run in runs]
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def _run_once(rank: int, run: PipelineRun, spec: TinyGPTSpec, pipeline_size: int) -> StageResult:
+# The data of the run in progress in this rank, for schedules that run more iterations.
+_data: dict[str, Any] = {}
+
+
+def rank_batches(num_microbatches: int) -> Iterator[Batch]:
+    """This rank's micro-batches of the current run again, from the first one.
+
+    For schedule functions that run several iterations on the model of one run
+    (:mod:`~megatron_envpipe.testing.envpipe_runs`): the same data each time.
+    """
+    return synthetic_batches(_data["spec"], num_microbatches, _data["replica"])
+
+
+def _run_once(rank: int, run: PipelineRun, spec: TinyGPTSpec, pipeline_size: int,
+              tensor_parallel_size: int) -> StageResult:
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    config = build_config(spec, pipeline_size)
+    replica = parallel_state.get_data_parallel_rank()
+    data_parallel_size = parallel_state.get_data_parallel_world_size()
+    config = build_config(spec, pipeline_size, tensor_parallel_size, data_parallel_size)
     model = build_model(spec, config)
+    _data.update(spec=spec, replica=replica)
     kwargs: dict[str, Any] = dict(
         forward_step_func=forward_step_func,
-        data_iterator=synthetic_batches(spec, run.num_microbatches),
+        data_iterator=synthetic_batches(spec, run.num_microbatches, replica),
         model=[model],
         num_microbatches=run.num_microbatches,
         seq_length=spec.seq_length,
@@ -285,7 +321,9 @@ def _run_once(rank: int, run: PipelineRun, spec: TinyGPTSpec, pipeline_size: int
         name: None if param.grad is None else param.grad.detach().cpu().clone()
         for name, param in model.named_parameters()
     }
-    return StageResult(rank=rank, losses=losses, grads=grads, schedules=ran)
+    return StageResult(rank=rank, losses=losses, grads=grads, schedules=ran,
+                       stage=parallel_state.get_pipeline_model_parallel_rank(),
+                       tp_rank=parallel_state.get_tensor_model_parallel_rank(), dp_rank=replica)
 
 
 def compare_results(expected: Sequence[StageResult], actual: Sequence[StageResult]) -> list[str]:

@@ -2,9 +2,11 @@
 
 Everything is fp32 on the CPU with dropout off, so a run is a pure function of
 the spec: two builds with the same spec and pipeline rank have identical
-weights, and the data iterator yields identical micro-batches. Megatron is
-imported inside the builders only, so the spec can be pickled and passed around
-by processes that never import megatron.
+weights (tensor-parallel ranks hold slices of the same CPU-initialised master
+weights), and the data iterator yields identical micro-batches (each
+data-parallel replica its own). Megatron is imported inside the builders only,
+so the spec can be pickled and passed around by processes that never import
+megatron.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_envpipe.megatron.compat import model_parallel_manual_seed
 
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Batch",
     "TinyGPTSpec",
+    "average_data_parallel_grads",
     "build_config",
     "build_model",
     "forward_step_func",
@@ -51,8 +55,13 @@ class TinyGPTSpec:
     masked_fraction: float = 0.125
 
 
-def build_config(spec: TinyGPTSpec, pipeline_size: int) -> TransformerConfig:
-    """TransformerConfig with the fields Megatron's pipeline schedules read set explicitly."""
+def build_config(spec: TinyGPTSpec, pipeline_size: int, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1) -> TransformerConfig:
+    """TransformerConfig with the fields Megatron's pipeline schedules read set explicitly.
+
+    With ``data_parallel_size > 1`` the schedule finalizes gradients with
+    :func:`average_data_parallel_grads`, so replicas end the iteration with the same grads.
+    """
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -60,6 +69,7 @@ def build_config(spec: TinyGPTSpec, pipeline_size: int) -> TransformerConfig:
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
         pipeline_model_parallel_size=pipeline_size,
+        tensor_model_parallel_size=tensor_parallel_size,
         params_dtype=torch.float32,
         # Receive buffers of P2PCommunicator are allocated with this dtype.
         pipeline_dtype=torch.float32,
@@ -70,9 +80,26 @@ def build_config(spec: TinyGPTSpec, pipeline_size: int) -> TransformerConfig:
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # No DDP wrapper on CPU (its buffers are CUDA-only): nothing to finalize.
-        finalize_model_grads_func=None,
+        # No DDP wrapper on CPU (its buffers are CUDA-only): data-parallel replicas
+        # average their grads in a plain all-reduce instead; one replica has nothing to finalize.
+        finalize_model_grads_func=average_data_parallel_grads if data_parallel_size > 1 else None,
     )
+
+
+def average_data_parallel_grads(models: list[torch.nn.Module], num_tokens: Any = None, **_: Any) -> None:
+    """``finalize_model_grads_func`` for CPU data parallelism: every grad averaged over the replicas.
+
+    Megatron's own finalize needs its DDP wrapper's (CUDA) buffers; this does the
+    one thing it would do here, in a fixed parameter order, for both schedules alike.
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    for model in models:
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+                param.grad /= dist.get_world_size(group)
 
 
 def build_model(spec: TinyGPTSpec, config: TransformerConfig) -> GPTModel:
@@ -102,15 +129,17 @@ def build_model(spec: TinyGPTSpec, config: TransformerConfig) -> GPTModel:
     )
 
 
-def synthetic_batches(spec: TinyGPTSpec, num_microbatches: int) -> Iterator[Batch]:
+def synthetic_batches(spec: TinyGPTSpec, num_microbatches: int, replica: int = 0) -> Iterator[Batch]:
     """Exactly ``num_microbatches`` language-model micro-batches from a seeded generator.
+
+    Data-parallel replica ``replica`` draws its own sequence (seeded ``seed + replica``).
 
     Every pipeline stage gets its own iterator over the same sequence: the first
     stage reads tokens, the last reads labels and mask, and any schedule that runs
     a stage's forwards in micro-batch order sees micro-batch ``i`` on its ``i``-th
     ``next()``. A schedule that pulls too many micro-batches gets StopIteration.
     """
-    generator = torch.Generator().manual_seed(spec.seed)
+    generator = torch.Generator().manual_seed(spec.seed + replica)
     shape = (spec.micro_batch_size, spec.seq_length)
     positions = torch.arange(spec.seq_length).expand(shape)
     causal = torch.ones(spec.seq_length, spec.seq_length, dtype=torch.bool).triu(1)

@@ -59,11 +59,11 @@ def test_bad_value_names_key(tmp_path):
 @pytest.mark.parametrize(
     "old,new,needle",
     [
-        ("p2p_power_w = 0.0", "p2p_power_w = nan", r"\[v100\] p2p_power_w = nan must be a finite number"),
+        ('p2p_power_w = "unknown"', "p2p_power_w = nan", r"\[v100\] p2p_power_w = nan must be a finite number"),
         ("clock_step_mhz = 7.5", "clock_step_mhz = inf", r"\[v100\] clock_step_mhz = inf must be a finite"),
         ("clock_step_mhz = 7.5", "clock_step_mhz = 0.0001", "gives over 100000 clocks"),
         ("max_clock_mhz = 1530", "max_clock_mhz = 99999999", "max_clock_mhz <= 100000"),
-        ("p2p_power_w = 0.0", "p2p_power_w = 1e12", "p2p_power_w must be between 0 and 10000 W"),
+        ('p2p_power_w = "unknown"', "p2p_power_w = 1e12", "p2p_power_w must be between 0 and 10000 W"),
         ("[v100]", "[V100]", r"\[V100\]: GPU names are lower case; rename it \[v100\]"),
         ("sources = [", "sources = [1, ", "sources must be a list of strings"),
     ],

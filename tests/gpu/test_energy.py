@@ -9,15 +9,17 @@ import time
 import pytest
 
 from megatron_envpipe.core.profile import Profile, ProfilePoint
+from megatron_envpipe.gpu.attribution import attribute_windows, fit_window_powers
 from megatron_envpipe.gpu.base import GpuDevice, GpuInfo
 from megatron_envpipe.gpu.energy import (
+    CounterReadError,
+    CounterStalledError,
+    CounterWentBackError,
     EnergyMonitor,
     EnergyMonitorError,
     IterationEnergy,
     IterationEnergyMeter,
     PipelineIterationEnergy,
-    attribute_windows,
-    fit_window_powers,
     mean_iteration,
 )
 from megatron_envpipe.gpu.simulated import SimulatedGpu
@@ -255,13 +257,18 @@ def test_counter_reset_keeps_the_trace_monotonic():
     dev = PowerTraceGpu(clock, [(0.0, 100.0)], update_s=0.0)
     mon = EnergyMonitor(dev, clock=clock)
     for k in range(5):
-        clock.now = k * 0.1
+        clock.now = k / 10
         if k == 3:
             dev.offset_mj = -dev.energy_mj()  # driver reload: the counter restarts near 0
         mon.sample()
     energies = [s.energy_mj for s in mon.samples()]
     assert all(b >= a for a, b in zip(energies, energies[1:]))
     assert mon.energy_j(0.3, 0.4) == pytest.approx(10.0)
+    assert mon.energy_j(0.0, 0.2) == pytest.approx(20.0)
+    # What happened between the last read before the reset and the first after is unknown.
+    assert mon.gaps() == ((0.2, 0.3, "counter went backwards"),) and mon.went_back == 1
+    with pytest.raises(CounterWentBackError, match="went backwards"):
+        mon.energy_j(0.1, 0.4)
 
 
 def test_poller_thread_on_a_simulated_gpu():
@@ -296,7 +303,7 @@ def test_poller_thread_on_a_simulated_gpu():
     assert mon.covered_until() >= windows[-1][2]  # stop() extends the trace to the stop time
 
 
-def test_poller_failure_and_frozen_counter_are_reported():
+def test_poller_survives_failed_reads_and_a_frozen_counter_is_reported():
     class Broken(PowerTraceGpu):
         calls = 0
 
@@ -308,15 +315,26 @@ def test_poller_failure_and_frozen_counter_are_reported():
 
     mon = EnergyMonitor(Broken(time.monotonic, [(0.0, 1.0)]), poll_interval_s=0.001).start()
     time.sleep(0.05)
-    with pytest.raises(EnergyMonitorError, match="GPU_IS_LOST"):
-        mon.energy_j(0.0, 1.0)
-    with pytest.raises(EnergyMonitorError, match="GPU_IS_LOST"):
-        mon.stop()
+    assert mon.running and mon.read_errors >= 1 and "GPU_IS_LOST" in repr(mon.failing)
+    # A failing counter answers at once, naming why, instead of waiting out the timeout.
+    t = time.monotonic()
+    with pytest.raises(CounterReadError, match="GPU_IS_LOST") as info:
+        mon.wait_covered(t, timeout_s=5.0)
+    assert info.value.reason == "counter read failed" and time.monotonic() - t < 1.0
+    with pytest.raises(RuntimeError, match="GPU_IS_LOST"):
+        mon.read()  # a direct read raises what the device raised
+    mon.stop()  # never raises: the poller's failures were counted, not stored
 
     class Frozen(PowerTraceGpu):
         def energy_mj(self) -> float:
             return 5.0
 
+    # Stands still at 1 W for longer than stall_after_s: stalled, answered at once.
+    with EnergyMonitor(Frozen(time.monotonic, [(0.0, 1.0)]), poll_interval_s=0.001, stall_after_s=0.02) as mon:
+        time.sleep(0.1)
+        with pytest.raises(CounterStalledError, match="stalled"):
+            mon.wait_covered(time.monotonic() + 0.001, timeout_s=5.0)
+    # Too short a wait to tell: the old timeout message.
     with EnergyMonitor(Frozen(time.monotonic, [(0.0, 1.0)]), poll_interval_s=0.001) as mon:
         with pytest.raises(EnergyMonitorError, match="did not change.*frozen"):
             mon.wait_covered(time.monotonic() + 0.001, timeout_s=0.05)

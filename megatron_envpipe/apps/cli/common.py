@@ -33,10 +33,10 @@ def gpu_for(args: argparse.Namespace) -> GpuSpec | None:
 
 
 def p2p_power(args: argparse.Namespace, gpu: GpuSpec | None) -> float:
-    """--p2p-power, else the GPU table's P2P blocking power (0 W without a GPU)."""
+    """--p2p-power, else the GPU table's P2P blocking power (0 W without a GPU; an error where unknown)."""
     if args.p2p_power is not None:
         return args.p2p_power
-    return gpu.p2p_power_w if gpu else 0.0
+    return gpu.known_p2p_power_w() if gpu else 0.0
 
 
 def load_profile(name: str, time_scale: float = 1.0, energy_scale: float = 1.0) -> Profile:

@@ -11,8 +11,9 @@ from megatron_envpipe.apps.cli.gpu_cmds import cmd_gpus, cmd_reset_clocks
 from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, cmd_simulate
 from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
 from megatron_envpipe.config import fraction as parse_fraction
-from megatron_envpipe.config import int_list
+from megatron_envpipe.config import int_list, max_inflight_arg
 from megatron_envpipe.core.gpu_specs import MAX_CLOCK_MHZ, MAX_P2P_POWER_W
+from megatron_envpipe.core.memory import AUTO, Budget
 from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.vocabulary import (
     COMM_MODELS,
@@ -98,6 +99,24 @@ def warmup_list(text: str) -> list[int]:
     return values
 
 
+def budget_arg(text: str) -> Budget:
+    """``--max-inflight``: ``N`` for every stage, ``4,3,2,2`` one per stage, or ``none``; each 1..10^9.
+
+    ``auto`` needs memory measured in a training run (``--envpipe-max-inflight auto``), so it is refused
+    here; the count of a per-stage list is checked against the stages by the planner.
+    """
+    value = max_inflight_arg(text)
+    if value == AUTO:
+        raise argparse.ArgumentTypeError(
+            "auto derives the budget from memory measured while training (--envpipe-max-inflight auto); "
+            "here give N for every stage, one per stage (e.g. 8,7,6,5,4,3,2,1), or none")
+    for b in value if isinstance(value, tuple) else (value,):
+        if b is not None and not 1 <= b <= 10**9:
+            raise argparse.ArgumentTypeError(f"each budget must be between 1 and 1000000000 micro-batch "
+                                             f"activations, got {text}")
+    return value
+
+
 class EnvpipeArgumentParser(argparse.ArgumentParser):
     """argparse, with a bad flag reported on one line like every other envpipe error (no usage block),
     by the command it belongs to (``envpipe plan: error: ...``, also for an unknown flag)."""
@@ -144,7 +163,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=bounded_int(1, MAX_STAGES), help="pipeline stages (checked against the profile)")
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.OURS.value,
                    help="unit order (default ours)")
-    p.add_argument("--max-inflight", type=positive_int, help="activation budget per stage, in micro-batches")
+    p.add_argument("--max-inflight", type=budget_arg, metavar="N|b0,b1,...|none",
+                   help="activation budget of ours, in micro-batch activations: N for every stage or one per "
+                        "stage, e.g. 8,7,6,5,4,3,2,1 (default none: no limit)")
     p.add_argument("--extra-warmup", type=warmup_list,
                    help="override the extra warm-up r_s of ours, one per stage, e.g. 4,3,1,0 (still clamped)")
     p.add_argument("--comm", choices=COMM_NAMES, default=CommModel.PER_DIRECTION.value,
@@ -215,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schedule", help="print a schedule's per-stage unit order")
     _add_schedule_args(p)
-    p.add_argument("--max-inflight", type=positive_int, help="activation budget per stage")
+    p.add_argument("--max-inflight", type=budget_arg, metavar="N|b0,b1,...|none",
+                   help="activation budget of ours: N for every stage or one per stage")
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("programs", help="print each stage's instruction program and prove it deadlock-free")

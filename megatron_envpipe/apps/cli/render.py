@@ -6,6 +6,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from megatron_envpipe.core.memory import show_budget
 from megatron_envpipe.core.plan import format_envpipe
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanScore, Timeline
@@ -50,6 +51,7 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
             "reconfig": cfg.reconfig,
             "extra_warmup": list(result.schedule.extra_warmup),
             "peak_inflight_activations": list(result.schedule.peak_inflight()),
+            **_budget_entry(result),
             "clock_changes_per_stage": list(result.plan.clock_changes()),
             "frequencies": result.plan.to_dict()["stages"],
         }
@@ -86,6 +88,22 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
     return data
 
 
+def _budget_entry(result: PlanResult) -> dict[str, Any]:
+    """``max_inflight``: the activation budget per stage (null: no limit on that stage), only when one was given."""
+    budget = result.config.max_inflight
+    if budget is None:
+        return {}
+    return {"max_inflight": [budget] * result.schedule.num_stages if isinstance(budget, int) else list(budget)}
+
+
+def in_flight_text(result: PlanResult) -> str:
+    """``peak in-flight [...] (1F1B [...]; budget ...)``: activations per stage, the memory side of a saving."""
+    budget = result.config.max_inflight
+    return (f"peak in-flight {list(result.schedule.peak_inflight())} "
+            f"(1F1B {list(result.baseline_plan.schedule.peak_inflight())}"
+            + (f"; budget {show_budget(budget)}" if budget is not None else "") + ")")
+
+
 def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None) -> None:
     """``envpipe plan``'s text report: sizes, clocks, baseline vs plan, then EnvPipe's printout."""
     out = out or sys.stdout
@@ -116,7 +134,8 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
     print(f"{'plan':10}{p.iteration_time_s:>14.4f} s{p.energy_j:>14.1f} J", file=out)
     print(
         f"\nenergy saving {100 * result.energy_saving:.2f} %   slowdown {100 * result.slowdown:.2f} %   "
-        f"({result.iterations} reconfiguration iterations, {result.planner_seconds:.3f} s to plan)",
+        f"{in_flight_text(result)}   ({result.iterations} reconfiguration iterations, "
+        f"{result.planner_seconds:.3f} s to plan)",
         file=out,
     )
     print(f"stopped: {result.stop_reason}", file=out)
@@ -126,7 +145,8 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
               f"peak in-flight activations {list(result.schedule.peak_inflight())}", file=out)
         if d.get("padded_to_deadline"):
             print(f"at target   {d['energy_at_deadline_j']:.1f} J vs the baseline's {d['baseline_energy_at_deadline_j']:.1f} J "
-                  f"(both blocking until {result.deadline_s:.4f} s): saving {100 * d['energy_saving_at_deadline']:.2f} %",
+                  f"(both blocking until {result.deadline_s:.4f} s): saving {100 * d['energy_saving_at_deadline']:.2f} %; "
+                  f"{in_flight_text(result)}",
                   file=out)
     for w in result.warnings:
         print(f"WARNING: {w}", file=out)

@@ -1,0 +1,70 @@
+"""The order in which a pipeline's P2P communicators are first used (pure Python).
+
+Every neighbouring pair of stages has two channels, one per direction
+(:mod:`~megatron_envpipe.core.instructions`), each its own communicator.
+Under NCCL a communicator is created lazily, by the first operation either of
+its two ranks issues on it, and that creation blocks until the other rank
+joins: the first uses are pairwise rendezvous of their own. Left to the
+programs they form a cycle: stage 0's first operation is on the gradient
+channel from stage 1 (it posts its gradient receives first), stage 1's on the
+activation channel from stage 0, and each waits for the other forever.
+
+:func:`creation_order` is one global order of a pipeline's channels, and a
+stage's :func:`warmup_order` is the part of it the stage belongs to. When
+every stage first touches its channels in that order, before its program, the
+first uses form a chain, not a cycle: the earliest channel not yet created has
+both of its stages waiting on it, so it always completes.
+``check_deadlock(programs, lazy_communicators=True, warmup=warmup_programs(P))``
+proves warm-up and programs together.
+
+:func:`disjoint_classes` groups the channels so that no stage appears twice in
+a class: one ``split_group`` call (one collective over the pipeline) creates a
+whole class.
+"""
+
+from __future__ import annotations
+
+from megatron_envpipe.core.instructions import ACT, GRAD
+
+__all__ = ["Channel", "creation_order", "disjoint_classes", "warmup_order", "warmup_programs"]
+
+# (sending stage, receiving stage, ACT or GRAD), as CommInstruction.channel() names it.
+Channel = tuple[int, int, str]
+
+
+def creation_order(num_stages: int) -> list[Channel]:
+    """Every channel of a pipeline, in the one order all stages first use them.
+
+    Pair by pair from the first stage; activations before gradients.
+    """
+    out: list[Channel] = []
+    for s in range(num_stages - 1):
+        out.append((s, s + 1, ACT))
+        out.append((s + 1, s, GRAD))
+    return out
+
+
+def warmup_order(stage: int, num_stages: int) -> list[Channel]:
+    """The channels of ``stage``, in :func:`creation_order` (at most four)."""
+    return [c for c in creation_order(num_stages) if stage in c[:2]]
+
+
+def warmup_programs(num_stages: int) -> list[list[Channel]]:
+    """:func:`warmup_order` of every stage (the ``warmup`` of ``check_deadlock``)."""
+    return [warmup_order(s, num_stages) for s in range(num_stages)]
+
+
+def disjoint_classes(num_stages: int) -> list[list[Channel]]:
+    """The channels in classes in which no stage appears twice, in a fixed order.
+
+    Activations of pairs (0,1), (2,3), ...; their gradients; then the same for
+    pairs (1,2), (3,4), ...: four classes from three stages on, two for two
+    stages, none for one.
+    """
+    classes = []
+    for parity in (0, 1):
+        for kind in (ACT, GRAD):
+            members = [c for c in creation_order(num_stages) if c[2] == kind and min(c[:2]) % 2 == parity]
+            if members:
+                classes.append(members)
+    return classes

@@ -1,0 +1,121 @@
+"""Energy of labelled windows from an :class:`~megatron_envpipe.gpu.energy.EnergyMonitor` trace.
+
+:func:`attribute_windows` interpolates the trace at each window's edges;
+:func:`fit_window_powers` fits one power per label to every counter increment,
+which stays exact for windows shorter than the counter's update period. Both
+raise the monitor's :class:`~megatron_envpipe.gpu.energy.EnergyMonitorError`
+when the trace cannot answer (a gap, a stalled or failing counter).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from megatron_envpipe.errors import EnvPipeError
+from megatron_envpipe.gpu.energy import EnergyMonitor
+
+__all__ = ["InseparablePowersError", "attribute_windows", "fit_window_powers"]
+
+
+class InseparablePowersError(EnvPipeError, ValueError):
+    """The counter samples cannot tell the labels' powers apart (too few samples)."""
+
+
+def attribute_windows(
+    monitor: EnergyMonitor, windows: Sequence[tuple[float, float]], wait_timeout_s: float = 1.0
+) -> list[float]:
+    """Energy (J) of each ``(t0, t1)`` window; waits until the trace covers the last one."""
+    if not windows:
+        return []
+    monitor.wait_covered(max(t1 for _, t1 in windows), timeout_s=wait_timeout_s)
+    return [monitor.energy_j(t0, t1) for t0, t1 in windows]
+
+
+def fit_window_powers(
+    monitor: EnergyMonitor,
+    windows: Sequence[tuple[str, float, float]],
+    other_label: str = "other",
+    wait_timeout_s: float = 1.0,
+) -> dict[str, float]:
+    """Power of each label of ``(label, t0, t1)`` windows, by least squares on the counter.
+
+    Interpolation blends a window's power with its neighbours' wherever the
+    samples around its edges straddle a power jump. If instead each label has
+    one constant power (all forwards of an iteration at one clock), every
+    counter increment ``E_i - E_(i-1)`` is ``sum_label P_label * overlap_label(i)``,
+    a small linear system that is exact even for windows shorter than the
+    counter period. Time not in any window is ``other_label``. Windows must not
+    overlap (ValueError). Returns joules per second of the monitor's clock;
+    raises :class:`InseparablePowersError` if the labels cannot be told apart.
+    """
+    if not windows:
+        return {}
+    ws = sorted((float(a), float(b), str(lbl)) for lbl, a, b in windows)
+    for (a0, b0, l0), (a1, _, l1) in zip(ws, ws[1:]):
+        if a1 < b0:
+            raise ValueError(f"windows overlap: {l0} [{a0}, {b0}] and {l1} starting at {a1}")
+    span0, span1 = ws[0][0], max(b for _, b, _ in ws)
+    monitor.wait_covered(span1, timeout_s=wait_timeout_s)
+    monitor.energy_j(span0, span1)  # raises, naming why, if the trace does not cover the span
+    samples = monitor.samples_between(span0, span1)
+    # Segments tiling the time line: windows, and other_label in between and outside.
+    segments: list[tuple[float, float, str]] = []
+    t = -math.inf
+    for a, b, lbl in ws:
+        if a > t:
+            segments.append((t, a, other_label))
+        segments.append((a, b, lbl))
+        t = b
+    segments.append((t, math.inf, other_label))
+    labels = sorted({lbl for _, _, lbl in segments})
+    index = {lbl: i for i, lbl in enumerate(labels)}
+    k = len(labels)
+    normal = [[0.0] * k for _ in range(k)]
+    rhs = [0.0] * k
+    seg = 0
+    for prev, cur in zip(samples, samples[1:]):
+        t_a, t_b = prev.time_s, cur.time_s
+        row = [0.0] * k
+        while segments[seg][1] <= t_a:
+            seg += 1
+        j = seg
+        while j < len(segments) and segments[j][0] < t_b:
+            a, b, lbl = segments[j]
+            row[index[lbl]] += min(b, t_b) - max(a, t_a)
+            j += 1
+        d_j = (cur.energy_mj - prev.energy_mj) / 1000.0
+        for r in range(k):
+            if row[r]:
+                rhs[r] += row[r] * d_j
+                for c in range(k):
+                    normal[r][c] += row[r] * row[c]
+    present = [i for i in range(k) if normal[i][i] > 0]
+    solution = _solve([[normal[r][c] for c in present] for r in present], [rhs[r] for r in present])
+    if solution is None:
+        raise InseparablePowersError(
+            f"cannot separate the powers of {[labels[i] for i in present]}: too few counter samples"
+        )
+    return {labels[i]: p for i, p in zip(present, solution)}
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if (nearly) singular."""
+    n = len(b)
+    scale = max((abs(a[i][i]) for i in range(n)), default=0.0)
+    if scale == 0.0:
+        return None
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) <= 1e-12 * scale:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x

@@ -1,0 +1,105 @@
+"""Measurement never stops training, end to end: the tiny GPT on 4 CPU ranks with the
+simulated GPU, a fault injected on every stage, trains to the end with the losses of
+stock Megatron (bit for bit) and an energy report that names what was not measured.
+
+The faults come from tests/gpu/fault_double.py, wrapped around the GPU each rank's
+executor opens (a launcher patches ``megatron_envpipe.megatron.devices.open_gpu``
+before training; ``$ENVPIPE_TEST_FAULTS`` says which stage gets what, counted in
+units, 16 per iteration: 8 micro-batches x F and B).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
+
+from megatron_envpipe.megatron.localhost import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+NPROC = 4
+ITERS = 10  # 1 warm-up + 4 swept clocks (+1 repeated), then planned iterations
+UNITS = 16  # per iteration and stage
+LAUNCHER = """\
+import sys
+sys.path.insert(0, {tests_gpu!r})
+import fault_double
+fault_double.install_from_env()
+from megatron_envpipe.apps.train_tiny_gpt import main
+sys.exit(main())
+"""
+FAULTS = [
+    # Profiling iteration 2 (1440 MHz) on stage 1: its samples are missing, the clock is repeated.
+    # (Iterations take ~0.5 s here: 16 units of 14-50 ms, as the profile times x 0.1.)
+    {"stage": 1, "fault": "stall", "unit": 2 * UNITS + 4, "seconds": 0.4},
+    # A driver reload inside iteration 7 on stage 2.
+    {"stage": 2, "fault": "back", "unit": 7 * UNITS + 3},
+    # Reads fail from iteration 7's last unit on stage 3 (~50 ms) on: its end read fails.
+    {"stage": 3, "fault": "read_fail", "unit": 8 * UNITS, "seconds": 0.6},
+    # Stage 0 loses CAP_SYS_ADMIN after 6 clock locks (4 while profiling): monitor-only.
+    {"stage": 0, "fault": "lock_fail", "after": 6},
+]
+
+
+def _run(tmp_path: Path, name: str, flags: list[str], faults: list[dict] | None = None) -> tuple[dict, str]:
+    script = REPO / "examples" / "train_tiny_gpt.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if faults is not None:
+        script = tmp_path / "faulty_train_tiny_gpt.py"
+        script.write_text(LAUNCHER.format(tests_gpu=str(REPO / "tests" / "gpu")))
+        env["ENVPIPE_TEST_FAULTS"] = json.dumps(faults)
+    out = tmp_path / f"{name}.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(script), "--pipeline-model-parallel-size", str(NPROC), "--device", "cpu",
+        "--train-iters", str(ITERS), "--cache-dir", str(tmp_path / "cache"), "--losses-out", str(out), *flags,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-8000:]}"
+    return json.loads(out.read_text()), output
+
+
+def test_faults_on_every_stage_never_stop_training(tmp_path: Path) -> None:
+    stock, _ = _run(tmp_path, "stock", ["--no-envpipe"])
+    flags = ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced",
+             "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.1",
+             "--envpipe-profile-step", "300", "--envpipe-profile-iterations", "1",
+             "--envpipe-profile-cache", "off", "--envpipe-log-interval", "1"]
+    faulty, log = _run(tmp_path, "faulty", flags, FAULTS)
+    # Same math: the faults change what is measured and which clocks run, never the losses.
+    assert len(faulty["losses"]) == ITERS
+    assert [x.hex() for x in faulty["losses"]] == [x.hex() for x in stock["losses"]]
+
+    energy = [line for line in log.splitlines() if "EnvPipe energy (simulated) | iteration" in line]
+    assert len(energy) == ITERS, log[-6000:]
+    by_iteration = {int(re.search(r"\| iteration (\d+) \|", line).group(1)): line for line in energy}
+    # Each fault's interval is named with its stage and reason (iterations are 1-based here).
+    assert "not measured on stage 1 (counter stalled)" in by_iteration[3]
+    assert re.search(r"not measured on stage .*2 \(counter went backwards\)", by_iteration[8])
+    assert re.search(r"not measured on stage .*3 \(counter read failed\)", by_iteration[8])
+    assert "J over the pipeline" in by_iteration[1] and "J over the pipeline" in by_iteration[ITERS]
+    # ...and every line carries the running count, by reason, and who lost clock control.
+    last = by_iteration[ITERS]
+    counts = re.search(r"(\d+) of (\d+) intervals unmeasured \(([^)]*)\)", last)
+    assert counts and int(counts.group(2)) == ITERS * NPROC, last
+    reasons = dict(part.split(": ") for part in counts.group(3).split(", "))
+    assert set(reasons) == {"counter stalled", "counter went backwards", "counter read failed"}, last
+    assert reasons["counter went backwards"] == "1" and int(counts.group(1)) == sum(map(int, reasons.values()))
+    assert "clock control lost on stage 0 (NVML_ERROR_NO_PERMISSION" in last and "monitor-only" in last
+    # One warning per stage and kind, not one per interval.
+    assert log.count("continuing monitor-only") == 1
+    assert log.count("is not measured (counter stalled") == 1
+    # The profiler repeated the clock whose samples were missing (the stall may reach into
+    # the next iteration too) and still measured every clock.
+    assert re.search(r"start-up profiler: 4/4 clocks .* [12] iteration\(s\) unmeasured", log), log[-6000:]
