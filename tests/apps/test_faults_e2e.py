@@ -26,7 +26,7 @@ from megatron_envpipe.megatron.localhost import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 NPROC = 4
-ITERS = 10  # 1 warm-up + 4 swept clocks (+1 repeated), then planned iterations
+ITERS = 12  # 1 warm-up + 4 swept clocks (+1 repeated), then planned iterations (room to recover)
 UNITS = 16  # per iteration and stage
 LAUNCHER = """\
 import sys
@@ -88,7 +88,10 @@ def test_faults_on_every_stage_never_stop_training(tmp_path: Path) -> None:
     assert "not measured on stage 1 (counter stalled)" in by_iteration[3]
     assert re.search(r"not measured on stage .*2 \(counter went backwards\)", by_iteration[8])
     assert re.search(r"not measured on stage .*3 \(counter read failed\)", by_iteration[8])
-    assert "J over the pipeline" in by_iteration[1] and "J over the pipeline" in by_iteration[ITERS]
+    assert "J over the pipeline" in by_iteration[1]
+    # The monitor recovers: the read failures are timed (0.6 s plus the poller's back-off, longer
+    # under load), so some iteration after them, not a fixed one, is measured on every stage again.
+    assert any("J over the pipeline" in by_iteration[i] for i in range(10, ITERS + 1)), energy[-3:]
     # ...and every line carries the running count, by reason, and who lost clock control.
     last = by_iteration[ITERS]
     counts = re.search(r"(\d+) of (\d+) intervals unmeasured \(([^)]*)\)", last)
