@@ -339,27 +339,26 @@ def _csv_rows(reader: Any, source: str) -> Iterable[tuple[int, list[str]]]:
         yield reader.line_num, raw
 
 
-def _parse_int(row: Mapping[str, str], column: str, source: str, lineno: int) -> int:
+def _parse_number(row: Mapping[str, str], column: str, source: str, lineno: int) -> tuple[str, float]:
+    """The cell's text and its value; a missing or non-numeric cell names the file, line and column."""
     value = row[column]
     if value == "":
         raise ProfileError(f"{source}:{lineno}: missing {column}")
     try:
-        number = float(value)
+        return value, float(value)
     except ValueError:
         raise ProfileError(f"{source}:{lineno}: {column} {value!r} is not a number") from None
+
+
+def _parse_int(row: Mapping[str, str], column: str, source: str, lineno: int) -> int:
+    value, number = _parse_number(row, column, source, lineno)
     if not number.is_integer():
         raise ProfileError(f"{source}:{lineno}: {column} {value!r} must be a whole number")
     return int(number)
 
 
 def _parse_float(row: Mapping[str, str], column: str, source: str, lineno: int) -> float:
-    value = row[column]
-    if value == "":
-        raise ProfileError(f"{source}:{lineno}: missing {column}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ProfileError(f"{source}:{lineno}: {column} {value!r} is not a number") from None
+    value, number = _parse_number(row, column, source, lineno)
     if not math.isfinite(number):
         raise ProfileError(f"{source}:{lineno}: {column} {value!r} is not finite")
     return number
