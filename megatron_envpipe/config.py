@@ -33,8 +33,11 @@ from megatron_envpipe.core.memory import (
 from megatron_envpipe.core.profile import Profile, ProfileError
 from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
 from megatron_envpipe.core.vocabulary import (
+    PLAN_TYPE_NAMES,
     PLAN_TYPES,
+    RECONFIG_NAMES,
     RECONFIG_POLICIES,
+    SCHEDULING_NAMES,
     SCHEDULINGS,
     PlanType,
     ReconfigPolicy,
@@ -458,9 +461,6 @@ def num_microbatches_of(args: Any, pipeline_size: int) -> int | None:
 
 
 # argparse lists its choices with repr() in "invalid choice" errors: give it the plain names.
-_PLAN_TYPE_NAMES = tuple(t.value for t in PLAN_TYPES)
-_SCHEDULING_NAMES = tuple(s.value for s in SCHEDULINGS)
-_RECONFIG_NAMES = tuple(r.value for r in RECONFIG_POLICIES)
 
 
 def int_list(text: str) -> list[int]:
@@ -491,14 +491,14 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     """Add the ``--envpipe-*`` flags; returns the parser (Megatron's extra_args_provider shape)."""
     d = EnvPipeConfig()
     g = parser.add_argument_group("EnvPipe", "energy-saving pipeline schedule and GPU clock plan")
-    g.add_argument("--envpipe-type", dest="envpipe_plan_type", choices=_PLAN_TYPE_NAMES, default=d.plan_type.value,
+    g.add_argument("--envpipe-type", dest="envpipe_plan_type", choices=PLAN_TYPE_NAMES, default=d.plan_type.value,
                    help="initial clock plan: all at f_max (baseline), each stage at its energy-valley clock "
                         "(uniform), outer envelope at f_max and the rest at the valley (envelope), or the "
                         "minimum-energy plan meeting the baseline's iteration time (optimal; needs highspy or scipy)")
-    g.add_argument("--envpipe-scheduling", dest="envpipe_scheduling", choices=_SCHEDULING_NAMES,
+    g.add_argument("--envpipe-scheduling", dest="envpipe_scheduling", choices=SCHEDULING_NAMES,
                    default=d.scheduling.value,
                    help="unit order: Megatron's 1F1B, or EnvPipe's extended warm-up (ours)")
-    g.add_argument("--envpipe-reconfig", dest="envpipe_reconfig", choices=_RECONFIG_NAMES, default=d.reconfig.value,
+    g.add_argument("--envpipe-reconfig", dest="envpipe_reconfig", choices=RECONFIG_NAMES, default=d.reconfig.value,
                    help="online reconfiguration from measured critical paths")
     g.add_argument("--envpipe-gpu", dest="envpipe_gpu", default=d.gpu,
                    help="auto (default: NVML on CUDA devices, else none), none, nvml, "

@@ -74,3 +74,9 @@ SCHEDULINGS = tuple(Scheduling)
 RECONFIG_POLICIES = tuple(ReconfigPolicy)
 COMM_MODELS = tuple(CommModel)
 INSTRUCTIONS = tuple(k.instruction for k in UnitKind)  # ("forward", "backward")
+
+# Plain strings for argparse ``choices``: it lists choices with repr() in "invalid choice" errors.
+PLAN_TYPE_NAMES = tuple(t.value for t in PlanType)
+SCHEDULING_NAMES = tuple(s.value for s in Scheduling)
+RECONFIG_NAMES = tuple(r.value for r in ReconfigPolicy)
+COMM_NAMES = tuple(c.value for c in CommModel)

@@ -16,22 +16,15 @@ from megatron_envpipe.core.gpu_specs import MAX_CLOCK_MHZ, MAX_P2P_POWER_W
 from megatron_envpipe.core.memory import AUTO, Budget
 from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.vocabulary import (
-    COMM_MODELS,
-    PLAN_TYPES,
-    RECONFIG_POLICIES,
-    SCHEDULINGS,
+    COMM_NAMES,
+    PLAN_TYPE_NAMES,
+    RECONFIG_NAMES,
+    SCHEDULING_NAMES,
     CommModel,
     PlanType,
     ReconfigPolicy,
     Scheduling,
 )
-
-# argparse lists its choices with repr() in "invalid choice" errors: give it the plain names.
-PLAN_TYPE_NAMES = tuple(t.value for t in PLAN_TYPES)
-SCHEDULING_NAMES = tuple(s.value for s in SCHEDULINGS)
-RECONFIG_NAMES = tuple(r.value for r in RECONFIG_POLICIES)
-COMM_NAMES = tuple(c.value for c in COMM_MODELS)
-
 
 # -- flag types -----------------------------------------------------------------------
 # Upper bounds: beyond them a value is a typo or a unit mistake, and sizes this large would

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from megatron_envpipe.apps.cli.common import (
     CliError,
@@ -17,7 +18,7 @@ from megatron_envpipe.apps.cli.render import print_json, recv_wait_ms, score_dic
 from megatron_envpipe.apps.plot import image_format, timelines_image
 from megatron_envpipe.core.instructions import DeadlockError, build_programs, check_deadlock
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
-from megatron_envpipe.core.schedule import build_schedule, clamp_extra_warmup
+from megatron_envpipe.core.schedule import Schedule, build_schedule, clamp_extra_warmup
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import Scheduling
 
@@ -94,23 +95,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_schedule(args: argparse.Namespace) -> int:
+def _schedule_from_flags(args: argparse.Namespace, max_inflight: Any = None) -> Schedule:
+    """The validated schedule 'schedule' and 'programs' print: --scheduling, --extra-warmup (clamped)."""
     check_extra_warmup_flag(args, args.stages)
     r = None
     if args.scheduling == Scheduling.OURS:
-        r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages, args.max_inflight)
-    schedule = build_schedule(args.scheduling, args.stages, args.microbatches, r).validate()
+        r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages, max_inflight)
+    return build_schedule(args.scheduling, args.stages, args.microbatches, r).validate()
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    schedule = _schedule_from_flags(args, args.max_inflight)
     print(str(schedule))
     print(f"# peak in-flight activations per stage: {list(schedule.peak_inflight())}")
     return 0
 
 
 def cmd_programs(args: argparse.Namespace) -> int:
-    check_extra_warmup_flag(args, args.stages)
-    r = None
-    if args.scheduling == Scheduling.OURS:
-        r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages)
-    schedule = build_schedule(args.scheduling, args.stages, args.microbatches, r).validate()
+    schedule = _schedule_from_flags(args)
     programs = build_programs(schedule, prefetch=args.prefetch)
     for prog in programs:
         print(prog)
