@@ -10,12 +10,27 @@ figure is comparable across machines.
 
 ``--types`` also times other plan types; ``optimal`` (the LP planner, issue 5)
 has no offline reconfiguration, so it is timed once per scheduling (policy "-").
+
+``--scale`` (issue 13) times ``--type optimal`` (1f1b and ours) on deeper synthetic
+pipelines built from the shipped gpt3-175b A40 profile by
+:func:`megatron_envpipe.planning.synthetic.deepened` (first and last stage kept,
+the six middle stages cycled): P = 16 at M = 64/128 (goal 1 s at M = 128) and
+P = 32 at M = 128/256 (goal 5 s at M = 256). It also re-plans every P = 8
+optimal case and compares the saving with
+``bench/plan_speed_optimal_p8_reference.json`` (recorded from the code before
+issue 13; the claim is "within 0.05 % of the baseline energy"). Each row also prints
+one simulation of the same 1F1B iteration (measured in the same run) and the ratio
+plan/sim, comparable across machines; ``goal`` says MET or MISSED for the two goal cases.
+
+    python bench/plan_speed.py --scale [--scale-cases 16:64,16:128,32:128,32:256]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.profile import Profile
@@ -24,17 +39,58 @@ from megatron_envpipe.core.schedule import one_f_one_b
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
+from megatron_envpipe.planning.synthetic import deepened
 
 GOAL_S = 1.0
+SCALE_GOALS_S = {16: 1.0, 32: 5.0}  # issue 13: P = 16, M = 128 under 1 s; P = 32, M = 256 under 5 s
+SCALE_GOAL_CASES = {(16, 128), (32, 256)}
+P8_REFERENCE = Path(__file__).with_name("plan_speed_optimal_p8_reference.json")
+P8_TOLERANCE = 0.0005  # 0.05 % of the baseline energy
 
 
-def best_of(repeat: int, fn):
+def best_of(repeat: int, fn, *args):
     best, out = float("inf"), None
     for _ in range(repeat):
         t0 = time.perf_counter()
-        out = fn()
+        out = fn(*args)
         best = min(best, time.perf_counter() - t0)
     return best, out
+
+
+def scale_report(cases: str, repeat: int) -> None:
+    """Optimal planning time on synthetic deep pipelines, then the P = 8 savings against the reference."""
+    gpu = get_gpu_spec("a40")
+    base = Profile.from_csv(shipped_profiles()["a40/gpt3-175b"])
+    print(f"{'P':>3}{'M':>5}{'sched':>6}{'plan s':>9}{'goal s':>8}{'sim ms':>8}{'plan/sim':>9}"
+          f"{'saving':>9}{'slowdown':>9}  goal")
+    for case in cases.split(","):
+        p, m = (int(x) for x in case.split(":"))
+        prof = deepened(base, p)
+        # The same-run yardstick: one simulation (and score) of the 1F1B iteration at f_max.
+        sched = one_f_one_b(p, m)
+        ev = PlanEvaluator(sched, prof, gpu.p2p_power_w)
+        sim_s, _ = best_of(max(5, repeat), ev.score, [1740] * sum(len(o) for o in sched.orders))
+        for scheduling in ("1f1b", "ours"):
+            cfg = PlannerConfig("optimal", scheduling, "default", gpu=gpu)
+            t, res = best_of(repeat, plan_envpipe, prof, m, cfg)
+            goal = SCALE_GOALS_S.get(p, float("nan"))
+            verdict = ("MET" if t < goal else "MISSED") if (p, m) in SCALE_GOAL_CASES else "-"
+            print(f"{p:>3}{m:>5}{scheduling:>6}{t:>9.3f}{goal:>8.1f}{1000 * sim_s:>8.2f}{t / sim_s:>9.0f}"
+                  f"{100 * res.energy_saving:>8.3f}%{100 * res.slowdown:>8.2f}%  {verdict}")
+    ref = json.loads(P8_REFERENCE.read_text())["energy_saving"]
+    worst = 0.0
+    print("\nP = 8 optimal savings vs the reference (before issue 13):")
+    for key, saving_ref in sorted(ref.items()):
+        name, scheduling, mb = key.rsplit("/", 2)
+        prof = Profile.from_csv(shipped_profiles()[name])
+        cfg = PlannerConfig("optimal", scheduling, "default", gpu=gpu)
+        t, res = best_of(1, plan_envpipe, prof, int(mb[1:]), cfg)
+        diff = res.energy_saving - saving_ref
+        worst = max(worst, -diff)
+        print(f"{key:30}{t:>8.3f} s{100 * res.energy_saving:>9.4f}%  ref {100 * saving_ref:>8.4f}%  "
+              f"diff {100 * diff:+.4f} pt")
+    print(f"worst loss {100 * worst:.4f} pt -> {'UNCHANGED' if worst <= P8_TOLERANCE else 'LOST ENERGY'}"
+          f" (tolerance {100 * P8_TOLERANCE:.2f} %)")
 
 
 def main() -> None:
@@ -44,7 +100,12 @@ def main() -> None:
     ap.add_argument("--microbatches", default="12,24,48,96")
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs")
     ap.add_argument("--types", default="envelope", help="comma-separated plan types, e.g. envelope,optimal")
+    ap.add_argument("--scale", action="store_true", help="optimal planning on synthetic P = 16/32 pipelines")
+    ap.add_argument("--scale-cases", default="16:64,16:128,32:128,32:256", help="comma-separated P:M")
     args = ap.parse_args()
+    if args.scale:
+        scale_report(args.scale_cases, args.repeat)
+        return
     gpu = get_gpu_spec("a40")
     print(f"{'profile':16}{'sched':>6}{'policy':>10}{'M':>4}{'iters':>7}{'plan s':>9}"
           f"{'x goal':>8}{'sim ms':>8}{'plan/sim':>9}{'saving':>8}{'slowdown':>9}")
@@ -56,13 +117,13 @@ def main() -> None:
             sched = one_f_one_b(prof.num_stages, m)
             ev = PlanEvaluator(sched, prof, gpu.p2p_power_w)
             freqs = [1740] * sum(len(o) for o in sched.orders)
-            sim_s, _ = best_of(max(5, args.repeat), lambda: ev.score(freqs))
+            sim_s, _ = best_of(max(5, args.repeat), ev.score, freqs)
             combos = [(plan_type, scheduling, policy) for plan_type in args.types.split(",")
                       for scheduling in args.schedulings.split(",")
                       for policy in (args.policies.split(",") if plan_type != "optimal" else ["-"])]
             for plan_type, scheduling, policy in combos:
                 cfg = PlannerConfig(plan_type, scheduling, policy if policy != "-" else "default", gpu=gpu)
-                t, res = best_of(args.repeat, lambda: plan_envpipe(prof, m, cfg))
+                t, res = best_of(args.repeat, plan_envpipe, prof, m, cfg)
                 if plan_type == "envelope" and scheduling == "ours" and policy == "balanced":
                     worst_default = max(worst_default, t)
                 if plan_type != "envelope":

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
+from megatron_envpipe.core.interleaved import check_interleaved_sizes
 from megatron_envpipe.core.memory import (
     AUTO,
     MaxInflight,
@@ -32,6 +33,7 @@ from megatron_envpipe.core.memory import (
 )
 from megatron_envpipe.core.profile import Profile, ProfileError
 from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
+from megatron_envpipe.core.schedule import ScheduleError
 from megatron_envpipe.core.vocabulary import (
     PLAN_TYPE_NAMES,
     PLAN_TYPES,
@@ -46,6 +48,7 @@ from megatron_envpipe.core.vocabulary import (
 )
 from megatron_envpipe.errors import UsageError
 from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S, MAX_SWITCH_COST_J
 
 
 class EnvPipeConfigError(UsageError, ValueError):
@@ -75,13 +78,15 @@ class EnvPipeConfig:
     measure_iterations: int = 1  # iterations measured before the plan is fixed (no profile, no clock control)
     on_no_permission: str = "fail"  # or "monitor": measure energy, never touch clocks
     profile_step_mhz: int | None = None  # start-up profiler clock spacing (default: GPU table)
-    profile_iterations: int = 2  # profiled iterations per clock
+    profile_iterations: int = 2  # profiled iterations per clock until two agree (gpu/sweep.py); 1: always one
     profile_cache: str | None = None  # cache dir ("off" disables); default ~/.cache/megatron-envpipe
     sim_time_scale: float = 0.02  # simulated GPU: wall seconds per simulated second
     log_interval: int = 1
     verbose: bool = False
     max_slowdown: float = 0.0  # --envpipe-type optimal: allowed iteration-time increase (fraction)
     target_time_s: float | None = None  # --envpipe-type optimal: plan for iterations lasting this long
+    switch_cost_j: float | None = 0.0  # planning/switching.py (0: off; None: the default for optimal plans)
+    max_clock_changes: int | None = None  # per rank per iteration; None: no budget
 
     def __post_init__(self) -> None:
         # Flag strings become the vocabulary's members (equal to them); unknown names stay for validate().
@@ -102,6 +107,9 @@ class EnvPipeConfig:
             bad(f"--envpipe-reconfig {self.reconfig!r}: choose one of {', '.join(RECONFIG_POLICIES)}")
         self._validate_numbers()
         self._validate_max_inflight()
+        if self.scheduling == Scheduling.INTERLEAVED and self.max_inflight not in (AUTO, None):
+            bad(f"--envpipe-max-inflight {show_budget(self.max_inflight)} budgets the extra warm-up of "
+                "--envpipe-scheduling ours; interleaved keeps Megatron's order: drop it (or give auto/none)")
         if self.extra_warmup is not None:
             if self.scheduling != Scheduling.OURS:
                 bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours: add "
@@ -213,12 +221,16 @@ class EnvPipeConfig:
             ("--envpipe-reconfig", self.reconfig, ReconfigPolicy.DEFAULT)) if value != default)
         vpp_flags = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in _VIRTUAL_PIPELINE_ARGS
                      if getattr(args, name, None) is not None]
-        if vpp_flags and not self.is_stock:
+        virtual = virtual_stages_of(args) if self.scheduling == Scheduling.INTERLEAVED else 1
+        if self.scheduling == Scheduling.INTERLEAVED and virtual < 2:
             raise EnvPipeConfigError(
-                f"EnvPipe has no interleaved (virtual-pipeline) schedule ({', '.join(vpp_flags)}), so {settings} "
-                "would do nothing: drop --virtual-pipeline-model-parallel-size / "
-                f"--num-layers-per-virtual-pipeline-stage, or run {stock}"
-            )
+                "--envpipe-scheduling interleaved needs model chunks: add --virtual-pipeline-model-parallel-size V "
+                "(V >= 2) or --num-layers-per-virtual-pipeline-stage, or use --envpipe-scheduling 1f1b / ours")
+        if vpp_flags and self.scheduling != Scheduling.INTERLEAVED and not self.is_stock:
+            raise EnvPipeConfigError(
+                f"--envpipe-scheduling {self.scheduling} has no interleaved (virtual-pipeline) order "
+                f"({', '.join(vpp_flags)}), so {settings} would not run: add --envpipe-scheduling interleaved, "
+                f"drop the virtual-pipeline flags, or run {stock}")
         spec = _table_gpu(self.gpu)
         if self.profile is not None and self.p2p_power_w is None and spec is not None and spec.p2p_power_w is None:
             raise EnvPipeConfigError(
@@ -238,11 +250,11 @@ class EnvPipeConfig:
             )
         if pp >= 2:
             profile = load_profile(self.profile) if self.profile is not None else None
-            self.check_pipeline(pp, num_microbatches_of(args, pp), profile)
+            self.check_pipeline(pp, num_microbatches_of(args, pp), profile, virtual)
         return self
 
     def check_pipeline(self, num_stages: int, num_microbatches: int | None = None,
-                       profile: Profile | None = None) -> None:
+                       profile: Profile | None = None, virtual_stages: int = 1) -> None:
         """What the pipeline's size decides: the profile's stage count, the length of
         ``--envpipe-extra-warmup``, the activation budget. Shared by the start-up check and
         the run-time (its first call per pipeline, before any rank runs the iteration).
@@ -254,6 +266,11 @@ class EnvPipeConfig:
                 "is per pipeline, one set of rows per stage, so it must have exactly P stages; profile this "
                 "model and parallel layout (drop --envpipe-profile to measure at start-up)"
             )
+        if self.scheduling == Scheduling.INTERLEAVED and num_microbatches is not None:
+            try:  # Megatron's own constraints on M for its interleaved schedule
+                check_interleaved_sizes(num_stages, num_microbatches, virtual_stages)
+            except ScheduleError as exc:
+                raise EnvPipeConfigError(f"--envpipe-scheduling interleaved: {exc}") from None
         if self.scheduling != Scheduling.OURS:
             return
         if self.extra_warmup is not None and len(self.extra_warmup) != num_stages:
@@ -305,6 +322,8 @@ class EnvPipeConfig:
             "extra_warmup": self.extra_warmup,
             "max_slowdown": self.max_slowdown,
             "target_time_s": self.target_time_s,
+            "switch_cost_j": self.switch_cost_j,
+            "max_clock_changes": self.max_clock_changes,
         }
         values.update(overrides)
         return PlannerConfig(**values)
@@ -342,9 +361,11 @@ _NUMBERS: dict[str, tuple[str, str, tuple[str, float], float | None, str, str]] 
     "log_interval": ("--envpipe-log-interval", "int", ("ge", 1), None, "iterations", "1"),
     "max_slowdown": ("--envpipe-max-slowdown", "float", ("ge", 0), None, "", "0.05 (or 5%)"),
     "target_time_s": ("--envpipe-target-time", "float", ("gt", 0), None, "seconds", "8.5"),
+    "switch_cost_j": ("--envpipe-switch-cost-j", "float", ("ge", 0), MAX_SWITCH_COST_J, "J", "0.7"),
+    "max_clock_changes": ("--envpipe-max-clock-changes", "int", ("ge", 1), None, "changes per iteration", "40"),
 }
 _OPTIONAL_NUMBERS = frozenset({"p2p_power_w", "reconfig_step_mhz", "profile_step_mhz",
-                               "target_time_s"})
+                               "target_time_s", "switch_cost_j", "max_clock_changes"})
 # Megatron's flags that turn on the interleaved schedule (names differ across releases).
 _VIRTUAL_PIPELINE_ARGS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                           "num_virtual_stages_per_pipeline_rank")
@@ -425,6 +446,22 @@ def load_profile(name: str) -> Profile:
         where = "--envpipe-profile" if name in str(exc) else f"--envpipe-profile {name}"  # it names the file
         raise EnvPipeConfigError(
             f"{where}: {exc}; fix the file, or drop --envpipe-profile to measure at start-up") from None
+
+
+def virtual_stages_of(args: Any) -> int:
+    """Model chunks per rank (1 without a virtual pipeline) from Megatron's flags, as Megatron derives it."""
+    given = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if _is_int(given):
+        return given
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    layers, pp = getattr(args, "num_layers", None), getattr(args, "pipeline_model_parallel_size", None)
+    if _is_int(per_stage) and per_stage >= 1:
+        if not (_is_int(layers) and _is_int(pp) and pp >= 1 and layers % (pp * per_stage) == 0):
+            raise EnvPipeConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {per_stage}: --num-layers {layers} must split into "
+                f"--pipeline-model-parallel-size {pp} ranks of whole virtual stages of {per_stage} layers")
+        return layers // (pp * per_stage)
+    return ranks if _is_int(ranks := getattr(args, "num_virtual_stages_per_pipeline_rank", None)) and ranks >= 1 else 1
 
 
 def num_microbatches_of(args: Any, pipeline_size: int) -> int | None:
@@ -538,7 +575,8 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--envpipe-profile-step", dest="envpipe_profile_step_mhz", type=int, default=None,
                    help="start-up profiler: MHz between profiled clocks (default: GPU table, 90)")
     g.add_argument("--envpipe-profile-iterations", dest="envpipe_profile_iterations", type=int,
-                   default=d.profile_iterations, help="start-up profiler: iterations per clock")
+                   default=d.profile_iterations, help="start-up profiler: iterations per clock until two agree "
+                   "(then one per clock, plus clocks near the valley); 1: one per clock, nothing more")
     g.add_argument("--envpipe-profile-cache", dest="envpipe_profile_cache", default=None,
                    help="profile cache directory, or 'off' (default ~/.cache/megatron-envpipe/profiles)")
     g.add_argument("--envpipe-sim-time-scale", dest="envpipe_sim_time_scale", type=float, default=d.sim_time_scale,
@@ -553,4 +591,8 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--envpipe-target-time", dest="envpipe_target_time_s", type=float, default=None,
                    help="--envpipe-type optimal: plan for iterations lasting this many seconds anyway (e.g. a "
                         "straggler sets the pace); the GPUs block at P2P power until then")
+    g.add_argument("--envpipe-switch-cost-j", dest="envpipe_switch_cost_j", type=float, default=0.0, help="joules a "
+                   f"clock change must save to be kept (default 0: off; envpipe plan's: {DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x P2P power)")
+    g.add_argument("--envpipe-max-clock-changes", dest="envpipe_max_clock_changes", type=int, default=None,
+                   help="at most this many clock changes per stage per iteration, where the deadline allows")
     return parser

@@ -30,7 +30,7 @@ ENVPIPE_DISABLE=${ENVPIPE_DISABLE:-0}
 # EnvPipe: ENVPIPE_<NAME> is the flag --envpipe-<name>. An empty value leaves the
 # flag out, so the package's default applies (noted after each).
 ENVPIPE_TYPE=${ENVPIPE_TYPE:-envelope}                   # baseline | uniform | envelope | optimal
-ENVPIPE_SCHEDULING=${ENVPIPE_SCHEDULING:-ours}           # 1f1b (Megatron's order) | ours (extended warm-up)
+ENVPIPE_SCHEDULING=${ENVPIPE_SCHEDULING:-ours}           # 1f1b (Megatron's order) | ours (extended warm-up) | interleaved (needs VPP)
 ENVPIPE_RECONFIG=${ENVPIPE_RECONFIG:-balanced}           # default (none) | greedy | balanced
 ENVPIPE_GPU=${ENVPIPE_GPU:-auto}                         # auto | none | nvml | simulated:<profile> | a40, h100, ... (envpipe gpus)
 ENVPIPE_PROFILE=${ENVPIPE_PROFILE:-}                     # Perseus CSV of this model and layout; empty: start-up profiler
@@ -45,6 +45,8 @@ ENVPIPE_P2P_POWER=${ENVPIPE_P2P_POWER:-}                 # W of a GPU blocked in
 ENVPIPE_RECONFIG_STEP=${ENVPIPE_RECONFIG_STEP:-}         # MHz per reconfiguration step; empty: GPU table
 ENVPIPE_MAX_SLOWDOWN=${ENVPIPE_MAX_SLOWDOWN:-}           # optimal: allowed slowdown, e.g. 0.05; empty: 0
 ENVPIPE_TARGET_TIME=${ENVPIPE_TARGET_TIME:-}             # optimal: s per iteration something else sets; empty: none
+ENVPIPE_SWITCH_COST_J=${ENVPIPE_SWITCH_COST_J:-}         # J per clock change the plan may give up to avoid one; empty: off
+ENVPIPE_MAX_CLOCK_CHANGES=${ENVPIPE_MAX_CLOCK_CHANGES:-} # clock changes per rank per iteration; empty: no budget
 ENVPIPE_FINISH_LIMIT=${ENVPIPE_FINISH_LIMIT:-10}         # stop reconfiguring after N iterations without progress
 ENVPIPE_THRESHOLD_SCALE=${ENVPIPE_THRESHOLD_SCALE:-4.0}  # critical-path wait threshold
 ENVPIPE_PREFETCH=${ENVPIPE_PREFETCH:-2}                  # receives posted ahead per channel
@@ -271,6 +273,8 @@ envpipe_compose_args() {
     _envpipe_opt --envpipe-reconfig-step "$ENVPIPE_RECONFIG_STEP"
     _envpipe_opt --envpipe-max-slowdown "$ENVPIPE_MAX_SLOWDOWN"
     _envpipe_opt --envpipe-target-time "$ENVPIPE_TARGET_TIME"
+    _envpipe_opt --envpipe-switch-cost-j "$ENVPIPE_SWITCH_COST_J"
+    _envpipe_opt --envpipe-max-clock-changes "$ENVPIPE_MAX_CLOCK_CHANGES"
     case "$ENVPIPE_VERBOSE" in
         1 | yes | true) ENVPIPE_ARGS+=(--envpipe-verbose) ;;
     esac

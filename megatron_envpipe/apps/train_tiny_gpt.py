@@ -17,6 +17,10 @@ is EnvPipe's executor, then steps a plain torch optimizer.
 EnvPipe's executor never imported, so Megatron's own 1F1B runs. (``--envpipe-type
 baseline --envpipe-scheduling 1f1b`` is still EnvPipe's executor, in 1F1B order.)
 ``--losses-out`` records which schedule function each rank ran.
+``--virtual-pipeline-model-parallel-size V`` splits every stage into V model
+chunks (Megatron's interleaved pipeline): stock runs Megatron's interleaved
+schedule, ``--envpipe-scheduling interleaved`` EnvPipe's executor in the same
+order with its clock plan.
 ``--stock-reference-iters N`` first trains N iterations of a fresh model with
 Megatron's own schedule in the same processes, before ``install()`` is called
 (recorded as ``stock_reference``): a same-math reference that costs no extra
@@ -74,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g = parser.add_argument_group("model and training (Megatron-style)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=4)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, metavar="V",
+                   help="model chunks per stage (Megatron's interleaved pipeline); default: none")
     g.add_argument("--num-layers", type=int, default=8, help="total, split evenly over the stages")
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
@@ -122,6 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad("--pipeline-model-parallel-size must be >= 1")
     if args.num_layers < pp or args.num_layers % pp:
         bad(f"--num-layers {args.num_layers} must be a positive multiple of the pipeline size {pp}")
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        if vpp < 2 or pp < 3:
+            # As Megatron-LM: at 2 stages its batched exchanges would carry two messages between one pair.
+            bad(f"--virtual-pipeline-model-parallel-size must be >= 2, with a pipeline of > 2 stages (got {vpp}, "
+                f"pipeline size {pp})")
+        if args.num_layers % (pp * vpp):
+            bad(f"--num-layers {args.num_layers} must be a multiple of pipeline size x virtual size {pp * vpp}")
     if args.hidden_size % args.num_attention_heads:
         bad("--hidden-size must be divisible by --num-attention-heads")
     if args.micro_batch_size < 1 or args.global_batch_size % args.micro_batch_size:
@@ -162,7 +176,9 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
     else:
         device = torch.device("cpu")
         dist.init_process_group(backend="gloo")
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     return device
 
 
@@ -185,8 +201,9 @@ def prepare_data(args: argparse.Namespace) -> Any:
 # --------------------------------------------------------------------------- model
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> torch.nn.Module:
-    """This rank's stage of the GPT: fp32, local spec, untied embeddings, seeded per stage."""
+def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> list[torch.nn.Module]:
+    """This rank's stage of the GPT (one module per model chunk): fp32, local spec, untied embeddings,
+    seeded per stage; the chunks are built in order from that seed, as Megatron's training does."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -198,6 +215,7 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,  # dtype of the P2P receive buffers
         # As megatron.training sets it: outputs are pseudo-freed after their send.
@@ -211,18 +229,25 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
     )
     stage = parallel_state.get_pipeline_model_parallel_rank()
     model_parallel_manual_seed(args.seed + 100 * stage)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),  # plain torch: no TE, no apex
-        vocab_size=vocab_size,
-        max_sequence_length=args.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        # Tied embeddings make the last stage copy the embedding with .cuda() and
-        # all-reduce it with the first: no CPU path, so keep them separate.
-        share_embeddings_and_output_weights=False,
-    )
-    return model.to(device)
+    chunks: list[int | None] = [None]
+    if args.virtual_pipeline_model_parallel_size is not None:
+        chunks = list(range(args.virtual_pipeline_model_parallel_size))
+    models = []
+    for vp in chunks:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),  # plain torch: no TE, no apex
+            vocab_size=vocab_size,
+            max_sequence_length=args.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=vp),
+            # Tied embeddings make the last stage copy the embedding with .cuda() and
+            # all-reduce it with the first: no CPU path, so keep them separate.
+            share_embeddings_and_output_weights=False,
+            **({} if vp is None else {"vp_stage": vp}),
+        )
+        models.append(model.to(device))
+    return models
 
 
 def loss_func(
@@ -272,8 +297,8 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
     tokenizer, dataset = prepare_data(args)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     is_last = parallel_state.is_pipeline_last_stage()
-    model = build_model(args, tokenizer.vocab_size, device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    models = build_model(args, tokenizer.vocab_size, device)
+    params = [p for model in models for p in model.parameters() if p.requires_grad]
     if args.optimizer == "adam":
         optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=args.lr)
     else:
@@ -287,7 +312,8 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
 
         print(
             f"tiny GPT: {args.num_layers} layers x hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-            f"vocab {tokenizer.vocab_size}, seq {args.seq_length} | {args.pipeline_model_parallel_size} stages, "
+            f"vocab {tokenizer.vocab_size}, seq {args.seq_length} | {args.pipeline_model_parallel_size} stages"
+            + (f" x {len(models)} model chunks" if len(models) > 1 else "") + ", "
             f"parameters per stage {counts} | {args.num_microbatches} micro-batches of {args.micro_batch_size} | "
             f"{len(dataset.tokens)} corpus tokens | megatron-core {megatron.core.__version__}, torch "
             f"{torch.__version__}, {device.type}/{dist.get_backend()} | " + (
@@ -308,10 +334,13 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
         name = _function_name(forward_backward_func)
         if name not in ran:
             ran.append(name)
+        # One iterator per model chunk, each over the iteration's micro-batches.
+        iterators = [dataset.microbatches(iteration, args.num_microbatches, args.micro_batch_size)
+                     for _ in models]
         reports = forward_backward_func(
             forward_step_func=forward_step,
-            data_iterator=dataset.microbatches(iteration, args.num_microbatches, args.micro_batch_size),
-            model=[model],
+            data_iterator=iterators if len(models) > 1 else iterators[0],
+            model=models,
             num_microbatches=args.num_microbatches,
             seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size,
@@ -379,6 +408,7 @@ def write_losses(path: Path, args: argparse.Namespace, records: list[dict[str, A
         # installed at the end of training, and whether EnvPipe's executor was imported at all.
         "schedule": records[0]["schedule"] if records else [],
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
         "num_microbatches": args.num_microbatches,
         "seed": args.seed,
         "device": args.device,

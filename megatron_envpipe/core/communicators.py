@@ -20,46 +20,65 @@ proves warm-up and programs together.
 :func:`disjoint_classes` groups the channels so that no stage appears twice in
 a class: one ``split_group`` call (one collective over the pipeline) creates a
 whole class.
+
+With model chunks (``wrap=True``) the pipeline also has the wrap-around pair:
+activations from stage P-1 to stage 0 and gradients back. Its two channels
+come last in the creation order (still a chain) and form classes of their own.
 """
 
 from __future__ import annotations
 
 from megatron_envpipe.core.instructions import ACT, GRAD
 
-__all__ = ["Channel", "creation_order", "disjoint_classes", "warmup_order", "warmup_programs"]
+__all__ = ["Channel", "creation_order", "disjoint_classes", "is_wrap", "warmup_order", "warmup_programs",
+           "wrap_channels"]
 
 # (sending stage, receiving stage, ACT or GRAD), as CommInstruction.channel() names it.
 Channel = tuple[int, int, str]
 
 
-def creation_order(num_stages: int) -> list[Channel]:
+def wrap_channels(num_stages: int) -> list[Channel]:
+    """The wrap-around channels of a pipeline with model chunks: P-1 -> 0 activations, 0 -> P-1 gradients."""
+    if num_stages < 2:
+        return []
+    return [(num_stages - 1, 0, ACT), (0, num_stages - 1, GRAD)]
+
+
+def is_wrap(channel: Channel) -> bool:
+    """A wrap-around channel: activations going down the stage numbers, or gradients going up."""
+    snd, rcv, kind = channel
+    return (snd > rcv) == (kind == ACT)
+
+
+def creation_order(num_stages: int, wrap: bool = False) -> list[Channel]:
     """Every channel of a pipeline, in the one order all stages first use them.
 
-    Pair by pair from the first stage; activations before gradients.
+    Pair by pair from the first stage; activations before gradients; with
+    ``wrap`` the wrap-around pair's two channels last.
     """
     out: list[Channel] = []
     for s in range(num_stages - 1):
         out.append((s, s + 1, ACT))
         out.append((s + 1, s, GRAD))
-    return out
+    return out + (wrap_channels(num_stages) if wrap else [])
 
 
-def warmup_order(stage: int, num_stages: int) -> list[Channel]:
-    """The channels of ``stage``, in :func:`creation_order` (at most four)."""
-    return [c for c in creation_order(num_stages) if stage in c[:2]]
+def warmup_order(stage: int, num_stages: int, wrap: bool = False) -> list[Channel]:
+    """The channels of ``stage``, in :func:`creation_order` (at most four, six with ``wrap``)."""
+    return [c for c in creation_order(num_stages, wrap) if stage in c[:2]]
 
 
-def warmup_programs(num_stages: int) -> list[list[Channel]]:
+def warmup_programs(num_stages: int, wrap: bool = False) -> list[list[Channel]]:
     """:func:`warmup_order` of every stage (the ``warmup`` of ``check_deadlock``)."""
-    return [warmup_order(s, num_stages) for s in range(num_stages)]
+    return [warmup_order(s, num_stages, wrap) for s in range(num_stages)]
 
 
-def disjoint_classes(num_stages: int) -> list[list[Channel]]:
+def disjoint_classes(num_stages: int, wrap: bool = False) -> list[list[Channel]]:
     """The channels in classes in which no stage appears twice, in a fixed order.
 
     Activations of pairs (0,1), (2,3), ...; their gradients; then the same for
     pairs (1,2), (3,4), ...: four classes from three stages on, two for two
-    stages, none for one.
+    stages, none for one. With ``wrap``, one class per wrap-around channel after them.
     """
     classes = []
     for parity in (0, 1):
@@ -67,4 +86,4 @@ def disjoint_classes(num_stages: int) -> list[list[Channel]]:
             members = [c for c in creation_order(num_stages) if c[2] == kind and min(c[:2]) % 2 == parity]
             if members:
                 classes.append(members)
-    return classes
+    return classes + ([[c] for c in wrap_channels(num_stages)] if wrap else [])

@@ -25,6 +25,15 @@ stages, instructions and peers if the programs can block forever. With
 first operation on a channel, on either stage, is a blocking rendezvous of
 its two stages); :mod:`~megatron_envpipe.core.communicators` gives the warm-up
 order that makes those first uses a chain instead of a cycle.
+
+Model chunks (Megatron's interleaved pipeline, ``Schedule.num_chunks`` = V > 1):
+compute and message instructions carry the local ``chunk`` (printed only when
+non-zero: ``Forward(3,1)``); rank s chunk v is virtual stage v*P+s. Activations
+of the last rank's chunk v go to rank 0's chunk v+1 and gradients back (the
+wrap-around): two more channels, ``(P-1, 0, act)`` and ``(0, P-1, grad)``,
+distinct from the neighbour channels even at P = 2. A message is named by its
+kind, micro-batch and sending virtual stage, so the check matches both ends
+across the wrap.
 """
 
 from __future__ import annotations
@@ -49,11 +58,13 @@ class DeadlockError(EnvPipeError, RuntimeError):
 
 @dataclass(frozen=True)
 class Instruction:
-    """Base class: every instruction prints as ``Name(arg)``."""
+    """Base class: every instruction prints as ``Name(arg)``; a chunk 0 is left out."""
 
     def __str__(self) -> str:
-        args = ",".join(str(v) for v in self.__dict__.values())
-        return f"{type(self).__name__}({args})"
+        values = list(self.__dict__.values())
+        if getattr(self, "chunk", None) == 0:
+            values = values[:-1]  # chunk is the last field; one-chunk programs print as before
+        return f"{type(self).__name__}({','.join(str(v) for v in values)})"
 
 
 @dataclass(frozen=True)
@@ -64,40 +75,50 @@ class SetFrequency(Instruction):
 @dataclass(frozen=True)
 class Forward(Instruction):
     microbatch: int
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
 class Backward(Instruction):
     microbatch: int
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
 class Free(Instruction):
-    """Drop the stage's input/output tensors of a micro-batch after its backward."""
+    """Drop the stage's input/output tensors of a micro-batch (of a chunk) after its backward."""
 
     microbatch: int
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
 class CommInstruction(Instruction):
-    """Start or finish of one P2P message of one micro-batch."""
+    """Start or finish of one P2P message of one micro-batch, sent or received by local ``chunk``."""
 
     microbatch: int
+    chunk: int = 0
 
     kind: ClassVar[str]  # ACT or GRAD
     is_send: ClassVar[bool]
     is_start: ClassVar[bool]
 
-    def peer(self, stage: int) -> int:
-        """The other stage of this message."""
-        if self.kind == ACT:
-            return stage + 1 if self.is_send else stage - 1
-        return stage - 1 if self.is_send else stage + 1
+    def peer(self, stage: int, num_stages: int | None = None) -> int:
+        """The other stage of this message; with ``num_stages``, across the wrap-around too."""
+        step = 1 if (self.kind == ACT) == self.is_send else -1
+        return (stage + step) % num_stages if num_stages else stage + step
 
-    def channel(self, stage: int) -> tuple[int, int, str]:
+    def channel(self, stage: int, num_stages: int | None = None) -> tuple[int, int, str]:
         """(sender, receiver, kind): one communicator per direction and pair."""
-        peer = self.peer(stage)
+        peer = self.peer(stage, num_stages)
         return (stage, peer, self.kind) if self.is_send else (peer, stage, self.kind)
+
+    def message(self, stage: int, num_stages: int) -> tuple[str, int, int]:
+        """(kind, micro-batch, sending virtual stage): equal on the two ends of one message."""
+        virtual = self.chunk * num_stages + stage
+        if not self.is_send:
+            virtual += -1 if self.kind == ACT else 1
+        return self.kind, self.microbatch, virtual
 
 
 @dataclass(frozen=True)
@@ -160,11 +181,16 @@ _BY_NAME = {
 
 
 def parse_instruction(text: str) -> Instruction:
+    """``Name(arg)`` or, for a unit or message of chunk c > 0, ``Name(microbatch,c)``."""
     name, _, rest = text.strip().partition("(")
     cls = _BY_NAME.get(name)
-    if cls is None or not rest.endswith(")"):
+    args = rest[:-1].split(",") if rest.endswith(")") else []
+    if cls is None or not 1 <= len(args) <= (1 if cls is SetFrequency else 2):
         raise ScheduleError(f"cannot parse instruction {text!r}")
-    return cls(int(rest[:-1]))
+    try:
+        return cls(*(int(a) for a in args))
+    except ValueError:
+        raise ScheduleError(f"cannot parse instruction {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -180,10 +206,30 @@ class StageProgram:
         out = []
         for ins in self.instructions:
             if isinstance(ins, Forward):
-                out.append(F(ins.microbatch))
+                out.append(F(ins.microbatch, ins.chunk))
             elif isinstance(ins, Backward):
-                out.append(B(ins.microbatch))
+                out.append(B(ins.microbatch, ins.chunk))
         return out
+
+
+def _message_sequences(schedule: Schedule) -> list[dict[str, list[tuple[int, int]]]]:
+    """Per stage and kind, the (micro-batch, receiving chunk) it receives, in its sender's send order.
+
+    A channel is FIFO, so the receiver posts its receives in the order the
+    sender sends: the sender's forward (activation) or backward (gradient)
+    order. Rank 0 receives activations from rank P-1 (chunk v -> v+1), rank
+    P-1 gradients from rank 0 (chunk v+1 -> v).
+    """
+    p, v_max = schedule.num_stages, schedule.num_chunks - 1
+    out: list[dict[str, list[tuple[int, int]]]] = [{ACT: [], GRAD: []} for _ in range(p)]
+    for s, order in enumerate(schedule.orders):
+        for unit in order:
+            v = unit.chunk
+            if unit.is_forward and not (s == p - 1 and v == v_max):
+                out[(s + 1) % p][ACT].append((unit.microbatch, v + 1 if s == p - 1 else v))
+            elif not unit.is_forward and not (s == 0 and v == 0):
+                out[(s - 1) % p][GRAD].append((unit.microbatch, v - 1 if s == 0 else v))
+    return out
 
 
 def build_programs(
@@ -196,32 +242,42 @@ def build_programs(
     ``plan`` adds a ``SetFrequency`` wherever a unit's clock differs from the
     previous unit's (and once at the start). ``prefetch`` is how many receives
     per channel are posted ahead of use (receive buffers held per channel).
+    With model chunks, a unit's input comes from the previous virtual stage
+    (rank 0's chunk v > 0: from rank P-1's chunk v-1) and its gradient from the
+    next one; only virtual stage 0 has no input and the last no output gradient.
     """
     if prefetch < 1:
         raise ScheduleError(f"prefetch must be >= 1, got {prefetch}")
     if plan is not None and plan.schedule.orders != schedule.orders:
         raise ScheduleError("the frequency plan belongs to a different schedule")
-    p, m = schedule.num_stages, schedule.num_microbatches
+    p, v_max = schedule.num_stages, schedule.num_chunks - 1
+    incoming = _message_sequences(schedule)
     programs = []
     for s, order in enumerate(schedule.orders):
         out: list[Instruction] = []
-        first, last = s == 0, s == p - 1
-        next_act = next_grad = 0  # next receive to post, per channel
+        seqs = incoming[s]
+        position = {kind: {msg: i for i, msg in enumerate(seq)} for kind, seq in seqs.items()}
+        posted = {ACT: 0, GRAD: 0}  # receives posted so far, per channel
+        starts = {ACT: RecvActivationStart, GRAD: RecvGradStart}
 
         # Bound per stage (defaults): the closure never outlives this iteration.
-        def post(kind: str, upto: int, out: list[Instruction] = out, first: bool = first, last: bool = last) -> None:
-            nonlocal next_act, next_grad
-            if kind == ACT and not first:
-                while next_act < min(m, upto):
-                    out.append(RecvActivationStart(next_act))
-                    next_act += 1
-            if kind == GRAD and not last:
-                while next_grad < min(m, upto):
-                    out.append(RecvGradStart(next_grad))
-                    next_grad += 1
+        def post(kind: str, upto: int, out: list[Instruction] = out, seqs: dict = seqs, posted: dict = posted,
+                 starts: dict = starts) -> None:
+            seq = seqs[kind]
+            while posted[kind] < min(len(seq), upto):
+                out.append(starts[kind](*seq[posted[kind]]))
+                posted[kind] += 1
+
+        def consume(kind: str, msg: tuple[int, int], finish: type, out: list[Instruction] = out,
+                    position: dict = position) -> None:
+            i = position[kind][msg]
+            post(kind, i + 1)  # a no-op when consumed in channel order: already prefetched
+            out.append(finish(*msg))
+            post(kind, i + 1 + prefetch)
 
         post(ACT, prefetch)
         post(GRAD, prefetch)
+        grad_sends: list[tuple[int, int]] = []
         current = None
         for i, unit in enumerate(order):
             if plan is not None:
@@ -229,27 +285,27 @@ def build_programs(
                 if f != current:
                     out.append(SetFrequency(f))
                     current = f
-            mb = unit.microbatch
+            msg = (unit.microbatch, unit.chunk)
+            has_input = not (s == 0 and msg[1] == 0)
+            has_output = not (s == p - 1 and msg[1] == v_max)
             if unit.is_forward:
-                if not first:
-                    out.append(RecvActivationFinish(mb))
-                    post(ACT, mb + 1 + prefetch)
-                out.append(Forward(mb))
-                if not last:
-                    out.append(SendActivationStart(mb))
+                if has_input:
+                    consume(ACT, msg, RecvActivationFinish)
+                out.append(Forward(*msg))
+                if has_output:
+                    out.append(SendActivationStart(*msg))
             else:
-                if not last:
-                    out.append(RecvGradFinish(mb))
-                    post(GRAD, mb + 1 + prefetch)
+                if has_output:
+                    consume(GRAD, msg, RecvGradFinish)
                     # Its receiver consumed this activation before producing the
                     # gradient just received, so this wait never blocks.
-                    out.append(SendActivationFinish(mb))
-                out.append(Backward(mb))
-                if not first:
-                    out.append(SendGradStart(mb))
-                out.append(Free(mb))
-        if not first:
-            out.extend(SendGradFinish(mb) for mb in range(m))
+                    out.append(SendActivationFinish(*msg))
+                out.append(Backward(*msg))
+                if has_input:
+                    out.append(SendGradStart(*msg))
+                    grad_sends.append(msg)
+                out.append(Free(*msg))
+        out.extend(SendGradFinish(*msg) for msg in sorted(grad_sends))
         programs.append(StageProgram(s, tuple(out)))
     for prog, order in zip(programs, schedule.orders):
         assert tuple(prog.units()) == order
@@ -289,16 +345,18 @@ def check_deadlock(
     def comm(snd: int, rcv: int, kind: str) -> tuple:
         return (min(snd, rcv), max(snd, rcv)) if shared_pair_stream else (snd, rcv, kind)
 
-    def stream(stage: int, ins: CommInstruction):
-        return comm(*ins.channel(stage))
-
     num = len(programs)
+
+    def stream(stage: int, ins: CommInstruction):
+        return comm(*ins.channel(stage, num))
+
     warm = [list(w) for w in warmup] if warmup is not None else [[] for _ in range(num)]
     if len(warm) != num:
         raise DeadlockError(f"warm-up for {len(warm)} stages, programs for {num}")
     for s, channels in enumerate(warm):
         for snd, rcv, _ in channels:
-            if s not in (snd, rcv) or abs(snd - rcv) != 1 or not (0 <= snd < num and 0 <= rcv < num):
+            neighbours = abs(snd - rcv) == 1 or {snd, rcv} == {0, num - 1}  # the wrap-around pair too
+            if s not in (snd, rcv) or snd == rcv or not neighbours or not (0 <= snd < num and 0 <= rcv < num):
                 raise DeadlockError(f"stage {s}: warm-up channel {(snd, rcv)} is not one of its channels")
     ready: list[set[tuple]] = [set() for _ in range(num)]  # communicators each stage has created
     joining: dict[int, tuple] = {}  # stage -> communicator it is blocked creating
@@ -318,7 +376,7 @@ def check_deadlock(
             if len(ends) < 2:
                 return
             (sa, ia, a), (sb, ib, b) = (qs[s][0] for s in sorted(qs) if qs[s])
-            if not (a.is_send != b.is_send and a.kind == b.kind and a.microbatch == b.microbatch):
+            if not (a.is_send != b.is_send and a.message(sa, num) == b.message(sb, num)):
                 return  # heads do not match: this stream is stuck for now
             qs[sa].popleft()
             qs[sb].popleft()
@@ -354,9 +412,10 @@ def check_deadlock(
             while pcs[s] < len(prog.instructions):
                 ins = prog.instructions[pcs[s]]
                 if isinstance(ins, CommInstruction):
-                    peer = ins.peer(s)
-                    if not 0 <= peer < num:
-                        raise DeadlockError(f"stage {s}: {ins} has no peer stage {peer}")
+                    peer = ins.peer(s, num)
+                    # Virtual stage 0 has no previous one: nothing to receive activations from or send grads to.
+                    if num < 2 or (ins.chunk == 0 and s == 0 and (ins.kind == ACT) != ins.is_send):
+                        raise DeadlockError(f"stage {s}: {ins} has no peer stage {ins.peer(s)}")
                     if ins.is_start and lazy_communicators and not create(s, stream(s, ins), peer):
                         break  # blocked creating the communicator
                     if ins.is_start:
@@ -364,11 +423,12 @@ def check_deadlock(
                         qs = queues.setdefault(key, {})
                         qs.setdefault(s, deque()).append((s, pcs[s], ins))
                         qs.setdefault(peer, deque())
-                        op_index[(s, ins.kind, ins.is_send, ins.microbatch)] = (s, pcs[s])
-                        (sent if ins.is_send else received).setdefault(ins.channel(s), []).append(ins.microbatch)
+                        op_index[(s, ins.kind, ins.is_send, ins.microbatch, ins.chunk)] = (s, pcs[s])
+                        (sent if ins.is_send else received).setdefault(ins.channel(s, num), []).append(
+                            ins.message(s, num)[1:])
                         settle(key)
                     else:
-                        start = op_index.get((s, ins.kind, ins.is_send, ins.microbatch))
+                        start = op_index.get((s, ins.kind, ins.is_send, ins.microbatch, ins.chunk))
                         if start is None:
                             raise DeadlockError(f"stage {s}: {ins} finishes an op that was never started")
                         if start not in completed:
@@ -386,7 +446,7 @@ def check_deadlock(
                              f"waiting on stage {rcv if snd == s else snd}")
                 continue
             ins = programs[s].instructions[pcs[s]]
-            peer = ins.peer(s) if isinstance(ins, CommInstruction) else None
+            peer = ins.peer(s, num) if isinstance(ins, CommInstruction) else None
             what = f" creating communicator {joining[s]}" if s in joining else ""
             parts.append(f"stage {s} blocked at {ins}{what}"
                          + (f" waiting on stage {peer}" if peer is not None else ""))

@@ -101,7 +101,7 @@ class FrequencyPlan:
         warmup = data.get("extra_warmup")
         if warmup:
             schedule = Schedule(schedule.num_microbatches, schedule.orders, schedule.name,
-                                check_extra_warmup(schedule.num_stages, warmup))
+                                check_extra_warmup(schedule.num_stages, warmup), num_chunks=schedule.num_chunks)
         return cls(schedule, tuple(tuple(int(f) for _, f in row) for row in stages))
 
 

@@ -6,6 +6,14 @@ optionally preceded by Merak's ``rank,dp_rank,pp_rank,tp_rank`` columns (rows
 of several TP/DP ranks of one stage are aggregated: max time, mean energy, as
 the Perseus notes recommend). This is the format Perseus/Lowtime and the Zeus
 pipeline-frequency optimizer read, so our profiles work with their tools.
+
+Model chunks (Megatron's interleaved pipeline, V virtual stages per stage): an
+optional ``chunk`` column (0..V-1, Megatron's model_chunk_id on the rank) gives
+one row per (stage, chunk, instruction, clock); every stage must then have the
+same V chunks. A profile without it describes whole stages (chunk 0 only);
+:meth:`Profile.for_chunks` turns it into V equal chunks, each with 1/V of the
+stage's time and energy at every clock, and a profile with a chunk column must
+have exactly V chunks per stage. Written back, the column appears only for V > 1.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from megatron_envpipe.errors import UsageError
 
 REQUIRED_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 RANK_COLUMNS = ("rank", "dp_rank", "pp_rank", "tp_rank")
+CHUNK_COLUMN = "chunk"  # optional: the model chunk of the row (interleaved pipeline)
 # Beyond these a value is a unit mistake (ms for s, kHz for MHz) or garbage, and
 # would overflow sums over an iteration: rejected naming the line.
 MAX_STAGES = 10_000
+MAX_CHUNKS = 1_000
 MAX_FREQUENCY_MHZ = 100_000
 MAX_TIME_S = 86_400.0  # one micro-batch's forward or backward: a day
 MAX_ENERGY_J = 1e9  # a 1 kW GPU for ten days
@@ -58,18 +68,28 @@ def instruction_of(kind: str) -> str:
         raise ProfileError(f"unknown unit kind {kind!r}") from None
 
 
+# (stage, instruction, chunk): the key of one profiled unit type.
+Key = tuple[int, str, int]
+
+
 class Profile:
-    """Time and energy per (stage, instruction, clock)."""
+    """Time and energy per (stage, chunk, instruction, clock); chunk 0 only without model chunks.
+
+    ``points`` is keyed ``(stage, instruction)`` (chunk 0) or ``(stage, instruction, chunk)``.
+    """
 
     def __init__(
         self,
-        points: Mapping[tuple[int, str], Iterable[ProfilePoint]],
+        points: Mapping[tuple[int, str] | tuple[int, str, int], Iterable[ProfilePoint]],
         source: str = "<memory>",
     ) -> None:
         self.source = source
-        table: dict[tuple[int, str], dict[int, ProfilePoint]] = {}
+        table: dict[Key, dict[int, ProfilePoint]] = {}
         for key, pts in points.items():
-            table[key] = {p.freq_mhz: p for p in pts}
+            full: Key = (key[0], key[1], key[2] if len(key) > 2 else 0)  # type: ignore[misc]
+            if full in table:
+                raise ProfileError(f"{source}: stage {full[0]} chunk {full[2]} {full[1]} given twice")
+            table[full] = {p.freq_mhz: p for p in pts}
         self._table = table
         self._check_complete()
         # Sorted fastest clock first, like NVML's supported-clock list.
@@ -88,7 +108,7 @@ class Profile:
         reader = csv.reader(io.StringIO(text))
         header: list[str] | None = None
         header_line = 0
-        rows: dict[tuple[int, str, int], list[tuple[float, float, int, tuple[str, ...]]]] = {}
+        rows: dict[tuple[int, str, int, int], list[tuple[float, float, int, tuple[str, ...]]]] = {}
         for lineno, raw in _csv_rows(reader, source):
             if not raw or all(not c.strip() for c in raw):
                 continue
@@ -120,6 +140,13 @@ class Profile:
                 raise ProfileError(
                     f"{source}:{lineno}: instruction {row['instruction']!r} is not 'forward' or 'backward'"
                 )
+            chunk = 0
+            if CHUNK_COLUMN in row:
+                chunk = _parse_int(row, CHUNK_COLUMN, source, lineno)
+                if not 0 <= chunk < MAX_CHUNKS:
+                    raise ProfileError(
+                        f"{source}:{lineno}: chunk {row[CHUNK_COLUMN]} is not a model chunk id 0..{MAX_CHUNKS - 1}"
+                    )
             freq = _parse_int(row, "frequency", source, lineno)
             if not 0 < freq <= MAX_FREQUENCY_MHZ:
                 raise ProfileError(
@@ -137,11 +164,12 @@ class Profile:
                     f"(limits {MAX_TIME_S:g} s, {MAX_ENERGY_J:g} J): give seconds and joules per micro-batch"
                 )
             ranks = tuple(row.get(c, "") for c in RANK_COLUMNS)
-            entries = rows.setdefault((stage, instruction, freq), [])
+            entries = rows.setdefault((stage, chunk, instruction, freq), [])
             for _, _, first_line, other_ranks in entries:
                 if other_ranks == ranks:
+                    where = f"stage {stage}" + (f" chunk {chunk}" if CHUNK_COLUMN in row else "")
                     raise ProfileError(
-                        f"{source}:{lineno}: duplicate row for stage {stage} {instruction} at "
+                        f"{source}:{lineno}: duplicate row for {where} {instruction} at "
                         f"{freq} MHz (first at line {first_line}); remove one of them"
                     )
             entries.append((time_s, energy_j, lineno, ranks))
@@ -149,13 +177,13 @@ class Profile:
             raise ProfileError(f"{source}: empty profile (no header, no rows)")
         if not rows:
             raise ProfileError(f"{source}: profile has a header but no rows")
-        points: dict[tuple[int, str], list[ProfilePoint]] = {}
-        for (stage, instruction, freq), entries in rows.items():
+        points: dict[Key, list[ProfilePoint]] = {}
+        for (stage, chunk, instruction, freq), entries in rows.items():
             # Several TP/DP ranks of one stage: the stage takes as long as its slowest
             # rank; energy stays per GPU (mean), matching the single-rank format.
             time_s = max(e[0] for e in entries)
             energy_j = sum(e[1] for e in entries) / len(entries)
-            points.setdefault((stage, instruction), []).append(ProfilePoint(freq, time_s, energy_j))
+            points.setdefault((stage, instruction, chunk), []).append(ProfilePoint(freq, time_s, energy_j))
         return cls(points, source=source)
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
@@ -165,33 +193,42 @@ class Profile:
     def to_csv_text(self) -> str:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(REQUIRED_COLUMNS)
+        chunked = self.num_chunks > 1
+        writer.writerow(REQUIRED_COLUMNS + ((CHUNK_COLUMN,) if chunked else ()))
         for stage in range(self.num_stages):
-            for point_f, point_b in _zip_longest_by_freq(
-                self.points(stage, "forward"), self.points(stage, "backward")
-            ):
-                for instruction, p in (("forward", point_f), ("backward", point_b)):
-                    if p is not None:
-                        writer.writerow([stage, instruction, p.freq_mhz, repr(p.time_s), repr(p.energy_j)])
+            for chunk in range(self.num_chunks):
+                for point_f, point_b in _zip_longest_by_freq(
+                    self.points(stage, "forward", chunk), self.points(stage, "backward", chunk)
+                ):
+                    for instruction, p in (("forward", point_f), ("backward", point_b)):
+                        if p is not None:
+                            row = [stage, instruction, p.freq_mhz, repr(p.time_s), repr(p.energy_j)]
+                            writer.writerow(row + ([chunk] if chunked else []))
         return out.getvalue()
 
     # -- queries -----------------------------------------------------------------------
     @property
     def num_stages(self) -> int:
-        return 1 + max(stage for stage, _ in self._table)
+        return 1 + max(stage for stage, _, _ in self._table)
 
-    def points(self, stage: int, instruction: str) -> tuple[ProfilePoint, ...]:
-        """All points of (stage, instruction), fastest clock first."""
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks per stage: 1 for a profile of whole stages (no ``chunk`` column)."""
+        return 1 + max(chunk for _, _, chunk in self._table)
+
+    def points(self, stage: int, instruction: str, chunk: int = 0) -> tuple[ProfilePoint, ...]:
+        """All points of (stage, chunk, instruction), fastest clock first."""
         try:
-            return self._sorted[(stage, instruction)]
+            return self._sorted[(stage, instruction, chunk)]
         except KeyError:
+            chunks = f", chunks 0..{self.num_chunks - 1}" if self.num_chunks > 1 or chunk else ""
             raise ProfileError(
-                f"{self.source}: no rows for stage {stage} {instruction} "
-                f"(profile has stages 0..{self.num_stages - 1})"
+                f"{self.source}: no rows for stage {stage}{f' chunk {chunk}' if chunk else ''} {instruction} "
+                f"(profile has stages 0..{self.num_stages - 1}{chunks})"
             ) from None
 
-    def frequencies(self, stage: int, instruction: str) -> tuple[int, ...]:
-        return tuple(p.freq_mhz for p in self.points(stage, instruction))
+    def frequencies(self, stage: int, instruction: str, chunk: int = 0) -> tuple[int, ...]:
+        return tuple(p.freq_mhz for p in self.points(stage, instruction, chunk))
 
     def common_frequencies(self) -> tuple[int, ...]:
         """Clocks profiled for every (stage, instruction), fastest first."""
@@ -201,34 +238,34 @@ class Profile:
     def max_frequency(self) -> int:
         return max(max(d) for d in self._table.values())
 
-    def point(self, stage: int, instruction: str, freq_mhz: int) -> ProfilePoint:
+    def point(self, stage: int, instruction: str, freq_mhz: int, chunk: int = 0) -> ProfilePoint:
         try:
-            return self._table[(stage, instruction)][freq_mhz]
+            return self._table[(stage, instruction, chunk)][freq_mhz]
         except KeyError:
-            if (stage, instruction) not in self._table:
-                self.points(stage, instruction)  # raises the helpful error
+            if (stage, instruction, chunk) not in self._table:
+                self.points(stage, instruction, chunk)  # raises the helpful error
             raise ProfileError(
-                f"{self.source}: stage {stage} {instruction} was not profiled at {freq_mhz} MHz; "
-                f"profiled clocks: {_clock_range(self.frequencies(stage, instruction))}"
+                f"{self.source}: stage {stage}{f' chunk {chunk}' if chunk else ''} {instruction} was not profiled "
+                f"at {freq_mhz} MHz; profiled clocks: {_clock_range(self.frequencies(stage, instruction, chunk))}"
             ) from None
 
-    def time_s(self, stage: int, instruction: str, freq_mhz: int) -> float:
-        return self.point(stage, instruction, freq_mhz).time_s
+    def time_s(self, stage: int, instruction: str, freq_mhz: int, chunk: int = 0) -> float:
+        return self.point(stage, instruction, freq_mhz, chunk).time_s
 
-    def energy_j(self, stage: int, instruction: str, freq_mhz: int) -> float:
-        return self.point(stage, instruction, freq_mhz).energy_j
+    def energy_j(self, stage: int, instruction: str, freq_mhz: int, chunk: int = 0) -> float:
+        return self.point(stage, instruction, freq_mhz, chunk).energy_j
 
-    def pareto(self, stage: int, instruction: str) -> tuple[ProfilePoint, ...]:
+    def pareto(self, stage: int, instruction: str, chunk: int = 0) -> tuple[ProfilePoint, ...]:
         """Points no other point beats in both time and energy, fastest first.
 
         A lower clock that is both slower *and* more energy-hungry (past the
         energy valley, or measurement noise) is never worth choosing.
         """
-        return pareto_front(self.points(stage, instruction))
+        return pareto_front(self.points(stage, instruction, chunk))
 
-    def min_energy_frequency(self, stage: int, instruction: str) -> int:
+    def min_energy_frequency(self, stage: int, instruction: str, chunk: int = 0) -> int:
         """The energy-valley clock of one instruction (ties: the faster clock)."""
-        best = min(self.points(stage, instruction), key=lambda p: (p.energy_j, -p.freq_mhz))
+        best = min(self.points(stage, instruction, chunk), key=lambda p: (p.energy_j, -p.freq_mhz))
         return best.freq_mhz
 
     def scaled(self, time_scale: float = 1.0, energy_scale: float = 1.0) -> "Profile":
@@ -257,8 +294,46 @@ class Profile:
             )
         keep = list(range(num_stages - 1)) + [self.num_stages - 1]
         return Profile(
-            {(new, ins): self._sorted[(old, ins)] for new, old in enumerate(keep) for ins in INSTRUCTIONS},
+            {
+                (new, ins, chunk): self._sorted[(old, ins, chunk)]
+                for new, old in enumerate(keep)
+                for ins in INSTRUCTIONS
+                for chunk in range(self.num_chunks)
+            },
             source=f"{self.source} (stages {keep})",
+        )
+
+    def for_chunks(self, num_chunks: int) -> "Profile":
+        """This profile for ``num_chunks`` (V) model chunks per stage.
+
+        A profile of whole stages (one chunk, no ``chunk`` column) is split
+        evenly: every chunk of a stage gets the stage's row with time and
+        energy divided by V, at every clock (the layers of a stage are split
+        evenly over its chunks; real chunks differ a little, e.g. the
+        embedding and LM head sit in the first and last virtual stage, which
+        a profile with a chunk column captures). A profile with V chunks is
+        returned as it is; one with another chunk count is an error.
+        """
+        whole = isinstance(num_chunks, int) and not isinstance(num_chunks, bool)
+        if not whole or not 1 <= num_chunks <= MAX_CHUNKS:
+            raise ProfileError(f"model chunks per stage must be a whole number 1..{MAX_CHUNKS}, got {num_chunks!r}")
+        if num_chunks == self.num_chunks:
+            return self
+        if self.num_chunks != 1:
+            raise ProfileError(
+                f"{self.source}: profiled with {self.num_chunks} model chunks per stage but the pipeline has "
+                f"{num_chunks}: profile it with {num_chunks} chunks, or give a profile of whole stages (no chunk "
+                "column), which is split evenly"
+            )
+        return Profile(
+            {
+                (stage, ins, chunk): [
+                    ProfilePoint(p.freq_mhz, p.time_s / num_chunks, p.energy_j / num_chunks) for p in pts
+                ]
+                for (stage, ins, _), pts in self._sorted.items()
+                for chunk in range(num_chunks)
+            },
+            source=f"{self.source} (each stage split into {num_chunks} equal chunks)",
         )
 
     def restricted(self, frequencies: Iterable[int]) -> "Profile":
@@ -272,7 +347,10 @@ class Profile:
     def _check_complete(self) -> None:
         if not self._table:
             raise ProfileError(f"{self.source}: profile is empty")
-        stages = sorted({stage for stage, _ in self._table})
+        stages = sorted({stage for stage, _, _ in self._table})
+        chunks = sorted({chunk for _, _, chunk in self._table})
+        if chunks[0] < 0:
+            raise ProfileError(f"{self.source}: negative model chunk id {chunks[0]}")
         if stages[0] < 0:
             raise ProfileError(f"{self.source}: negative stage id {stages[0]}")
         if stages[-1] + 1 != len(stages):
@@ -281,21 +359,28 @@ class Profile:
             gaps = list(itertools.islice((s for s in range(stages[-1] + 1) if s not in present), 5))
             raise ProfileError(f"{self.source}: stage(s) {gaps}{' ...' if len(gaps) == 5 else ''} missing; "
                                f"stages must be 0..{stages[-1]}")
+        if chunks[-1] >= MAX_CHUNKS:
+            raise ProfileError(f"{self.source}: model chunk id {chunks[-1]} is beyond {MAX_CHUNKS - 1}")
         for stage in stages:
-            for instruction in INSTRUCTIONS:
-                if not self._table.get((stage, instruction)):
-                    raise ProfileError(f"{self.source}: stage {stage} has no {instruction} rows")
+            for chunk in range(chunks[-1] + 1):
+                for instruction in INSTRUCTIONS:
+                    if not self._table.get((stage, instruction, chunk)):
+                        where = f"stage {stage}" + (f" chunk {chunk}" if chunks[-1] else "")
+                        every = f" (every stage needs chunks 0..{chunks[-1]})" if chunks[-1] else ""
+                        raise ProfileError(f"{self.source}: {where} has no {instruction} rows{every}")
         # Whatever built the table (a CSV, scaled(), a measurement): nan or inf poisons every score.
-        for (stage, instruction), pts in self._table.items():
+        for (stage, instruction, chunk), pts in self._table.items():
             for p in pts.values():
                 if not (math.isfinite(p.time_s) and math.isfinite(p.energy_j)):
+                    where = f"stage {stage}" + (f" chunk {chunk}" if chunk else "")
                     raise ProfileError(
-                        f"{self.source}: stage {stage} {instruction} at {p.freq_mhz} MHz has time {p.time_s} s, "
+                        f"{self.source}: {where} {instruction} at {p.freq_mhz} MHz has time {p.time_s} s, "
                         f"energy {p.energy_j} J: both must be finite numbers"
                     )
 
     def __repr__(self) -> str:
-        return f"Profile({self.source!r}, stages={self.num_stages})"
+        chunks = f", chunks={self.num_chunks}" if self.num_chunks > 1 else ""
+        return f"Profile({self.source!r}, stages={self.num_stages}{chunks})"
 
 
 def pareto_front(points: Iterable[ProfilePoint]) -> tuple[ProfilePoint, ...]:

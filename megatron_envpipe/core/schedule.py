@@ -1,8 +1,10 @@
-"""Per-stage forward/backward unit orders: Megatron's 1F1B and EnvPipe's "ours".
+"""Per-stage forward/backward unit orders: Megatron's 1F1B, EnvPipe's "ours", and by name Megatron's interleaved.
 
 A schedule is data, in the style of ``torch.distributed.pipelining``: one list
 of units per stage, which prints (``S0: F0 F1 B0 ...``), parses back, and
-validates. Pure Python, no torch.
+validates (:mod:`~megatron_envpipe.core.units`; its types are re-exported
+here). Megatron's interleaved order (model chunks) is built in
+:mod:`~megatron_envpipe.core.interleaved`. Pure Python, no torch.
 
 EnvPipe's "ours" keeps every forward in its 1F1B slot but runs ``r_s`` extra
 warm-up forwards on stage ``s`` before its first backward, so the slack that
@@ -14,242 +16,48 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
-from megatron_envpipe.core.graph import topological_order
-from megatron_envpipe.core.vocabulary import SCHEDULINGS, Scheduling, UnitKind
-from megatron_envpipe.errors import UsageError
+from megatron_envpipe.core.interleaved import interleaved_schedule
+from megatron_envpipe.core.units import (
+    BACKWARD,
+    FORWARD,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    Unit,
+    UnitDag,
+    execution_order,
+    message_source,
+    unit_dag,
+    unit_index,
+)
+from megatron_envpipe.core.vocabulary import SCHEDULINGS, Scheduling
 
-FORWARD = UnitKind.FORWARD
-BACKWARD = UnitKind.BACKWARD
-
-
-class ScheduleError(UsageError, ValueError):
-    """A schedule that is malformed, incomplete or cannot execute."""
-
-
-@dataclass(frozen=True, order=True)
-class Unit:
-    """One micro-batch forward (``F``) or backward (``B``) on one stage."""
-
-    kind: UnitKind  # a plain "F"/"B" is accepted and stored as the enum member
-    microbatch: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kind, UnitKind):
-            try:
-                object.__setattr__(self, "kind", UnitKind(self.kind))
-            except ValueError:
-                raise ScheduleError(f"unit kind must be 'F' or 'B', got {self.kind!r}") from None
-        if self.microbatch < 0:
-            raise ScheduleError(f"micro-batch id must be >= 0, got {self.microbatch}")
-
-    @property
-    def is_forward(self) -> bool:
-        return self.kind == FORWARD
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> "Unit":
-        match = re.fullmatch(r"\s*([FB])(\d+)\s*", text)
-        if not match:
-            raise ScheduleError(f"cannot parse unit {text!r}: expected F<id> or B<id>, e.g. F3")
-        return cls(match.group(1), int(match.group(2)))
-
-
-def F(microbatch: int) -> Unit:  # noqa: N802 - reads like the printed form
-    return Unit(FORWARD, microbatch)
-
-
-def B(microbatch: int) -> Unit:  # noqa: N802
-    return Unit(BACKWARD, microbatch)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The execution order of every stage of one pipeline iteration."""
-
-    num_microbatches: int
-    orders: tuple[tuple[Unit, ...], ...]
-    name: str = "custom"
-    # Extra warm-up forwards per stage beyond 1F1B's (EnvPipe's r_s); informational.
-    extra_warmup: tuple[int, ...] = ()
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.orders)
-
-    def forwards_before_first_backward(self, stage: int) -> int:
-        """``min(M, P-s)`` for 1F1B, ``min(M, P-s+r_s)`` for EnvPipe.
-
-        (Megatron's ``num_warmup_microbatches`` is this minus one, except when
-        every forward comes first; the order alone cannot tell those apart.)
-        """
-        count = 0
-        for unit in self.orders[stage]:
-            if not unit.is_forward:
-                break
-            count += 1
-        return count
-
-    def peak_inflight(self) -> tuple[int, ...]:
-        """Peak number of activations each stage holds (forwards not yet backwarded)."""
-        peaks = []
-        for order in self.orders:
-            live = peak = 0
-            for unit in order:
-                live += 1 if unit.is_forward else -1
-                peak = max(peak, live)
-            peaks.append(peak)
-        return tuple(peaks)
-
-    def position(self, stage: int, unit: Unit) -> int:
-        return self.orders[stage].index(unit)
-
-    def validate(self) -> "Schedule":
-        """Check completeness, per-stage F-before-B, and that the stages cannot deadlock.
-
-        Returns ``self`` so it chains. Raises :class:`ScheduleError` naming the stage.
-        """
-        if self.num_microbatches < 1:
-            raise ScheduleError(f"need at least one micro-batch, got {self.num_microbatches}")
-        if self.num_stages < 1:
-            raise ScheduleError("a schedule needs at least one stage")
-        expected = {F(m) for m in range(self.num_microbatches)} | {
-            B(m) for m in range(self.num_microbatches)
-        }
-        for s, order in enumerate(self.orders):
-            seen: set[Unit] = set()
-            for unit in order:
-                if unit in seen:
-                    raise ScheduleError(f"stage {s}: {unit} appears more than once")
-                if unit not in expected:
-                    raise ScheduleError(
-                        f"stage {s}: {unit} is outside micro-batches 0..{self.num_microbatches - 1}"
-                    )
-                if not unit.is_forward and F(unit.microbatch) not in seen:
-                    raise ScheduleError(f"stage {s}: {unit} runs before F{unit.microbatch}")
-                seen.add(unit)
-            missing = sorted(expected - seen)
-            if missing:
-                shown = " ".join(str(u) for u in missing[:6])
-                raise ScheduleError(f"stage {s}: missing {shown}{' ...' if len(missing) > 6 else ''}")
-        # Cross-stage feasibility: the dependency graph must be acyclic, otherwise
-        # the stages wait on each other forever.
-        dag = unit_dag(self)
-        execution_order(dag.nodes, dag.preds())
-        return self
-
-    def __str__(self) -> str:
-        width = len(f"S{self.num_stages - 1}")
-        lines = [
-            f"# schedule {self.name}: {self.num_stages} stages x {self.num_microbatches} micro-batches"
-        ]
-        if self.extra_warmup:
-            lines[0] += f", extra warm-up {list(self.extra_warmup)}"
-        for s, order in enumerate(self.orders):
-            lines.append(f"{f'S{s}':<{width}}: " + " ".join(str(u) for u in order))
-        return "\n".join(lines)
-
-    @classmethod
-    def parse(cls, text: str, name: str = "custom") -> "Schedule":
-        """Parse the printed form: one ``S<k>: F0 F1 B0 ...`` line per stage.
-
-        Lines starting with ``#`` and blank lines are ignored. Stages must be
-        numbered 0..P-1. The result is validated.
-        """
-        rows: dict[int, tuple[Unit, ...]] = {}
-        for lineno, raw in enumerate(text.splitlines(), start=1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            match = re.fullmatch(r"S(\d+)\s*:\s*(.*)", line)
-            if not match:
-                raise ScheduleError(f"line {lineno}: expected 'S<stage>: F0 B0 ...', got {raw!r}")
-            stage = int(match.group(1))
-            if stage in rows:
-                raise ScheduleError(f"line {lineno}: stage {stage} given twice")
-            try:
-                rows[stage] = tuple(Unit.parse(tok) for tok in match.group(2).split())
-            except ScheduleError as exc:
-                raise ScheduleError(f"line {lineno}: {exc}") from None
-        if not rows:
-            raise ScheduleError("no stage lines found")
-        if sorted(rows) != list(range(len(rows))):
-            raise ScheduleError(f"stages must be numbered 0..{len(rows) - 1}, got {sorted(rows)}")
-        num_mb = 1 + max((u.microbatch for order in rows.values() for u in order), default=-1)
-        schedule = cls(num_mb, tuple(rows[s] for s in range(len(rows))), name=name)
-        return schedule.validate()
-
-
-@dataclass(frozen=True)
-class UnitDag:
-    """A schedule's units as DAG nodes (stage by stage, in order) and the dependencies the schedule implies.
-
-    Edges: the same stage's previous unit (a GPU runs one unit at a time) and
-    the message a unit receives, ``F(s-1, m) -> F(s, m)`` (activation) and
-    ``B(s+1, m) -> B(s, m)`` (gradient).
-    """
-
-    nodes: tuple[tuple[int, Unit], ...]
-    index: dict[tuple[int, Unit], int]
-    stage_pred: tuple[int, ...]  # the same stage's previous unit, or -1
-    message_pred: tuple[int, ...]  # the unit whose activation or gradient this one receives, or -1
-
-    def preds(self) -> list[list[tuple[int, float]]]:
-        """Per node ``(u, latency_s)``, no latencies: the stage predecessor first, then the message's sender."""
-        return [
-            [(u, 0.0) for u in (self.stage_pred[v], self.message_pred[v]) if u >= 0] for v in range(len(self.nodes))
-        ]
-
-
-def unit_dag(schedule: Schedule) -> UnitDag:
-    """The units of ``schedule`` and their dependencies; ScheduleError if a message's sender is missing."""
-    nodes: list[tuple[int, Unit]] = []
-    index: dict[tuple[int, Unit], int] = {}
-    for s, order in enumerate(schedule.orders):
-        for unit in order:
-            index[(s, unit)] = len(nodes)
-            nodes.append((s, unit))
-    stage_pred = [-1] * len(nodes)
-    for s, order in enumerate(schedule.orders):
-        for i in range(1, len(order)):
-            stage_pred[index[(s, order[i])]] = index[(s, order[i - 1])]
-    message_pred = [-1] * len(nodes)
-    last = schedule.num_stages - 1
-    for v, (s, unit) in enumerate(nodes):
-        if unit.is_forward and s > 0:
-            message_pred[v] = unit_index(index, (s - 1, unit), "dependency source")
-        elif not unit.is_forward and s < last:
-            message_pred[v] = unit_index(index, (s + 1, unit), "dependency source")
-    return UnitDag(tuple(nodes), index, tuple(stage_pred), tuple(message_pred))
-
-
-def unit_index(index: dict[tuple[int, Unit], int], key: tuple[int, Unit], role: str) -> int:
-    """``index[key]``, or ScheduleError naming the ``role`` of the missing unit."""
-    v = index.get(key)
-    if v is None:
-        raise ScheduleError(f"{role} S{key[0]} {key[1]} is not in the schedule")
-    return v
-
-
-def execution_order(nodes: Sequence[tuple[int, Unit]], preds: Sequence[Sequence[tuple[int, float]]]) -> list[int]:
-    """A topological order of the unit DAG; ScheduleError naming the deadlocked stages if it has a cycle."""
-    order = topological_order(preds)
-    if len(order) != len(nodes):
-        done = set(order)
-        stuck = [node for v, node in enumerate(nodes) if v not in done]
-        stages = sorted({s for s, _ in stuck})
-        first = ", ".join(f"S{s} {u}" for s, u in stuck[:4])
-        raise ScheduleError(
-            f"the schedule cannot execute: stages {stages} wait on each other in a cycle "
-            f"(deadlock), e.g. at {first}"
-        )
-    return order
+# The schedule data types live in core.units (core.interleaved builds on them); they are re-exported here.
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "B",
+    "F",
+    "Schedule",
+    "ScheduleError",
+    "Unit",
+    "UnitDag",
+    "build_schedule",
+    "check_extra_warmup",
+    "clamp_extra_warmup",
+    "envpipe_schedule",
+    "execution_order",
+    "interleaved_schedule",
+    "message_source",
+    "one_f_one_b",
+    "raw_extra_warmup",
+    "unit_dag",
+    "unit_index",
+    "units_in_order",
+]
 
 
 def _stage_order(num_microbatches: int, warmup: int) -> tuple[Unit, ...]:
@@ -423,14 +231,33 @@ def build_schedule(
     num_stages: int,
     num_microbatches: int,
     extra_warmup: Sequence[int] | None = None,
+    num_chunks: int = 1,
+    microbatch_group_size: int | None = None,
 ) -> Schedule:
-    """Schedule by name: ``1f1b`` or ``ours`` (``ours`` needs clamped ``extra_warmup``, one per stage)."""
-    if scheduling == Scheduling.ONE_F_ONE_B:
-        # 1F1B has no extra warm-up: silently dropping a non-zero one would hide a mistake.
+    """Schedule by name: ``1f1b``, ``ours`` (needs clamped ``extra_warmup``, one per stage) or ``interleaved``.
+
+    ``num_chunks`` (Megatron's virtual pipeline size V) and ``microbatch_group_size``
+    (its ``microbatch_group_size_per_vp_stage``, default P) apply to ``interleaved`` only.
+    """
+    if scheduling != Scheduling.INTERLEAVED:
+        if num_chunks != 1:
+            raise ScheduleError(
+                f"scheduling {str(scheduling)!r} runs one model chunk per stage (got {num_chunks} virtual stages): "
+                "use scheduling 'interleaved' for a virtual pipeline"
+            )
+        if microbatch_group_size is not None:
+            raise ScheduleError(
+                f"a micro-batch group size applies to scheduling 'interleaved' only, not {str(scheduling)!r}"
+            )
+    if scheduling in (Scheduling.ONE_F_ONE_B, Scheduling.INTERLEAVED):
+        # Neither has extra warm-ups: silently dropping a non-zero one would hide a mistake.
         if extra_warmup is not None and any(check_extra_warmup(num_stages, extra_warmup)):
             raise ScheduleError(
-                f"scheduling '1f1b' has no extra warm-up (got {list(extra_warmup)}): use scheduling 'ours' or drop it"
+                f"scheduling {str(scheduling)!r} has no extra warm-up (got {list(extra_warmup)}): "
+                "use scheduling 'ours' or drop it"
             )
+        if scheduling == Scheduling.INTERLEAVED:
+            return interleaved_schedule(num_stages, num_microbatches, num_chunks, microbatch_group_size)
         return one_f_one_b(num_stages, num_microbatches)
     if scheduling == Scheduling.OURS:
         if extra_warmup is None:

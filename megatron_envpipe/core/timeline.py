@@ -3,10 +3,15 @@
 Nodes are the units of a :class:`~megatron_envpipe.core.schedule.Schedule`. Edges:
 
 * same-stage order: a GPU runs one unit at a time, in schedule order;
-* ``F(s, m) -> F(s+1, m)``: the activation;
-* ``B(s+1, m) -> B(s, m)``: the gradient;
+* ``F(s, v, m) -> F(s+1, v, m)``: the activation (v: the model chunk, 0 without virtual stages);
+* ``B(s+1, v, m) -> B(s, v, m)``: the gradient;
+* with model chunks, the wrap-around: ``F(P-1, v, m) -> F(0, v+1, m)`` and
+  ``B(0, v+1, m) -> B(P-1, v, m)`` (virtual stage v*P+P-1 feeds (v+1)*P);
 * optional extra edges: dependencies a communication plan adds (e.g. holding
   an activation until a gradient arrives), so plans are scored on what runs.
+
+A unit costs what the profile gives for its (stage, chunk, instruction) at its
+clock (:attr:`PlanEvaluator.cost_keys`).
 
 Every stage starts at t = 0. Iteration energy is Perseus's formula
 ``sum_units E(f) + P_p2p * sum_stages (T - busy_s)``: compute is charged its
@@ -75,6 +80,7 @@ class PipelineGraph:
         ]
         self.order = execution_order(self.nodes, self.preds)
         self.stage_of = [s for s, _ in self.nodes]
+        self.chunk_of = [u.chunk for _, u in self.nodes]
         self.instruction_of = [instruction_of(u.kind) for _, u in self.nodes]
 
     def node(self, stage: int, unit: Unit) -> int:
@@ -161,6 +167,10 @@ class PlanEvaluator:
     """Scores per-unit clock assignments of one schedule against one profile, fast.
 
     ``freqs`` is a flat list aligned with ``graph.nodes`` (stage by stage, in order).
+    A unit's time and energy are the profile's for ``cost_keys[v]`` =
+    (stage, chunk, instruction). For a schedule with V model chunks the
+    profile is taken through :meth:`Profile.for_chunks` (a profile of whole
+    stages is split evenly; ``self.profile`` is the one used).
     """
 
     def __init__(
@@ -179,21 +189,22 @@ class PlanEvaluator:
             )
         if p2p_power_w < 0:
             raise ValueError(f"P2P blocking power must be >= 0 W, got {p2p_power_w}")
+        profile = profile.for_chunks(schedule.num_chunks)
         self.schedule = schedule
         self.profile = profile
         self.p2p_power_w = p2p_power_w
         self.graph = graph or PipelineGraph(schedule, p2p_latency_s, extra_dependencies)
+        self.cost_keys: list[tuple[int, int, str]] = list(
+            zip(self.graph.stage_of, self.graph.chunk_of, self.graph.instruction_of)
+        )
         self._time = {
-            (s, ins): {p.freq_mhz: p.time_s for p in profile.points(s, ins)}
-            for s in range(schedule.num_stages)
-            for ins in ("forward", "backward")
+            key: {p.freq_mhz: p.time_s for p in profile.points(key[0], key[2], key[1])} for key in set(self.cost_keys)
         }
         self._energy = {
-            (s, ins): {p.freq_mhz: p.energy_j for p in profile.points(s, ins)}
-            for s in range(schedule.num_stages)
-            for ins in ("forward", "backward")
+            key: {p.freq_mhz: p.energy_j for p in profile.points(key[0], key[2], key[1])}
+            for key in set(self.cost_keys)
         }
-        self._keys = [(s, ins) for s, ins in zip(self.graph.stage_of, self.graph.instruction_of)]
+        self._keys = self.cost_keys
 
     def durations(self, freqs: Sequence[int]) -> list[float]:
         try:
@@ -210,9 +221,9 @@ class PlanEvaluator:
             raise
 
     def _raise_unprofiled(self, freqs: Sequence[int]) -> None:
-        for (s, _unit), key, f in zip(self.graph.nodes, self._keys, freqs):
-            if f not in self._time[key]:
-                self.profile.point(s, key[1], f)  # raises ProfileError with the clock list
+        for (s, chunk, ins), f in zip(self._keys, freqs):
+            if f not in self._time[(s, chunk, ins)]:
+                self.profile.point(s, ins, f, chunk)  # raises ProfileError with the clock list
 
     def simulate(self, freqs: Sequence[int]) -> Timeline:
         return self.graph.simulate(self.durations(freqs))
@@ -247,11 +258,38 @@ def outer_envelope(schedule: Schedule) -> frozenset[tuple[int, Unit]]:
 
     It is the critical path of an ideal pipeline whose inner units have slack:
     the fill diagonal, the last stage, the drain diagonal (envpipe.md §3).
+
+    With V model chunks (Megatron's interleaved order), the same path through
+    the chain of virtual stages: the fill is F0 of chunk 0 on every stage;
+    the last stage then never idles, so all its units up to B(M-1) of chunk
+    V-1 follow; the drain is B(M-1) of chunk V-1 on every stage, then the
+    first stage's units after it (the rest of its cool-down: the last
+    micro-batch group's backwards of the lower chunks). When every forward
+    takes one time and every backward another, these units form one path
+    through the iteration with zero slack (checked for P up to 8, V up to 4,
+    several M and group sizes and forward:backward ratios in tests/core/test_timeline.py).
+    Real stages differ (the last one holds the LM head), and then the last
+    stage's own cool-down and the other chunks' fill (F0) and drain (B(M-1))
+    chains turn critical at f_max, so the envelope also holds those: every
+    unit of the last stage and F0 and B(M-1) of every chunk on every stage
+    (without them EnvPipe's stopping rule can never hold on GPT-3's profile).
+    For 1F1B and "ours" that is EnvPipe's envelope above; one-chunk schedules keep exactly it.
     """
     last = schedule.num_stages - 1
-    m_last = schedule.num_microbatches - 1
-    members = {(last, u) for u in schedule.orders[last]}
+    drain = B(schedule.num_microbatches - 1, schedule.num_chunks - 1)
+    if schedule.num_chunks == 1:
+        members = {(last, u) for u in schedule.orders[last]}
+        for s in range(schedule.num_stages):
+            members.add((s, F(0)))
+            members.add((s, drain))
+        return frozenset(members)
+    last_order, first_order = schedule.orders[last], schedule.orders[0]
+    if drain not in last_order or drain not in first_order:
+        raise ScheduleError(f"the schedule lacks {drain} on stage 0 or {last}: validate() it first")
+    members = {(last, u) for u in last_order}
+    members |= {(0, u) for u in first_order[first_order.index(drain):]}
     for s in range(schedule.num_stages):
-        members.add((s, F(0)))
-        members.add((s, B(m_last)))
+        for v in range(schedule.num_chunks):
+            members.add((s, F(0, v)))
+            members.add((s, B(schedule.num_microbatches - 1, v)))
     return frozenset(members)

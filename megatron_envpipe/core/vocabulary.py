@@ -51,6 +51,7 @@ class Scheduling(StrEnum):
 
     ONE_F_ONE_B = "1f1b"  # Megatron's non-interleaved 1F1B
     OURS = "ours"  # EnvPipe: r_s extra warm-up forwards per stage
+    INTERLEAVED = "interleaved"  # Megatron's interleaved 1F1B: V model chunks (virtual stages) per stage
 
 
 class ReconfigPolicy(StrEnum):

@@ -46,13 +46,15 @@ def open_gpu(
     time_scale: float = 1.0,
     p2p_power_w: float | None = None,
     cuda: bool = True,
+    num_chunks: int = 1,
 ) -> GpuDevice:
     """The device this rank trains on, per ``--envpipe-gpu``.
 
     ``cuda`` says whether the rank actually drives a CUDA device (a CPU run
     under ``auto`` gets no GPU control rather than some other process's GPU).
     For ``simulated:<profile>``, ``stage``/``num_stages`` choose the profile rows
-    (a longer profile emulates a shorter pipeline: first P-1 stages and the last).
+    (a longer profile emulates a shorter pipeline: first P-1 stages and the last), and
+    ``num_chunks`` V > 1 makes each unit one of V equal model chunks (1/V of a stage's row).
     """
     spec = spec or "auto"
     if spec == "none":
@@ -62,6 +64,8 @@ def open_gpu(
         profile = Profile.from_csv(shipped_profile(source))
         if num_stages is not None:
             profile = profile.for_pipeline(num_stages)
+        if num_chunks > 1:  # Megatron's interleaved pipeline: a unit is one of V equal model chunks
+            profile = profile.for_chunks(num_chunks)
         if p2p_power_w is None:  # a custom profile names no GPU of the table: no blocking power
             table_spec = spec_for_profile_source(source)
             p2p_power_w = table_spec.p2p_power_w if table_spec else 0.0

@@ -1,4 +1,5 @@
-"""Energy of labelled windows from an :class:`~megatron_envpipe.gpu.energy.EnergyMonitor` trace.
+"""Energy of labelled windows from an :class:`~megatron_envpipe.gpu.energy.EnergyMonitor` trace,
+and the per-unit samples the start-up profiler (:mod:`megatron_envpipe.gpu.sweep`) is fed.
 
 :func:`attribute_windows` interpolates the trace at each window's edges;
 :func:`fit_window_powers` fits one power per label to every counter increment,
@@ -10,12 +11,16 @@ when the trace cannot answer (a gap, a stalled or failing counter).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.energy import EnergyMonitor
 
-__all__ = ["InseparablePowersError", "attribute_windows", "fit_window_powers"]
+__all__ = [
+    "ATTRIBUTION_METHODS", "BlockingSample", "InseparablePowersError", "StageSamples", "UnitSample", "UnitWindow",
+    "attribute_blocking", "attribute_units", "attribute_windows", "fit_window_powers", "stage_samples",
+]
 
 
 class InseparablePowersError(EnvPipeError, ValueError):
@@ -119,3 +124,138 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     for r in range(n - 1, -1, -1):
         x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
     return x
+
+
+# -- samples -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UnitSample:
+    """One forward (``F``) or backward (``B``) unit: device seconds and joules."""
+
+    kind: str
+    time_s: float
+    energy_j: float
+    chunk: int = 0  # the unit's model chunk (Megatron's interleaved pipeline)
+
+
+@dataclass(frozen=True)
+class BlockingSample:
+    """A window in which the GPU waited for a P2P transfer (no compute)."""
+
+    time_s: float
+    energy_j: float
+
+
+@dataclass(frozen=True)
+class StageSamples:
+    """One stage's samples of one iteration."""
+
+    units: tuple[UnitSample, ...]
+    blocking: tuple[BlockingSample, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        units: Iterable[UnitSample | tuple[str, float, float]],
+        blocking: Iterable[BlockingSample | tuple[float, float]] = (),
+    ) -> "StageSamples":
+        """From dataclasses or plain ``(kind, time_s, energy_j)`` / ``(time_s, energy_j)`` tuples."""
+        return cls(
+            tuple(u if isinstance(u, UnitSample) else UnitSample(*u) for u in units),
+            tuple(b if isinstance(b, BlockingSample) else BlockingSample(*b) for b in blocking),
+        )
+
+
+@dataclass(frozen=True)
+class UnitWindow:
+    """A unit's compute window on the monitor's clock (after CUDA synchronisation)."""
+
+    kind: str
+    start_s: float
+    end_s: float
+
+
+# -- attribution -------------------------------------------------------------------------
+def attribute_units(
+    monitor: EnergyMonitor,
+    windows: Sequence[UnitWindow | tuple[str, float, float]],
+    time_scale: float = 1.0,
+    wait_timeout_s: float = 1.0,
+) -> list[UnitSample]:
+    """Time and energy of each unit window from the monitor's interpolated trace.
+
+    ``time_scale`` converts wall to device seconds (a :class:`SimulatedGpu`'s
+    ``time_scale``; 1 on real GPUs). Energy needs no scaling.
+    """
+    ws = [w if isinstance(w, UnitWindow) else UnitWindow(*w) for w in windows]
+    energies = attribute_windows(monitor, [(w.start_s, w.end_s) for w in ws], wait_timeout_s)
+    return [UnitSample(w.kind, (w.end_s - w.start_s) / time_scale, e) for w, e in zip(ws, energies)]
+
+
+def attribute_blocking(
+    monitor: EnergyMonitor,
+    windows: Sequence[tuple[float, float]],
+    time_scale: float = 1.0,
+    min_time_s: float = 0.0,
+    wait_timeout_s: float = 1.0,
+) -> list[BlockingSample]:
+    """Blocking windows at least ``min_time_s`` wall seconds long.
+
+    Short windows are dominated by interpolation error at their edges (compute
+    power on both sides), so keep ones several counter periods long (NVML: ~10 ms).
+    """
+    kept = [(t0, t1) for t0, t1 in windows if t1 - t0 >= min_time_s and t1 > t0]
+    energies = attribute_windows(monitor, kept, wait_timeout_s)
+    return [BlockingSample((t1 - t0) / time_scale, e) for (t0, t1), e in zip(kept, energies)]
+
+
+ATTRIBUTION_METHODS = ("regress", "interpolate")
+_BLOCKING = "blocking"  # label of P2P blocking windows in the power fit
+
+
+def stage_samples(
+    monitor: EnergyMonitor,
+    units: Sequence[UnitWindow | tuple[str, float, float]],
+    blocking: Sequence[tuple[float, float]] = (),
+    time_scale: float = 1.0,
+    min_blocking_s: float = 0.0,
+    wait_timeout_s: float = 1.0,
+    method: str = "regress",
+) -> StageSamples:
+    """One stage's :class:`StageSamples` of one iteration, from its windows.
+
+    ``method="interpolate"``: each window's energy from the interpolated trace
+    (Perseus/Merak; biased towards the neighbours' power where a window's edges
+    fall between counter samples). ``"regress"`` (default): one power per kind
+    (F, B, blocking, the rest) fitted to all counter increments of the
+    iteration (:func:`~megatron_envpipe.gpu.attribution.fit_window_powers`), exact for a
+    constant power per kind, which holds within a profiling iteration (one
+    clock); falls back to interpolation if the kinds cannot be separated.
+    """
+    if method not in ATTRIBUTION_METHODS:
+        raise ValueError(f"method {method!r}: choose one of {', '.join(ATTRIBUTION_METHODS)}")
+    ws = [w if isinstance(w, UnitWindow) else UnitWindow(*w) for w in units]
+    kept = [(t0, t1) for t0, t1 in blocking if t1 > t0 and t1 - t0 >= min_blocking_s]
+    if method == "regress":
+        labelled = [(w.kind, w.start_s, w.end_s) for w in ws]
+        # All blocking windows (not only the long ones) get their own label, so
+        # their power does not leak into "the rest".
+        labelled += [(_BLOCKING, t0, t1) for t0, t1 in blocking if t1 > t0]
+        try:
+            powers = fit_window_powers(monitor, labelled, wait_timeout_s=wait_timeout_s)
+        except InseparablePowersError:
+            powers = {}
+        needed = {w.kind for w in ws} | ({_BLOCKING} if kept else set())
+        # A label the fit could not see, or a negative/absurd power (noise on a label
+        # with little time), falls back to interpolation for this iteration.
+        if all(math.isfinite(powers.get(k, math.nan)) and powers[k] >= 0 for k in needed):
+            return StageSamples(
+                tuple(
+                    UnitSample(w.kind, (w.end_s - w.start_s) / time_scale, powers[w.kind] * (w.end_s - w.start_s))
+                    for w in ws
+                ),
+                tuple(BlockingSample((t1 - t0) / time_scale, powers[_BLOCKING] * (t1 - t0)) for t0, t1 in kept),
+            )
+    return StageSamples(
+        tuple(attribute_units(monitor, ws, time_scale, wait_timeout_s)),
+        tuple(attribute_blocking(monitor, kept, time_scale, 0.0, wait_timeout_s)),
+    )

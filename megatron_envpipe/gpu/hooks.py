@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_envpipe.core.hooks import ExecutionHooks
@@ -206,9 +206,10 @@ class GpuHooks(ExecutionHooks):
         return tuple(self._device_windows)
 
     def stage_samples(self, windows: Sequence[tuple[str, float, float]],
-                      blocking: Sequence[tuple[float, float]]) -> StageSamples | None:
+                      blocking: Sequence[tuple[float, float]], chunks: Sequence[int] = ()) -> StageSamples | None:
         """Time (device seconds) and energy of each unit and P2P wait of one iteration;
-        None when they are not known (energy unmeasured, or the clock was not the swept one)."""
+        None when they are not known (energy unmeasured, or the clock was not the swept one).
+        ``chunks``: each window's model chunk (interleaved pipeline), which tags its sample."""
         if self.monitor is None:
             raise RuntimeError("profiling needs a device with an energy counter")
         if self.clock_control_lost is not None or self.last_unmeasured is not None:
@@ -218,7 +219,7 @@ class GpuHooks(ExecutionHooks):
             # The GPU blocks (P2P power) in the gaps between its units.
             blocking = [(a[2], b[1]) for a, b in zip(windows, windows[1:]) if b[1] > a[2]]
         try:
-            return stage_samples(
+            samples = stage_samples(
                 self.monitor,
                 [UnitWindow(k, a, b) for k, a, b in windows],
                 blocking,
@@ -229,3 +230,9 @@ class GpuHooks(ExecutionHooks):
         except DEVICE_ERRORS as exc:
             self._note(exc, "profile of iteration")
             return None
+        if any(chunks):
+            if len(chunks) != len(samples.units):
+                raise ValueError(f"{len(chunks)} model chunks for {len(samples.units)} unit windows")
+            samples = replace(samples, units=tuple(
+                replace(u, chunk=c) for u, c in zip(samples.units, chunks, strict=True)))
+        return samples

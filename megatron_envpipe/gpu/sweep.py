@@ -9,64 +9,52 @@ unit gets its own time and energy (energy from the background counter poller,
 
 :class:`ClockSweep` is pure bookkeeping: all stages lock the same clock each
 iteration (lockstep, highest first), feed back their unit samples, and the sweep
-stops early once it is clearly below the energy valley (merak-zeus rule).
+stops early once it is clearly below the energy valley (merak-zeus rule). It
+spends one iteration per clock once two iterations at one clock have agreed
+(the per-iteration regression of :mod:`megatron_envpipe.gpu.attribution` is
+then as good as their mean), and fills the gaps next to the valley with a few
+more clocks, within a third of EnvPipe's cost on the same clocks.
 Deterministic, so every rank fed the same gathered samples decides the same.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS
-from megatron_envpipe.gpu.attribution import InseparablePowersError, attribute_windows, fit_window_powers
-from megatron_envpipe.gpu.energy import EnergyMonitor
+from megatron_envpipe.gpu.attribution import (
+    ATTRIBUTION_METHODS,
+    BlockingSample,
+    StageSamples,
+    UnitSample,
+    UnitWindow,
+    attribute_blocking,
+    attribute_units,
+    stage_samples,
+)
+from megatron_envpipe.gpu.sweep_clocks import refinement_clocks, sweep_candidates
+
+__all__ = [
+    "ATTRIBUTION_METHODS", "BlockingSample", "ClockResult", "ClockSweep", "ProfileRow", "StageSamples", "UnitSample",
+    "UnitWindow", "attribute_blocking", "attribute_units", "blocking_power_w", "refinement_clocks", "robust_mean",
+    "stage_samples", "startup_sweep", "sweep_candidates",
+]
 
 # EnvPipe's profiler: PROFILE_ITER_LIMIT 5 -> 6 iterations per clock (envpipe.md §5).
 ENVPIPE_ITERATIONS_PER_CLOCK = 6
+# The profiler's cost goal (issue 13): at most this share of EnvPipe's iterations over the same clocks.
+# Refinement clocks are only measured while the total stays within it.
+COST_SHARE_OF_ENVPIPE = 1 / 3
+# Clocks added near the valley by default: on the A40 profiles, 4 at 30 MHz fill the two 90 MHz gaps
+# next to the valley and bring optimal plans within 0.3 points of plans from every clock (bench/profiler_cost.py).
+REFINE_CLOCKS = 4
 
 
-# -- samples -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class UnitSample:
-    """One forward (``F``) or backward (``B``) unit: device seconds and joules."""
-
-    kind: str
-    time_s: float
-    energy_j: float
-
-
-@dataclass(frozen=True)
-class BlockingSample:
-    """A window in which the GPU waited for a P2P transfer (no compute)."""
-
-    time_s: float
-    energy_j: float
-
-
-@dataclass(frozen=True)
-class StageSamples:
-    """One stage's samples of one iteration."""
-
-    units: tuple[UnitSample, ...]
-    blocking: tuple[BlockingSample, ...] = ()
-
-    @classmethod
-    def of(
-        cls,
-        units: Iterable[UnitSample | tuple[str, float, float]],
-        blocking: Iterable[BlockingSample | tuple[float, float]] = (),
-    ) -> "StageSamples":
-        """From dataclasses or plain ``(kind, time_s, energy_j)`` / ``(time_s, energy_j)`` tuples."""
-        return cls(
-            tuple(u if isinstance(u, UnitSample) else UnitSample(*u) for u in units),
-            tuple(b if isinstance(b, BlockingSample) else BlockingSample(*b) for b in blocking),
-        )
-
-
+# -- rows ------------------------------------------------------------------------------
 class ProfileRow(NamedTuple):
     """A Perseus CSV row."""
 
@@ -75,130 +63,16 @@ class ProfileRow(NamedTuple):
     freq_mhz: int
     time_s: float
     energy_j: float
-
-
-@dataclass(frozen=True)
-class UnitWindow:
-    """A unit's compute window on the monitor's clock (after CUDA synchronisation)."""
-
-    kind: str
-    start_s: float
-    end_s: float
-
-
-# -- attribution -------------------------------------------------------------------------
-def attribute_units(
-    monitor: EnergyMonitor,
-    windows: Sequence[UnitWindow | tuple[str, float, float]],
-    time_scale: float = 1.0,
-    wait_timeout_s: float = 1.0,
-) -> list[UnitSample]:
-    """Time and energy of each unit window from the monitor's interpolated trace.
-
-    ``time_scale`` converts wall to device seconds (a :class:`SimulatedGpu`'s
-    ``time_scale``; 1 on real GPUs). Energy needs no scaling.
-    """
-    ws = [w if isinstance(w, UnitWindow) else UnitWindow(*w) for w in windows]
-    energies = attribute_windows(monitor, [(w.start_s, w.end_s) for w in ws], wait_timeout_s)
-    return [UnitSample(w.kind, (w.end_s - w.start_s) / time_scale, e) for w, e in zip(ws, energies)]
-
-
-def attribute_blocking(
-    monitor: EnergyMonitor,
-    windows: Sequence[tuple[float, float]],
-    time_scale: float = 1.0,
-    min_time_s: float = 0.0,
-    wait_timeout_s: float = 1.0,
-) -> list[BlockingSample]:
-    """Blocking windows at least ``min_time_s`` wall seconds long.
-
-    Short windows are dominated by interpolation error at their edges (compute
-    power on both sides), so keep ones several counter periods long (NVML: ~10 ms).
-    """
-    kept = [(t0, t1) for t0, t1 in windows if t1 - t0 >= min_time_s and t1 > t0]
-    energies = attribute_windows(monitor, kept, wait_timeout_s)
-    return [BlockingSample((t1 - t0) / time_scale, e) for (t0, t1), e in zip(kept, energies)]
-
-
-ATTRIBUTION_METHODS = ("regress", "interpolate")
-_BLOCKING = "blocking"  # label of P2P blocking windows in the power fit
-
-
-def stage_samples(
-    monitor: EnergyMonitor,
-    units: Sequence[UnitWindow | tuple[str, float, float]],
-    blocking: Sequence[tuple[float, float]] = (),
-    time_scale: float = 1.0,
-    min_blocking_s: float = 0.0,
-    wait_timeout_s: float = 1.0,
-    method: str = "regress",
-) -> StageSamples:
-    """One stage's :class:`StageSamples` of one iteration, from its windows.
-
-    ``method="interpolate"``: each window's energy from the interpolated trace
-    (Perseus/Merak; biased towards the neighbours' power where a window's edges
-    fall between counter samples). ``"regress"`` (default): one power per kind
-    (F, B, blocking, the rest) fitted to all counter increments of the
-    iteration (:func:`~megatron_envpipe.gpu.attribution.fit_window_powers`), exact for a
-    constant power per kind, which holds within a profiling iteration (one
-    clock); falls back to interpolation if the kinds cannot be separated.
-    """
-    if method not in ATTRIBUTION_METHODS:
-        raise ValueError(f"method {method!r}: choose one of {', '.join(ATTRIBUTION_METHODS)}")
-    ws = [w if isinstance(w, UnitWindow) else UnitWindow(*w) for w in units]
-    kept = [(t0, t1) for t0, t1 in blocking if t1 > t0 and t1 - t0 >= min_blocking_s]
-    if method == "regress":
-        labelled = [(w.kind, w.start_s, w.end_s) for w in ws]
-        # All blocking windows (not only the long ones) get their own label, so
-        # their power does not leak into "the rest".
-        labelled += [(_BLOCKING, t0, t1) for t0, t1 in blocking if t1 > t0]
-        try:
-            powers = fit_window_powers(monitor, labelled, wait_timeout_s=wait_timeout_s)
-        except InseparablePowersError:
-            powers = {}
-        needed = {w.kind for w in ws} | ({_BLOCKING} if kept else set())
-        # A label the fit could not see, or a negative/absurd power (noise on a label
-        # with little time), falls back to interpolation for this iteration.
-        if all(math.isfinite(powers.get(k, math.nan)) and powers[k] >= 0 for k in needed):
-            return StageSamples(
-                tuple(
-                    UnitSample(w.kind, (w.end_s - w.start_s) / time_scale, powers[w.kind] * (w.end_s - w.start_s))
-                    for w in ws
-                ),
-                tuple(BlockingSample((t1 - t0) / time_scale, powers[_BLOCKING] * (t1 - t0)) for t0, t1 in kept),
-            )
-    return StageSamples(
-        tuple(attribute_units(monitor, ws, time_scale, wait_timeout_s)),
-        tuple(attribute_blocking(monitor, kept, time_scale, 0.0, wait_timeout_s)),
-    )
+    chunk: int = 0  # the model chunk (Megatron's interleaved pipeline); 0 without
 
 
 # -- candidates and statistics ---------------------------------------------------------
-def sweep_candidates(supported_mhz: Iterable[int], step_mhz: float, min_mhz: int | None = None) -> tuple[int, ...]:
-    """Clocks to profile, fastest first: the supported clock nearest each ``max - k*step``.
-
-    The true maximum is always first (never EnvPipe's ``% 90`` filter, which made
-    A100's "maximum" 1350 MHz). Ladders off the grid (V100's 7.5 MHz) snap to
-    the nearest supported clock.
-    """
-    supported = sorted({int(f) for f in supported_mhz}, reverse=True)
-    if not supported:
-        raise ValueError("no supported clocks to sweep")
-    if not step_mhz > 0:
-        raise ValueError(f"step_mhz must be > 0, got {step_mhz}")
-    floor = supported[-1] if min_mhz is None else min_mhz
-    top = supported[0]
-    chosen: list[int] = []
-    k = 0
-    while True:
-        target = top - k * step_mhz
-        if target < floor - step_mhz / 2:
-            break
-        nearest = min(supported, key=lambda f: (abs(f - target), -f))
-        if nearest >= floor and nearest not in chosen:
-            chosen.append(nearest)
-        k += 1
-    return tuple(sorted(chosen, reverse=True))
+def _trimmed(values: Sequence[float], trim_fraction: float) -> list[float]:
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    k = int(math.floor(len(ordered) * trim_fraction))
+    return ordered[k : len(ordered) - k] or ordered
 
 
 def robust_mean(values: Sequence[float], trim_fraction: float = 0.2) -> float:
@@ -208,12 +82,18 @@ def robust_mean(values: Sequence[float], trim_fraction: float = 0.2) -> float:
     backward's gradient all-reduce, a clock-switch transient) without needing
     many samples.
     """
-    if not values:
-        raise ValueError("no values")
-    ordered = sorted(values)
-    k = int(math.floor(len(ordered) * trim_fraction))
-    kept = ordered[k : len(ordered) - k] or ordered
+    kept = _trimmed(values, trim_fraction)
     return math.fsum(kept) / len(kept)
+
+
+def robust_mean_se(values: Sequence[float], trim_fraction: float = 0.2) -> tuple[float, float]:
+    """:func:`robust_mean` and its standard error from the kept values' spread (0 with one value)."""
+    kept = _trimmed(values, trim_fraction)
+    mean = math.fsum(kept) / len(kept)
+    if len(kept) < 2:
+        return mean, 0.0
+    var = math.fsum((v - mean) ** 2 for v in kept) / (len(kept) - 1)
+    return mean, math.sqrt(var / len(kept))
 
 
 def blocking_power_w(windows: Sequence[BlockingSample]) -> float | None:
@@ -244,6 +124,24 @@ def blocking_power_w(windows: Sequence[BlockingSample]) -> float | None:
     return ratio
 
 
+def startup_sweep(
+    supported_mhz: Sequence[int],
+    step_mhz: float,
+    refine_step_mhz: float,
+    iterations_per_clock: int = 2,
+    p2p_power_w: float | None = None,
+) -> "ClockSweep":
+    """The sweep training runs at start-up (the runtime's, and the benchmark's): every ``step_mhz``
+    down from the true maximum, refined near the valley at ``refine_step_mhz`` (the reconfiguration step).
+
+    ``iterations_per_clock=1`` asks for the shortest profile: one iteration per coarse clock, no
+    agreement check and no refinement.
+    """
+    return ClockSweep(sweep_candidates(supported_mhz, step_mhz), iterations_per_clock=iterations_per_clock,
+                      p2p_power_w=p2p_power_w, supported_mhz=supported_mhz, refine_step_mhz=refine_step_mhz,
+                      refine_clocks=REFINE_CLOCKS if iterations_per_clock > 1 else 0)
+
+
 # -- the sweep -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ClockResult:
@@ -252,6 +150,7 @@ class ClockResult:
     freq_mhz: int
     iterations: int
     rows: tuple[ProfileRow, ...]
+    refined: bool = False  # measured after the coarse sweep, to fill a gap near the valley
 
     def energy_j(self) -> float:
         """Per-micro-batch F+B energy summed over stages."""
@@ -262,24 +161,46 @@ class ClockResult:
 
 
 class ClockSweep:
-    """Lockstep clock sweep from the maximum down, with early stop below the valley.
+    """Lockstep clock sweep from the maximum down, with early stop below the valley,
+    then a few clocks that refine the sweep near the valley.
 
     Per iteration: lock :meth:`next_clock` on every stage, run the iteration,
     then :meth:`record` every stage's samples. The first ``warmup_iterations``
-    (at the maximum clock) are discarded; then each candidate runs
-    ``iterations_per_clock`` iterations. After each clock, the stop metric
-    ``sum over stages of E_F + E_B - P_p2p * (t_F + t_B)`` is computed; the
-    sweep stops once it has risen for ``stop_after_rising`` consecutive clocks
-    (``0``: never stop early) from a valley that lies more than
-    ``valley_margin`` (relative to the maximum clock's value) below the maximum
-    clock's value, ending more than that margin above the valley.
+    (at the maximum clock) are discarded.
 
-    The P2P term (``p2p_aware``): at fixed iteration time a slower unit turns
-    blocking time into busy time, so the clock that matters is the valley of
-    ``E - P_p2p t`` (what the planner minimises, README), which lies at or below
-    the raw-energy valley; stopping on raw energy could cut it off (on the A40
-    GPT-3 profile raw energy bottoms at 945 MHz, the P2P-aware metric at 870).
-    ``p2p_power_w`` fixes P_p2p; otherwise the measured blocking power is used.
+    **Iterations per clock.** A stage is *unsteady* until two iterations at one
+    clock agree: every (instruction, time or energy) estimate within
+    ``stable_tolerance`` (relative) plus three standard errors of the units' own
+    spread, and one iteration's standard error within the tolerance. Until then
+    each clock runs ``iterations_per_clock`` iterations, and up to
+    ``max_iterations_per_clock`` while they disagree. Once every stage is
+    steady (``adaptive``), each clock runs one iteration: a per-iteration
+    regression that is stable gains nothing from a second one. The check runs
+    at the maximum clock first, where iterations are shortest and the
+    regression sees the fewest counter samples: slower clocks only give it
+    more. Real profiles are not monotone in time (the shipped Bloom profile's
+    last forward is 2 % faster at 1560 than at 1740 MHz), so no later check
+    second-guesses a steady stage. ``iterations_per_clock=1`` always runs one.
+
+    **Early stop.** After each coarse clock the stop metric ``sum over stages
+    of E_F + E_B - P_p2p * (t_F + t_B)`` is computed; the coarse sweep ends once
+    it has risen for ``stop_after_rising`` consecutive clocks (``0``: never
+    early) from a valley that lies more than ``valley_margin`` (relative to the
+    maximum clock's value) below the maximum clock's value, ending more than
+    that margin above the valley. The P2P term (``p2p_aware``): at fixed
+    iteration time a slower unit turns blocking time into busy time, so the
+    clock that matters is the valley of ``E - P_p2p t`` (what the planner
+    minimises), which lies at or below the raw-energy valley (A40 GPT-3: 945
+    raw, 870 MHz P2P-aware). ``p2p_power_w`` fixes P_p2p; otherwise the
+    measured blocking power is used.
+
+    **Refinement.** Given the GPU's ``supported_mhz``, up to ``refine_clocks``
+    more clocks split the measured gaps next to the pipeline's and every
+    stage's valley into ``refine_step_mhz`` steps (:func:`refinement_clocks`),
+    one each, only while the total stays within a third of what EnvPipe's
+    profiler spends on the coarse clocks. Every clock in the profile, coarse or
+    refined, is measured on every stage: the planner never uses an
+    interpolated one.
 
     An iteration whose samples are missing on some stage (``None``: its energy
     was not measured, or its clock not held) counts as used but not as
@@ -300,6 +221,12 @@ class ClockSweep:
         p2p_power_w: float | None = None,
         valley_margin: float = 0.01,
         max_unmeasured: int = 3,
+        adaptive: bool = True,
+        stable_tolerance: float = 0.02,
+        max_iterations_per_clock: int | None = None,
+        supported_mhz: Sequence[int] = (),
+        refine_step_mhz: float = 30.0,
+        refine_clocks: int = REFINE_CLOCKS,
     ) -> None:
         cands = tuple(int(f) for f in candidates_mhz)
         if not cands:
@@ -308,53 +235,79 @@ class ClockSweep:
             raise ValueError(f"candidates must be distinct and fastest first, got {list(cands)}")
         if iterations_per_clock < 1:
             raise ValueError(f"iterations_per_clock must be >= 1, got {iterations_per_clock}")
+        cap = 2 * iterations_per_clock if max_iterations_per_clock is None else max_iterations_per_clock
+        if cap < iterations_per_clock:
+            raise ValueError(f"max_iterations_per_clock ({cap}) must be >= iterations_per_clock "
+                             f"({iterations_per_clock})")
         if warmup_iterations < 0 or stop_after_rising < 0:
             raise ValueError("warmup_iterations and stop_after_rising must be >= 0")
         if not 0 <= trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
         if max_unmeasured < 1:
             raise ValueError(f"max_unmeasured must be >= 1, got {max_unmeasured}")
-        if valley_margin < 0:
-            raise ValueError(f"valley_margin must be >= 0, got {valley_margin}")
-        if p2p_power_w is not None and p2p_power_w < 0:
-            raise ValueError(f"p2p_power_w must be >= 0, got {p2p_power_w}")
+        if not 0 <= valley_margin < math.inf:
+            raise ValueError(f"valley_margin must be a finite number >= 0, got {valley_margin}")
+        if p2p_power_w is not None and not 0 <= p2p_power_w < math.inf:
+            raise ValueError(f"p2p_power_w must be a finite number >= 0, got {p2p_power_w}")
+        if not 0 < stable_tolerance < 1:
+            raise ValueError(f"stable_tolerance must be in (0, 1), got {stable_tolerance}")
+        if not 0 < refine_step_mhz < math.inf:
+            raise ValueError(f"refine_step_mhz must be a finite number > 0, got {refine_step_mhz}")
+        if refine_clocks < 0:
+            raise ValueError(f"refine_clocks must be >= 0, got {refine_clocks}")
         self.candidates_mhz = cands
         self.iterations_per_clock = iterations_per_clock
+        self.max_iterations_per_clock = cap
         self.warmup_iterations = warmup_iterations
         self.stop_after_rising = stop_after_rising
         self.trim_fraction = trim_fraction
         self.p2p_aware = p2p_aware
         self.valley_margin = valley_margin
         self.max_unmeasured = max_unmeasured
+        self.adaptive = adaptive and iterations_per_clock > 1
+        self.stable_tolerance = stable_tolerance
+        self.supported_mhz = tuple(sorted({int(f) for f in supported_mhz}, reverse=True))
+        self.refine_step_mhz = refine_step_mhz
+        self.refine_clocks = refine_clocks
         self.unmeasured_iterations = 0
         self._unmeasured_in_a_row = 0
         self._p2p_given = p2p_power_w
         self.iterations_used = 0
         self.results: list[ClockResult] = []
         self.stop_reason = ""
+        self.coarse_stop_reason = ""
+        self.unsteady_events: list[str] = []  # why a stage needed more than one iteration at a clock
+        self._queue: list[int] = list(cands)  # clocks to measure, in order; refinement is appended
         self._index = 0
         self._num_stages: int | None = None
+        self._steady: list[bool] = []
         self._pending: list[tuple[StageSamples, ...]] = []
         self._blocking: list[BlockingSample] = []
 
     # -- driving ---------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return self._index >= len(self.candidates_mhz) or bool(self.stop_reason)
+        return bool(self.stop_reason)
 
     @property
     def stopped_early(self) -> bool:
-        return self.done and len(self.results) < len(self.candidates_mhz)
+        """The coarse sweep ended before its lowest candidate (below the valley, or unmeasured)."""
+        return self.done and len(self.coarse_results()) < len(self.candidates_mhz)
 
     @property
     def in_warmup(self) -> bool:
         return self.iterations_used < self.warmup_iterations
 
+    @property
+    def refining(self) -> bool:
+        """The coarse sweep is over; clocks now fill gaps near the valley."""
+        return bool(self.coarse_stop_reason)
+
     def next_clock(self) -> int | None:
         """The clock every stage locks for the next iteration; None when done."""
         if self.done:
             return None
-        return self.candidates_mhz[0] if self.in_warmup else self.candidates_mhz[self._index]
+        return self.candidates_mhz[0] if self.in_warmup else self._queue[self._index]
 
     def record(self, freq_mhz: int,
                stage_samples: Sequence[StageSamples | tuple[Sequence, Sequence] | None]) -> None:
@@ -379,7 +332,12 @@ class ClockSweep:
                 instruction_of(u.kind)  # raises on a bad kind
                 if not (u.time_s > 0 and math.isfinite(u.time_s) and u.energy_j >= 0 and math.isfinite(u.energy_j)):
                     raise ValueError(f"stage {stage}: invalid unit sample {u}")
-        self._num_stages = len(samples)
+            for kind in ("F", "B"):
+                if not any(u.kind == kind for u in s.units):
+                    raise ValueError(f"no {instruction_of(kind)} samples for stage {stage} at {freq_mhz} MHz")
+        if self._num_stages is None:
+            self._num_stages = len(samples)
+            self._steady = [False] * len(samples)
         was_warmup = self.in_warmup
         self.iterations_used += 1
         self._unmeasured_in_a_row = 0
@@ -387,7 +345,7 @@ class ClockSweep:
             return
         self._pending.append(samples)
         self._blocking.extend(b for s in samples for b in s.blocking)
-        if len(self._pending) >= self.iterations_per_clock:
+        if self._clock_complete(int(freq_mhz)):
             self._finish_clock()
 
     def _record_unmeasured(self, freq_mhz: int) -> None:
@@ -399,38 +357,122 @@ class ClockSweep:
         self._unmeasured_in_a_row += 1
         if self._unmeasured_in_a_row >= self.max_unmeasured:
             self._pending = []
-            self.stop_reason = (
+            self.stop_reason = self.coarse_stop_reason = (
                 f"stopped: {self._unmeasured_in_a_row} iterations in a row at {freq_mhz} MHz were not measured "
                 f"on every stage; keeping the {len(self.results)} clock(s) measured before"
             )
 
+    # -- iterations per clock --------------------------------------------------------------
+    def _estimates(self, it: StageSamples) -> dict[tuple[str, str], tuple[float, float]]:
+        """One iteration's (mean, standard error) per (kind, "time"/"energy")."""
+        out = {}
+        for kind in ("F", "B"):
+            units = [u for u in it.units if u.kind == kind]
+            out[(kind, "time")] = robust_mean_se([u.time_s for u in units], self.trim_fraction)
+            out[(kind, "energy")] = robust_mean_se([u.energy_j for u in units], self.trim_fraction)
+        return out
+
+    def _disagreement(self, a: StageSamples, b: StageSamples) -> str:
+        """Why two iterations' estimates of one stage are not steady ('' when they are)."""
+        tol = self.stable_tolerance
+        ea, eb = self._estimates(a), self._estimates(b)
+        for key, (ma, sa) in ea.items():
+            mb, sb = eb[key]
+            mean = (abs(ma) + abs(mb)) / 2
+            what = f"{instruction_of(key[0])} {key[1]}"
+            if abs(ma - mb) > tol * mean + 3 * math.hypot(sa, sb):
+                return f"{what} differs by {100 * abs(ma - mb) / mean:.2f} % between iterations"
+            if max(sa, sb) > tol * mean:
+                return f"{what} varies by {100 * max(sa, sb) / mean:.2f} % (standard error) within an iteration"
+        return ""
+
+    def _clock_complete(self, freq_mhz: int) -> bool:
+        """Whether every stage has what it needs at this clock (and mark stages steady or not)."""
+        k = len(self._pending)
+        if not self.adaptive:
+            return k >= self.iterations_per_clock
+        complete = True
+        for stage in range(self._num_stages or 0):
+            if self._steady[stage]:
+                continue
+            if k < max(2, self.iterations_per_clock):
+                complete = False
+                continue
+            why = self._disagreement(self._pending[-2][stage], self._pending[-1][stage])
+            if not why:
+                self._steady[stage] = True
+            elif k < self.max_iterations_per_clock:
+                complete = False
+            else:
+                self.unsteady_events.append(f"stage {stage} at {freq_mhz} MHz after {k} iterations: {why}")
+        return complete or k >= self.max_iterations_per_clock
+
+    @property
+    def steady(self) -> tuple[bool, ...]:
+        """Per stage: whether one iteration per clock is enough for it now."""
+        return tuple(self._steady)
+
+    # -- clocks ----------------------------------------------------------------------------
     def _finish_clock(self) -> None:
-        freq = self.candidates_mhz[self._index]
+        freq = self._queue[self._index]
         rows = []
         for stage in range(self._num_stages or 0):
+            # Model chunks (Megatron's interleaved pipeline): one row per chunk, from that chunk's units.
+            chunks = 1 + max(u.chunk for it in self._pending for u in it[stage].units)
             for kind, instruction in (("F", "forward"), ("B", "backward")):
-                units = [u for it in self._pending for u in it[stage].units if u.kind == kind]
-                if not units:
-                    raise ValueError(f"no {instruction} samples for stage {stage} at {freq} MHz")
-                rows.append(
-                    ProfileRow(
-                        stage, instruction, freq,
-                        robust_mean([u.time_s for u in units], self.trim_fraction),
-                        robust_mean([u.energy_j for u in units], self.trim_fraction),
+                for chunk in range(chunks):
+                    units = [u for it in self._pending for u in it[stage].units if u.kind == kind and u.chunk == chunk]
+                    if not units:
+                        raise ValueError(f"stage {stage} at {freq} MHz: no {instruction} samples of model chunk {chunk}")
+                    rows.append(
+                        ProfileRow(
+                            stage, instruction, freq,
+                            robust_mean([u.time_s for u in units], self.trim_fraction),
+                            robust_mean([u.energy_j for u in units], self.trim_fraction),
+                            chunk,
+                        )
                     )
-                )
-        self.results.append(ClockResult(freq, len(self._pending), tuple(rows)))
+        self.results.append(ClockResult(freq, len(self._pending), tuple(rows), refined=self.refining))
         self._pending = []
         self._index += 1
-        if self._should_stop():
-            tail = -self.stop_after_rising - 1
-            trail = ", ".join(f"{r.freq_mhz}: {m:.4g} J" for r, m in zip(self.results[tail:], self.metrics_j()[tail:]))
-            self.stop_reason = (
-                f"stopped below the energy valley: the stop metric rose for {self.stop_after_rising} "
-                f"consecutive clocks after its minimum at {self.valley_clock_mhz()} MHz ({trail})"
-            )
-        elif self._index >= len(self.candidates_mhz):
-            self.stop_reason = f"swept all {len(self.candidates_mhz)} candidate clocks"
+        if not self.refining:
+            if self._should_stop():
+                tail = -self.stop_after_rising - 1
+                trail = ", ".join(f"{r.freq_mhz}: {m:.4g} J"
+                                  for r, m in zip(self.results[tail:], self.metrics_j()[tail:]))
+                self.coarse_stop_reason = (
+                    f"stopped below the energy valley: the stop metric rose for {self.stop_after_rising} "
+                    f"consecutive clocks after its minimum at {self.valley_clock_mhz()} MHz ({trail})"
+                )
+            elif self._index >= len(self.candidates_mhz):
+                self.coarse_stop_reason = f"swept all {len(self.candidates_mhz)} candidate clocks"
+            else:
+                return
+            self._queue = self._queue[: self._index] + list(self._refinement())
+        self._trim_to_budget()
+        if self._index >= len(self._queue):
+            refined = len(self.refined_clocks_mhz())
+            self.stop_reason = self.coarse_stop_reason + (
+                f"; then refined {refined} clock(s) near the valley" if refined else "")
+
+    def _refinement(self) -> tuple[int, ...]:
+        if not self.supported_mhz or not self.refine_clocks:
+            return ()
+        p = self.stop_p2p_power_w()
+        valleys = {self.valley_clock_mhz()}
+        for stage in range(self._num_stages or 0):
+            valleys.add(min(self.results, key=lambda r: (
+                math.fsum(x.energy_j - p * x.time_s for x in r.rows if x.stage == stage), -r.freq_mhz)).freq_mhz)
+        return refinement_clocks(self.measured_clocks_mhz(), valleys, self.supported_mhz, self.refine_step_mhz,
+                                 self.refine_clocks)
+
+    def _trim_to_budget(self) -> None:
+        """Drop the refinement clocks the cost goal cannot afford (one iteration each when every stage is
+        steady, else ``iterations_per_clock``)."""
+        each = 1 if self.adaptive and all(self._steady) else self.iterations_per_clock
+        left = math.floor(COST_SHARE_OF_ENVPIPE * self.envpipe_iterations() + 1e-9) - self.iterations_used
+        affordable = max(0, left // each)
+        del self._queue[self._index + affordable:]
 
     def _should_stop(self) -> bool:
         n = self.stop_after_rising
@@ -454,55 +496,71 @@ class ClockSweep:
             return self._p2p_given
         return self.p2p_power_w() or 0.0
 
+    def coarse_results(self) -> list[ClockResult]:
+        return [r for r in self.results if not r.refined]
+
     def metrics_j(self) -> list[float]:
-        """Stop metric per measured clock (fastest first), with the current P_p2p."""
+        """Stop metric per coarse clock (fastest first), with the current P_p2p."""
         p = self.stop_p2p_power_w()
-        return [r.energy_j() - p * r.time_s() for r in self.results]
+        return [r.energy_j() - p * r.time_s() for r in self.coarse_results()]
 
     def valley_clock_mhz(self) -> int | None:
-        """The measured clock with the lowest stop metric (ties: the faster)."""
-        metrics = self.metrics_j()
-        if not metrics:
+        """The measured clock (coarse or refined) with the lowest stop metric (ties: the faster)."""
+        if not self.results:
             return None
-        best = min(range(len(metrics)), key=lambda i: (metrics[i], i))
-        return self.results[best].freq_mhz
+        p = self.stop_p2p_power_w()
+        return min(self.results, key=lambda r: (r.energy_j() - p * r.time_s(), -r.freq_mhz)).freq_mhz
 
     def p2p_power_w(self) -> float | None:
         """Measured P2P blocking power (None: no blocking windows recorded); see :func:`blocking_power_w`."""
         return blocking_power_w(self._blocking)
 
     def measured_clocks_mhz(self) -> tuple[int, ...]:
-        return tuple(r.freq_mhz for r in self.results)
+        """Every measured clock, fastest first."""
+        return tuple(sorted((r.freq_mhz for r in self.results), reverse=True))
+
+    def refined_clocks_mhz(self) -> tuple[int, ...]:
+        return tuple(sorted((r.freq_mhz for r in self.results if r.refined), reverse=True))
 
     def rows(self) -> list[ProfileRow]:
         """Perseus rows of every measured clock, by stage, instruction, clock (fastest first)."""
         order = {ins: i for i, ins in enumerate(INSTRUCTIONS)}
         rows = [row for r in self.results for row in r.rows]
-        return sorted(rows, key=lambda r: (r.stage, order[r.instruction], -r.freq_mhz))
+        return sorted(rows, key=lambda r: (r.stage, r.chunk, order[r.instruction], -r.freq_mhz))
 
     def profile(self) -> Profile:
         if not self.results:
             raise ValueError("no clock has been measured yet")
-        points: dict[tuple[int, str], list[ProfilePoint]] = {}
+        points: dict[tuple[int, str, int], list[ProfilePoint]] = {}
         for row in self.rows():
             point = ProfilePoint(row.freq_mhz, row.time_s, row.energy_j)
-            points.setdefault((row.stage, row.instruction), []).append(point)
+            points.setdefault((row.stage, row.instruction, row.chunk), []).append(point)
         source = f"<start-up profiler: {len(self.results)} clocks, {self.iterations_used} iterations>"
         return Profile(points, source=source)
 
     def envpipe_iterations(self) -> int:
-        """What EnvPipe's profiler would spend on the same candidates (6 per clock)."""
+        """What EnvPipe's profiler spends on the same coarse clocks: 6 iterations each (envpipe.md §5),
+        no warm-up, no early stop. Refinement clocks are ours alone and not counted here."""
         return ENVPIPE_ITERATIONS_PER_CLOCK * len(self.candidates_mhz)
+
+    def cost_share(self) -> float:
+        """Iterations used as a share of :meth:`envpipe_iterations`."""
+        return self.iterations_used / self.envpipe_iterations()
 
     def summary(self) -> str:
         measured = self.measured_clocks_mhz()
         span = f"{measured[0]}..{measured[-1]} MHz" if measured else "none"
+        refined = self.refined_clocks_mhz()
         p2p = self.p2p_power_w()
+        repeated = sum(1 for r in self.results if r.iterations > 1)
         return (
-            f"start-up profiler: {len(measured)}/{len(self.candidates_mhz)} clocks ({span}) in "
-            f"{self.iterations_used} iterations (EnvPipe: {self.envpipe_iterations()}); "
+            f"start-up profiler: {len(self.coarse_results())}/{len(self.candidates_mhz)} clocks ({span}"
+            + (f", and {len(refined)} near the valley: {', '.join(map(str, refined))} MHz" if refined else "")
+            + f") in {self.iterations_used} iterations (EnvPipe: {self.envpipe_iterations()}, "
+            f"{100 * self.cost_share():.0f} %); {repeated} clock(s) needed more than one iteration; "
             f"valley {self.valley_clock_mhz()} MHz; P2P power "
             f"{'not measured' if p2p is None else f'{p2p:.1f} W'}; "
             + (f"{self.unmeasured_iterations} iteration(s) unmeasured; " if self.unmeasured_iterations else "")
+            + (f"unsteady: {'; '.join(self.unsteady_events[:3])}; " if self.unsteady_events else "")
             + (self.stop_reason or "running")
         )

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_envpipe.core import instructions as ins
-from megatron_envpipe.core.communicators import Channel, creation_order, disjoint_classes, warmup_order
+from megatron_envpipe.core.communicators import Channel, creation_order, disjoint_classes, is_wrap, warmup_order
 from megatron_envpipe.errors import EnvPipeError
 
 __all__ = [
@@ -97,6 +97,7 @@ class ChannelGroups:
 
     ``act[s]`` carries activations from stage ``s`` to ``s + 1``, ``grad[s]``
     gradients from ``s + 1`` to ``s``; only the pairs this rank belongs to.
+    ``wrap[kind]``: the wrap-around channels of a pipeline with model chunks.
     """
 
     strategy: str
@@ -104,11 +105,15 @@ class ChannelGroups:
     stage: int
     act: dict[int, Any] = field(default_factory=dict)
     grad: dict[int, Any] = field(default_factory=dict)
+    wrap: dict[str, Any] = field(default_factory=dict)
 
     def store(self, channel: Channel, group: Any) -> None:
         snd, rcv, kind = channel
         if self.stage in (snd, rcv):
-            (self.act if kind == ins.ACT else self.grad)[min(snd, rcv)] = group
+            if is_wrap(channel):
+                self.wrap[kind] = group
+            else:
+                (self.act if kind == ins.ACT else self.grad)[min(snd, rcv)] = group
 
 
 def _layout(api: Any, pp_group: Any, strategy: str) -> ChannelGroups:
@@ -116,28 +121,37 @@ def _layout(api: Any, pp_group: Any, strategy: str) -> ChannelGroups:
     return ChannelGroups(strategy, ranks, ranks.index(api.get_rank()))
 
 
-def per_pair_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
+def per_pair_groups(pp_group: Any, api: Any = dist, wrap: bool = False) -> ChannelGroups:
     """Two ``new_group`` per pair of every pipeline, on every rank (world-wide calls)."""
     out = _layout(api, pp_group, PER_PAIR)
     everyone: list[Any] = [None] * api.get_world_size()
     api.all_gather_object(everyone, list(out.ranks))  # every rank must create every pipeline's groups
     for pipeline in sorted({tuple(r) for r in everyone}):
-        for s in range(len(pipeline) - 1):
-            pair = [pipeline[s], pipeline[s + 1]]
-            g_act = api.new_group(pair, group_desc="ENVPIPE_ACTIVATIONS")
-            g_grad = api.new_group(pair, group_desc="ENVPIPE_GRADIENTS")
+        for channel in creation_order(len(pipeline), wrap):
+            snd, rcv, kind = channel
+            group = api.new_group(sorted([pipeline[snd], pipeline[rcv]]),
+                                  group_desc="ENVPIPE_ACTIVATIONS" if kind == ins.ACT else "ENVPIPE_GRADIENTS")
             if pipeline == out.ranks:
-                out.act[s], out.grad[s] = g_act, g_grad
+                out.store(channel, group)
     return out
 
 
-def world_direction_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
-    """One world-sized group per direction; lazy NCCL makes a communicator per pair inside each."""
+def world_direction_groups(pp_group: Any, api: Any = dist, wrap: bool = False) -> ChannelGroups:
+    """One world-sized group per direction; lazy NCCL makes a communicator per pair inside each.
+
+    The wrap-around channels get two more: at P = 2 the wrap pair is the
+    neighbour pair, and one communicator for both directions of a kind would
+    put the two ranks' first operations in a cycle.
+    """
     out = _layout(api, pp_group, WORLD_GROUPS)
     groups = {ins.ACT: api.new_group(group_desc="ENVPIPE_ACTIVATIONS"),
               ins.GRAD: api.new_group(group_desc="ENVPIPE_GRADIENTS")}
-    for channel in creation_order(len(out.ranks)):
-        out.store(channel, groups[channel[2]])
+    wrapped = {}
+    if wrap:
+        wrapped = {ins.ACT: api.new_group(group_desc="ENVPIPE_WRAP_ACTIVATIONS"),
+                   ins.GRAD: api.new_group(group_desc="ENVPIPE_WRAP_GRADIENTS")}
+    for channel in creation_order(len(out.ranks), wrap):
+        out.store(channel, (wrapped if is_wrap(channel) else groups)[channel[2]])
     return out
 
 
@@ -152,7 +166,7 @@ def registered_group_count(api: Any = dist) -> int | None:
     return len(names) if names is not None else None
 
 
-def split_pipeline_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
+def split_pipeline_groups(pp_group: Any, api: Any = dist, wrap: bool = False) -> ChannelGroups:
     """Pair groups split from the (eagerly initialised) pipeline group: collectives over the pipeline only."""
     out = _layout(api, pp_group, SPLIT)
     p = len(out.ranks)
@@ -165,7 +179,7 @@ def split_pipeline_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
         for j in range(1, top - min(counts) + 1):
             api.split_group(parent_pg=pp_group, split_ranks=[[g] for g in range(p) if top - counts[g] >= j],
                             group_desc="ENVPIPE_PAD")
-    for members in disjoint_classes(p):
+    for members in disjoint_classes(p, wrap):
         pairs = [sorted(c[:2]) for c in members]
         covered = {g for pair in pairs for g in pair}
         # Uncovered stages get a one-rank group, so that every stage registers one group per call.
@@ -184,19 +198,20 @@ def _eager_world(api: Any) -> bool:
     return getattr(world, "bound_device_id", None) is not None
 
 
-def create_channel_groups(pp_group: Any, api: Any = dist) -> ChannelGroups:
+def create_channel_groups(pp_group: Any, api: Any = dist, wrap: bool = False) -> ChannelGroups:
     """This rank's channel groups, made with as few world-wide calls as torch allows.
 
     Every rank of the world calls it at the same point (the first iteration),
     for its own pipeline. ``api`` is ``torch.distributed`` or a stand-in.
+    ``wrap``: model chunks, so the wrap-around channels too.
     """
     if api.get_world_size(pp_group) < 2:
         return _layout(api, pp_group, "none")
     if not _eager_world(api):
-        return world_direction_groups(pp_group, api)
+        return world_direction_groups(pp_group, api, wrap)
     if hasattr(api, "split_group") and "nccl" in str(api.get_backend(pp_group)):
-        return split_pipeline_groups(pp_group, api)
-    return per_pair_groups(pp_group, api)
+        return split_pipeline_groups(pp_group, api, wrap)
+    return per_pair_groups(pp_group, api, wrap)
 
 
 def _fingerprint(group: Any) -> int:
@@ -234,17 +249,21 @@ class PipelineChannels:
     the first use of each channel, in the pipeline's one creation order.
     """
 
-    def __init__(self, pp_group: Any, api: Any = dist) -> None:
-        groups = create_channel_groups(pp_group, api)
+    def __init__(self, pp_group: Any, api: Any = dist, wrap: bool = False) -> None:
+        groups = create_channel_groups(pp_group, api, wrap)
         self.strategy = groups.strategy
+        self.wrap = wrap
         self.ranks, self.stage = groups.ranks, groups.stage
         self.act: dict[int, Any] = groups.act  # stage -> group for activations stage -> stage+1
         self.grad: dict[int, Any] = groups.grad  # stage -> group for gradients stage+1 -> stage
+        self.wrapped: dict[str, Any] = groups.wrap  # kind -> group of the wrap-around channel
         self.warmed = False
         log.debug("EnvPipe stage %d: P2P channel groups by %s", self.stage, self.strategy)
 
     def group(self, channel: Channel) -> Any:
         snd, rcv, kind = channel
+        if is_wrap(channel):
+            return self.wrapped[kind]
         return (self.act if kind == ins.ACT else self.grad)[min(snd, rcv)]
 
     def warm_up(self, device: torch.device, timeout: datetime.timedelta) -> None:
@@ -260,7 +279,7 @@ class PipelineChannels:
         """
         if self.warmed:
             return
-        for channel in warmup_order(self.stage, len(self.ranks)):
+        for channel in warmup_order(self.stage, len(self.ranks), self.wrap):
             snd, rcv, kind = channel
             group = self.group(channel)
             peer = self.ranks[rcv if snd == self.stage else snd]
@@ -280,8 +299,8 @@ class PipelineChannels:
         self.warmed = True
 
 
-# (kind, is_send, micro-batch): one message of one iteration.
-TransferKey = tuple[str, bool, int]
+# (kind, is_send, micro-batch, chunk): one message of one iteration.
+TransferKey = tuple[str, bool, int, int]
 
 
 class P2PTransfers:
@@ -297,10 +316,7 @@ class P2PTransfers:
                  recv_shape: tuple[int, ...], send_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.channels = channels
-        self.stage = stage
-        first, last = stage == 0, stage == num_stages - 1
-        self.prev_rank = channels.ranks[stage - 1] if not first else None
-        self.next_rank = channels.ranks[stage + 1] if not last else None
+        self.stage, self.num_stages = stage, num_stages
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.recv_shape, self.send_shape = recv_shape, send_shape
         self.dtype, self.device = dtype, device
@@ -308,20 +324,15 @@ class P2PTransfers:
         self.reaped: set[TransferKey] = set()  # activation sends found complete (and freed) early
         channels.warm_up(device, self.timeout)  # first iteration only: before any program op
 
-    def _route(self, instr: ins.CommInstruction) -> tuple[int | None, Any]:
-        """(peer rank, process group) of a message."""
-        if instr.kind == ins.ACT:
-            peer = self.next_rank if instr.is_send else self.prev_rank
-            group = self.channels.act[self.stage if instr.is_send else self.stage - 1]
-        else:
-            peer = self.prev_rank if instr.is_send else self.next_rank
-            group = self.channels.grad[self.stage - 1 if instr.is_send else self.stage]
-        return peer, group
+    def _route(self, instr: ins.CommInstruction) -> tuple[int, Any]:
+        """(peer rank, process group) of a message (the wrap-around included)."""
+        channel = instr.channel(self.stage, self.num_stages)
+        return self.channels.ranks[instr.peer(self.stage, self.num_stages)], self.channels.group(channel)
 
     def start_send(self, instr: ins.CommInstruction, tensor: torch.Tensor) -> None:
         peer, group = self._route(instr)
         work = dist.isend(tensor, dst=peer, group=group)
-        self.pending[(instr.kind, True, instr.microbatch)] = (work, tensor)
+        self.pending[(instr.kind, True, instr.microbatch, instr.chunk)] = (work, tensor)
 
     def start_recv(self, instr: ins.CommInstruction) -> None:
         peer, group = self._route(instr)
@@ -329,12 +340,12 @@ class P2PTransfers:
         shape = self.recv_shape if is_act else self.send_shape
         tensor = torch.empty(shape, dtype=self.dtype, device=self.device, requires_grad=is_act)
         work = dist.irecv(tensor, src=peer, group=group)
-        self.pending[(instr.kind, False, instr.microbatch)] = (work, tensor)
+        self.pending[(instr.kind, False, instr.microbatch, instr.chunk)] = (work, tensor)
 
     def finish(self, instr: ins.CommInstruction) -> torch.Tensor | None:
         """Wait for the transfer ``instr`` finishes; its tensor, or None for an activation
         send already found complete by :meth:`reap_activation_sends`."""
-        key = (instr.kind, instr.is_send, instr.microbatch)
+        key = (instr.kind, instr.is_send, instr.microbatch, instr.chunk)
         entry = self.pending.pop(key, None)
         if entry is None:
             if instr.is_send and instr.kind == ins.ACT and key in self.reaped:
@@ -345,8 +356,8 @@ class P2PTransfers:
         self._wait(work, instr, self._route(instr)[0])
         return tensor
 
-    def reap_activation_sends(self) -> list[int]:
-        """Micro-batches whose activation send already completed (never blocks).
+    def reap_activation_sends(self) -> list[tuple[int, int]]:
+        """(micro-batch, chunk) whose activation send already completed (never blocks).
 
         Megatron frees an output right after its blocking send; with async sends
         the executor frees it as soon as the send is seen done, at the latest
@@ -359,7 +370,7 @@ class P2PTransfers:
             work, _ = self.pending.pop(key)
             work.wait()  # completed: returns at once, and surfaces a transport error
             self.reaped.add(key)
-        return [key[2] for key in done]
+        return [key[2:] for key in done]
 
     def clear(self) -> None:
         """Drop every in-flight transfer (after an error, so a retry does not leak)."""

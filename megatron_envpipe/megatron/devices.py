@@ -48,7 +48,7 @@ def _profile_cache_key(layout_key: dict[str, Any], facts: DeviceFacts) -> dict[s
 
 
 def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.device,
-                 layout_key: dict[str, Any]) -> None:
+                 layout_key: dict[str, Any], num_chunks: int = 1) -> None:
     """Open the GPU (unless hooks were given to ``install()``), attach the pipeline's facts to
     the run-time with the profile cache key, and mark the state's device ready."""
     runtime = state.runtime
@@ -61,7 +61,7 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
         cuda = torch_device.type == "cuda"
         device = open_gpu(cfg.gpu or "auto", torch.cuda.current_device() if cuda else None,
                           stage=groups.stage, num_stages=groups.num_stages, time_scale=cfg.sim_time_scale,
-                          p2p_power_w=cfg.p2p_power_w, cuda=cuda)
+                          p2p_power_w=cfg.p2p_power_w, cuda=cuda, num_chunks=num_chunks)
         control = clock_control(device, cfg, groups.stage)
         state.use_hooks(GpuHooks(device, control=control, cuda=cuda,
                                  time_scale=cfg.sim_time_scale if device.simulated else 1.0))

@@ -1,7 +1,10 @@
-"""EnvPipe's instruction executor: a drop-in for Megatron's non-interleaved 1F1B.
+"""EnvPipe's instruction executor: a drop-in for Megatron's 1F1B and interleaved schedules.
 
 :func:`envpipe_forward_backward` has the keyword signature of
-``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving``.
+``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving``,
+:func:`envpipe_interleaved_forward_backward` that of
+``forward_backward_pipelining_with_interleaving`` (model chunks: a list of V
+modules and V data iterators; chunk v of rank s is virtual stage v*P+s).
 It asks the :class:`~megatron_envpipe.megatron.runtime.EnvPipeRuntime` for this
 iteration's schedule and clock plan, then :class:`StageIteration` runs the
 stage's instruction program (:mod:`megatron_envpipe.core.instructions`)
@@ -10,14 +13,19 @@ and neighbour (:mod:`~megatron_envpipe.megatron.channels`), Megatron's own
 ``forward_step`` / ``backward_step``, and all of Megatron's bookkeeping
 (no-sync and grad sync, ``finalize_model_grads_func``, ``total_num_tokens``,
 timers, pseudo-freeing an output only after its send completed,
-``forward_data_store``). The math is Megatron's: only the order of units and
-the clocks change. Device set-up is :mod:`~megatron_envpipe.megatron.devices`,
-energy reports :mod:`~megatron_envpipe.megatron.reporting`.
+``forward_data_store``; per chunk: ``vp_stage``, input and output tensors,
+grad and param sync as :mod:`~megatron_envpipe.megatron.grad_sync` says). The
+math is Megatron's: only the order of units and the clocks change. Before a
+schedule's programs run for the first time, they are proved deadlock-free
+(``check_deadlock`` with lazy communicators and the channels' warm-up).
+Device set-up is :mod:`~megatron_envpipe.megatron.devices`, energy reports
+:mod:`~megatron_envpipe.megatron.reporting`.
 
-Anything it does not support (forward-only evaluation, virtual pipelines,
-shape handshakes, partial activation checkpointing, CUDA graphs, multi-module
-pipelines, ...: :mod:`~megatron_envpipe.megatron.support`) goes to Megatron's
-original schedule, logged once per reason.
+Anything it does not support (forward-only evaluation, virtual pipelines
+unless EnvPipe's scheduling is ``interleaved``, shape handshakes, partial
+activation checkpointing, CUDA graphs, multi-module pipelines, ...:
+:mod:`~megatron_envpipe.megatron.support`) goes to Megatron's original
+schedule, logged once per reason.
 
 Megatron-core is imported inside functions: ``install()`` and the gloo test
 harness import this module with torch alone, before Megatron is set up.
@@ -25,7 +33,6 @@ harness import this module with torch alone, before Megatron is set up.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -34,31 +41,43 @@ import torch
 import torch.distributed as dist
 
 from megatron_envpipe.core import instructions as ins
+from megatron_envpipe.core.communicators import warmup_programs
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.schedule import B, F, Unit
+from megatron_envpipe.core.vocabulary import Scheduling
 from megatron_envpipe.megatron.channels import CommError, CommTimeoutError, P2PTransfers
 from megatron_envpipe.megatron.compat import call_backward_step, call_forward_step
 from megatron_envpipe.megatron.devices import profile_layout_key, setup_device
 from megatron_envpipe.megatron.dispatch import Handler, checked_handler_table
+from megatron_envpipe.megatron.grad_sync import GradSync, InterleavedSync, OneChunkSync
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.memory import MemoryProbe
 from megatron_envpipe.megatron.reporting import report_energy
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.megatron.state import STATE
-from megatron_envpipe.megatron.support import default_pg_collection, unsupported_reason
+from megatron_envpipe.megatron.support import default_pg_collection, interleaved_unsupported_reason, unsupported_reason
 from megatron_envpipe.megatron.timing import UnitTimer
 
-__all__ = ["CommError", "CommTimeoutError", "StageIteration", "envpipe_forward_backward"]
+__all__ = ["CommError", "CommTimeoutError", "StageIteration", "envpipe_forward_backward",
+           "envpipe_interleaved_forward_backward"]
 
 log = logging.getLogger("megatron_envpipe")
 
+Key = tuple[int, int]  # (micro-batch, chunk)
 
-def _fallback(reason: str, kwargs: dict[str, Any]) -> list[Any]:
+
+def _fallback(reason: str, kwargs: dict[str, Any], interleaved: bool = False) -> list[Any]:
     if STATE.warn_once(reason):
         log.warning("EnvPipe: %s: running Megatron's own schedule for these calls", reason)
-    if STATE.original is None:
+    original = STATE.original_interleaved if interleaved else STATE.original
+    if original is None:
         raise RuntimeError("EnvPipe executor called before megatron_envpipe.install()")
-    return STATE.original(**kwargs)
+    return original(**kwargs)
+
+
+def _call_kwargs(**kwargs: Any) -> dict[str, Any]:
+    extra = kwargs.pop("extra")
+    return {**kwargs, **extra}
 
 
 def envpipe_forward_backward(
@@ -80,13 +99,13 @@ def envpipe_forward_backward(
     **extra: Any,
 ) -> list[Any]:
     """Run one training iteration of this pipeline stage in EnvPipe's order."""
-    kwargs = dict(
+    kwargs = _call_kwargs(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
         decoder_seq_length=decoder_seq_length, forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
-        pg_collection=pg_collection, force_all_reduce=force_all_reduce, **extra,
+        pg_collection=pg_collection, force_all_reduce=force_all_reduce, extra=extra,
     )
     if extra:
         return _fallback(f"unknown schedule arguments {sorted(extra)}", kwargs)
@@ -104,16 +123,70 @@ def envpipe_forward_backward(
     reason = unsupported_reason(model, config, kwargs)
     if reason:
         return _fallback(reason, kwargs)
+    return _iteration(kwargs, [model], [data_iterator], config, interleaved=False).run()
+
+
+def envpipe_interleaved_forward_backward(
+    *,
+    forward_step_func: Any,
+    data_iterator: Any,
+    model: Any,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: Any = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+    **extra: Any,
+) -> list[Any]:
+    """Run one training iteration of this rank's model chunks in EnvPipe's (interleaved) order."""
+    kwargs = _call_kwargs(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection, force_all_reduce=force_all_reduce, extra=extra,
+    )
+    if extra:
+        return _fallback(f"unknown schedule arguments {sorted(extra)}", kwargs, interleaved=True)
+    runtime = STATE.runtime
+    if runtime is not None and runtime.config.scheduling != getattr(Scheduling, "INTERLEAVED", "interleaved"):
+        return _fallback(f"virtual pipeline with --envpipe-scheduling {runtime.config.scheduling} (EnvPipe runs "
+                         f"model chunks only with --envpipe-scheduling interleaved)", kwargs, interleaved=True)
+    if not isinstance(model, list) or not isinstance(data_iterator, list) or len(model) < 2 \
+            or len(data_iterator) != len(model):
+        return _fallback("virtual pipeline without one model chunk and data iterator per chunk", kwargs,
+                         interleaved=True)
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    reason = unsupported_reason(model[0], config, kwargs, interleaved=True) or interleaved_unsupported_reason(
+        config, len(model), num_microbatches, kwargs)
+    if reason:
+        return _fallback(reason, kwargs, interleaved=True)
+    return _iteration(kwargs, model, data_iterator, config, interleaved=True).run()
+
+
+def _iteration(kwargs: dict[str, Any], models: list[Any], data_iterators: list[Any], config: Any,
+               interleaved: bool) -> StageIteration:
     runtime = STATE.runtime
     if runtime is None:
         raise RuntimeError("EnvPipe executor called before megatron_envpipe.install()")
+    pg_collection = kwargs["pg_collection"]
     if pg_collection is None:
         pg_collection = default_pg_collection()
     return StageIteration(
-        runtime, STATE.hooks, forward_step_func, data_iterator, model, config, num_microbatches,
-        seq_length, micro_batch_size, collect_non_loss_data, first_val_step,
-        adjust_tensor_shapes_fn, pg_collection, force_all_reduce,
-    ).run()
+        runtime, STATE.hooks, kwargs["forward_step_func"], data_iterators, models, config,
+        kwargs["num_microbatches"], kwargs["seq_length"], kwargs["micro_batch_size"],
+        kwargs["collect_non_loss_data"], kwargs["first_val_step"], kwargs["adjust_tensor_shapes_fn"],
+        pg_collection, kwargs["force_all_reduce"], interleaved=interleaved,
+    )
 
 
 def _single(value: Any) -> torch.Tensor:
@@ -129,28 +202,32 @@ class StageIteration:
     """One stage's run of one iteration: dispatches its instruction program.
 
     Every instruction goes through :attr:`handlers` (instruction type -> bound
-    method), built and checked complete at construction.
+    method), built and checked complete at construction. ``models`` and
+    ``data_iterators`` hold one entry per model chunk (one without
+    ``interleaved``); per-unit state is keyed by (micro-batch, chunk).
     """
 
     def __init__(self, runtime: EnvPipeRuntime, hooks: ExecutionHooks, forward_step_func: Any,
-                 data_iterator: Any, model: Any, config: Any, num_microbatches: int, seq_length: int,
-                 micro_batch_size: int, collect_non_loss_data: bool, first_val_step: bool | None,
+                 data_iterators: list[Any], models: list[Any], config: Any, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, collect_non_loss_data: bool, first_val_step: bool | None,
                  adjust_tensor_shapes_fn: Callable | None, pg_collection: Any,
-                 force_all_reduce: bool | None) -> None:
+                 force_all_reduce: bool | None, *, interleaved: bool = False) -> None:
         self.handlers = self.handler_table()  # first: an incomplete table fails before any work
         from megatron.core.pipeline_parallel import schedules
 
         self.schedules = schedules  # attributes looked up per call, as Megatron's own calls do
         self.runtime, self.hooks = runtime, hooks
-        self.forward_step_func, self.data_iterator = forward_step_func, data_iterator
-        self.model, self.config = model, config
+        self.forward_step_func, self.data_iterators = forward_step_func, data_iterators
+        self.models, self.config = models, config
+        self.interleaved = interleaved
+        self.num_chunks = len(models)
         self.m = num_microbatches
         self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
         self.pgc, self.force_all_reduce = pg_collection, force_all_reduce
         self.groups = StageGroups.of(pg_collection)
         self.stage, self.num_stages = self.groups.stage, self.groups.num_stages
         self.first, self.last = self.groups.first, self.groups.last
-        self.device = next(model.parameters()).device
+        self.device = next(models[0].parameters()).device
         self.dtype = config.pipeline_dtype
         if self.dtype is None:
             raise ValueError("EnvPipe: config.pipeline_dtype must be set (as Megatron's own schedule requires)")
@@ -165,22 +242,21 @@ class StageIteration:
             raise ValueError("EnvPipe supports one tensor per P2P message")
         self.recv_shape, self.send_shape = tuple(recv[0]), tuple(send[0])
         pp = self.groups.pp_group
-        channels = STATE.channels_for(pp, tuple(dist.get_process_group_ranks(pp)))
+        channels = STATE.channels_for(pp, tuple(dist.get_process_group_ranks(pp)), wrap=interleaved)
         self.transfers = P2PTransfers(
             channels, self.stage, self.num_stages, timeout_s=runtime.config.comm_timeout_s,
             recv_shape=self.recv_shape, send_shape=self.send_shape, dtype=self.dtype, device=self.device,
         )
-        # Per-micro-batch state, emptied by the end of the iteration.
-        self.inputs: dict[int, Any] = {}
-        self.outputs: dict[int, Any] = {}
-        self.grads_in: dict[int, Any] = {}
-        self.grads_out: dict[int, Any] = {}
+        # Per-(micro-batch, chunk) state, emptied by the end of the iteration.
+        self.inputs: dict[Key, Any] = {}
+        self.outputs: dict[Key, Any] = {}
+        self.grads_in: dict[Key, Any] = {}
+        self.grads_out: dict[Key, Any] = {}
         self.forward_data_store: list[Any] = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
-        self.no_sync_context: Any = None
+        self.sync: GradSync | None = None  # set by run(): Megatron's grad/param sync rules
         self.timer: UnitTimer | None = None  # set by run() when the plan measures
         self.memory: MemoryProbe | None = None  # set by run() when the plan measures memory
-        self.last_backward: int | None = None
 
     def handler_table(self) -> dict[type[ins.Instruction], Handler]:
         """Instruction type -> bound handler; raises HandlerTableError if one is missing."""
@@ -199,49 +275,70 @@ class StageIteration:
             ins.SendGradFinish: self._send_grad_finish,
         })
 
-    # -- grad sync, as Megatron's schedule does it -------------------------------------
-    def _disable_grad_sync(self) -> None:
-        if self.no_sync_context is None:
-            func = self.config.no_sync_func or contextlib.nullcontext
-            self.no_sync_context = func()
-            self.no_sync_context.__enter__()
+    def _prepare(self) -> Any:
+        """This iteration's plan (for model chunks: Megatron's interleaved order and group size)."""
+        if not self.interleaved:
+            return self.runtime.prepare(self.num_stages, self.m)
+        plan = self.runtime.prepare(self.num_stages, self.m, num_chunks=self.num_chunks,
+                                    microbatch_group_size=self.config.microbatch_group_size_per_vp_stage)
+        if plan.schedule.num_chunks != self.num_chunks:
+            raise RuntimeError(f"EnvPipe: the plan has {plan.schedule.num_chunks} model chunks per stage, "
+                               f"the model {self.num_chunks}")
+        return plan
 
-    def _enable_grad_sync(self) -> None:
-        if self.no_sync_context is not None:
-            self.no_sync_context.__exit__(None, None, None)
-            self.no_sync_context = None
+    def _check_deadlock(self, plan: Any) -> None:
+        """Prove the programs (with the channels' warm-up) complete under NCCL's rendezvous.
+
+        Their messages depend on the schedule only (clock plans add SetFrequency), so once per schedule.
+        """
+        if STATE.proved_schedule is plan.schedule:
+            return
+        ins.check_deadlock(plan.programs, lazy_communicators=True,
+                           warmup=warmup_programs(self.num_stages, wrap=self.interleaved))
+        STATE.proved_schedule = plan.schedule
 
     def run(self) -> list[Any]:
         config = self.config
         # Sizes and flags first: a bad combination fails before any GPU is opened or clock touched.
         self.runtime.check_pipeline(self.num_stages, self.m)
         if not STATE.device_ready:
-            setup_device(STATE, self.groups, self.device,
-                         profile_layout_key(config, self.model, self.groups, self.send_shape, self.dtype))
+            layout = profile_layout_key(config, self.models[0], self.groups, self.send_shape, self.dtype)
+            if self.num_chunks > 1:  # a profile of V model chunks serves only V chunks
+                layout["model_chunks"] = self.num_chunks
+            if self.interleaved:  # units are chunks: a profile of another chunk count does not apply
+                layout["model_chunks"] = self.num_chunks
+            setup_device(STATE, self.groups, self.device, layout, self.num_chunks)
             self.hooks = STATE.hooks
             # Each node reads its own profile cache: all ranks take the first one's, or a node that found
             # no cached profile would profile while the others plan, and their collectives would hang.
             runtime = self.runtime
             runtime.profile, runtime.profile_p2p_power_w = self.groups.agree(
                 self.groups.gather_stages((runtime.profile, runtime.profile_p2p_power_w)))[0]
-        plan = self.runtime.prepare(self.num_stages, self.m)
+        plan = self._prepare()
+        self._check_deadlock(plan)
         program = plan.programs[self.stage].instructions
         if self.runtime.config.verbose and STATE.shown_program != program:
             STATE.shown_program = program
             log.info("EnvPipe stage %d program (%s):\n%s", self.stage, plan.phase, plan.programs[self.stage])
+        model_arg = self.models if self.interleaved else self.models[0]
         embedding_module = None
         if config.finalize_model_grads_func is not None:
-            embedding_module = self.schedules.clear_embedding_activation_buffer(config, self.model, self.last)
+            embedding_module = self.schedules.clear_embedding_activation_buffer(config, model_arg, self.last)
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-        self._disable_grad_sync()
+        order = plan.schedule.orders[self.stage]
+        if self.interleaved:
+            self.sync = InterleavedSync(config, self.models, self.stage, self.m,
+                                        config.microbatch_group_size_per_vp_stage)
+        else:
+            last_backward = order[-1].microbatch if not order[-1].is_forward else None
+            self.sync = OneChunkSync(config, self.models[0], last_backward, self.first)
+        self.sync.begin()
         self.hooks.iteration_begin(self.stage, self.runtime.iteration)
         self.timer = UnitTimer(self.device, host_sync=plan.profiling) if plan.measure else None
         if plan.measure_memory:
             self.memory = MemoryProbe(self.device, self.runtime.config.sim_memory)
             self.memory.iteration_begin()
-        order = plan.schedule.orders[self.stage]
-        self.last_backward = order[-1].microbatch if not order[-1].is_forward else None
         handlers = self.handlers
         tell = self.hooks.instruction if self.hooks.wants_instructions else None
         try:
@@ -259,14 +356,11 @@ class StageIteration:
                 f"(pending {sorted(self.transfers.pending)}, inputs {sorted(self.inputs)}, "
                 f"outputs {sorted(self.outputs)})"
             )
-        if self.no_sync_context is not None:
-            self._enable_grad_sync()
-            if config.grad_sync_func is not None:
-                config.grad_sync_func(self.model.parameters())
+        self.sync.finish()
         if config.finalize_model_grads_func is not None:
             self.schedules.finish_embedding_wgrad_compute(config, embedding_module, self.last, self.pgc.tp)
             config.finalize_model_grads_func(
-                [self.model],
+                self.models,
                 self.total_num_tokens if config.calculate_per_token_loss else None,
                 pg_collection=self.pgc,
                 force_all_reduce=self.force_all_reduce,
@@ -286,7 +380,7 @@ class StageIteration:
         self.hooks.iteration_end(measurement)
         if profiling and timer is not None:
             windows, blocking = timer.host_windows(order)
-            mine = self.hooks.stage_samples(windows, blocking)
+            mine = self.hooks.stage_samples(windows, blocking, [u.chunk for u in order] if self.interleaved else ())
             samples = self.groups.agree(self.groups.gather_stages(mine))
         if self.memory is not None:
             memory = self.groups.agree(self.groups.gather_stages(self.memory.result()))
@@ -295,11 +389,11 @@ class StageIteration:
         report_energy(self.runtime, self.hooks, self.groups, iteration)
 
     # -- handlers: compute -------------------------------------------------------------
-    def _run_unit(self, unit: Unit, compute: Callable[[int], None]) -> None:
+    def _run_unit(self, unit: Unit, compute: Callable[[int, int], None]) -> None:
         timer = self.timer
         begin = timer.compute_begins() if timer is not None else 0
         self.hooks.unit_begin(unit)
-        compute(unit.microbatch)
+        compute(unit.microbatch, unit.chunk)
         self.hooks.unit_end(unit)
         if timer is not None:
             timer.compute_ends(begin)
@@ -307,42 +401,48 @@ class StageIteration:
     def _forward(self, instr: ins.Forward) -> None:
         probe = self.memory
         before = probe.forward_begin() if probe is not None else 0
-        self._run_unit(F(instr.microbatch), self._forward_step)
+        unit = F(instr.microbatch, instr.chunk)
+        self.sync.before_forward(unit)
+        self._run_unit(unit, self._forward_step)
         if probe is not None:
             probe.forward_end(before)
 
     def _backward(self, instr: ins.Backward) -> None:
-        mb = instr.microbatch
-        if mb == self.last_backward and (self.config.grad_sync_func is None or self.first):
-            self._enable_grad_sync()
-        self._run_unit(B(mb), self._backward_step)
+        unit = B(instr.microbatch, instr.chunk)
+        self.sync.before_backward(unit)
+        self._run_unit(unit, self._backward_step)
+        self.sync.after_backward(unit)
 
-    def _forward_step(self, mb: int) -> None:
-        input_tensor = self.inputs.get(mb)
+    def _forward_step(self, mb: int, chunk: int) -> None:
+        key = (mb, chunk)
+        input_tensor = self.inputs.get(key)
         output, num_tokens = call_forward_step(
-            self.forward_step_func, self.data_iterator, self.model, self.m, input_tensor,
+            self.forward_step_func, self.data_iterators[chunk], self.models[chunk], self.m, input_tensor,
             self.forward_data_store, self.config,
-            cp_group_size=self.groups.cp_size, is_last_stage=self.last,
+            cp_group_size=self.groups.cp_size, is_last_stage=self.last and chunk == self.num_chunks - 1,
             collect_non_loss_data=self.collect_non_loss_data,
             checkpoint_activations_microbatch=None,
             is_first_microbatch=self.schedules.check_first_val_step(self.first_val_step, False, mb == 0),
             current_microbatch=mb,
+            vp_stage=chunk if self.interleaved else None,
         )
         self.total_num_tokens += num_tokens
-        self.inputs[mb] = input_tensor
-        self.outputs[mb] = output
+        self.inputs[key] = input_tensor
+        self.outputs[key] = output
 
-    def _backward_step(self, mb: int) -> None:
-        grad = self.grads_in.pop(mb, None)
-        self.grads_out[mb] = call_backward_step(self.inputs[mb], self.outputs[mb], grad, self.config)
+    def _backward_step(self, mb: int, chunk: int) -> None:
+        key = (mb, chunk)
+        grad = self.grads_in.pop(key, None)
+        self.grads_out[key] = call_backward_step(self.inputs[key], self.outputs[key], grad, self.config)
 
     def _set_frequency(self, instr: ins.SetFrequency) -> None:
         self.hooks.set_frequency(instr.freq_mhz)
 
     def _free(self, instr: ins.Free) -> None:
-        self.inputs.pop(instr.microbatch, None)
-        self.outputs.pop(instr.microbatch, None)
-        self.grads_out.pop(instr.microbatch, None)
+        key = (instr.microbatch, instr.chunk)
+        self.inputs.pop(key, None)
+        self.outputs.pop(key, None)
+        self.grads_out.pop(key, None)
 
     # -- handlers: communication ---------------------------------------------------------
     def _recv_start(self, instr: ins.CommInstruction) -> None:
@@ -355,34 +455,34 @@ class StageIteration:
 
     def _recv_activation_finish(self, instr: ins.RecvActivationFinish) -> None:
         self._mark_wait()
-        self.inputs[instr.microbatch] = self.transfers.finish(instr)
+        self.inputs[(instr.microbatch, instr.chunk)] = self.transfers.finish(instr)
 
     def _recv_grad_finish(self, instr: ins.RecvGradFinish) -> None:
         self._mark_wait()
-        self.grads_in[instr.microbatch] = self.transfers.finish(instr)
+        self.grads_in[(instr.microbatch, instr.chunk)] = self.transfers.finish(instr)
 
     def _send_activation_start(self, instr: ins.SendActivationStart) -> None:
-        self.transfers.start_send(instr, _single(self.outputs[instr.microbatch]))
+        self.transfers.start_send(instr, _single(self.outputs[(instr.microbatch, instr.chunk)]))
 
     def _send_activation_finish(self, instr: ins.SendActivationFinish) -> None:
         if self.transfers.finish(instr) is not None:  # None: already reaped and freed
-            self._deallocate(instr.microbatch)
+            self._deallocate((instr.microbatch, instr.chunk))
 
     def _send_grad_start(self, instr: ins.SendGradStart) -> None:
-        self.transfers.start_send(instr, _single(self.grads_out[instr.microbatch]))
+        self.transfers.start_send(instr, _single(self.grads_out[(instr.microbatch, instr.chunk)]))
 
     def _send_grad_finish(self, instr: ins.SendGradFinish) -> None:
         self.transfers.finish(instr)
 
-    def _deallocate(self, mb: int) -> None:
-        output = self.outputs.get(mb)
+    def _deallocate(self, key: Key) -> None:
+        output = self.outputs.get(key)
         if output is not None:
             self.schedules.deallocate_output_tensor(_single(output), self.config.deallocate_pipeline_outputs)
 
     def _reap_sends(self) -> None:
         """Pseudo-free outputs whose activation send already completed (never blocks)."""
-        for mb in self.transfers.reap_activation_sends():
-            self._deallocate(mb)
+        for key in self.transfers.reap_activation_sends():
+            self._deallocate(key)
 
     def _abandon(self) -> None:
         """On error: drop references so a retry does not leak; leave open no-sync."""
@@ -391,6 +491,5 @@ class StageIteration:
         self.outputs.clear()
         self.grads_in.clear()
         self.grads_out.clear()
-        if self.no_sync_context is not None:
-            with contextlib.suppress(Exception):
-                self._enable_grad_sync()
+        if self.sync is not None:
+            self.sync.abandon()

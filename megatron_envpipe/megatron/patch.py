@@ -7,10 +7,11 @@ globals at call time, so rebinding that one name redirects every caller
 ``get_forward_backward_func`` at import; where it exists we also wrap it, so
 a training loop that already imported it sees the executor too.
 
-The schedules EnvPipe has no replacement for, Megatron's interleaved one
-(virtual pipelines) and its no-pipelining one (PP = 1), are rebound the same
-way to a pass-through that logs once that EnvPipe is not running, instead of
-being silently ignored.
+Megatron's interleaved schedule (virtual pipelines) is rebound to EnvPipe's
+executor for model chunks when ``--envpipe-scheduling interleaved``; with any
+other scheduling, and for the no-pipelining schedule (PP = 1), it is rebound to
+a pass-through that logs once that EnvPipe is not running, instead of being
+silently ignored.
 
 Flags are checked before anything is rebound: ``install(config, megatron_args=args)``
 (or, without ``megatron_args``, the namespace ``megatron.training`` parsed in this
@@ -29,7 +30,8 @@ from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.hooks import ExecutionHooks
-from megatron_envpipe.megatron.executor import envpipe_forward_backward
+from megatron_envpipe.core.vocabulary import Scheduling
+from megatron_envpipe.megatron.executor import envpipe_forward_backward, envpipe_interleaved_forward_backward
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.megatron.state import STATE
 
@@ -37,11 +39,13 @@ log = logging.getLogger("megatron_envpipe")
 
 _saved: dict[str, Any] = {}
 
+INTERLEAVED = "forward_backward_pipelining_with_interleaving"
+
 # Megatron's schedules EnvPipe does not replace -> why, logged once per install() when one runs.
 _NOT_REPLACED = {
-    "forward_backward_pipelining_with_interleaving":
-        "virtual pipeline: Megatron's interleaved schedule runs (EnvPipe has none), without EnvPipe's "
-        "order, clocks or energy reports",
+    INTERLEAVED:
+        "virtual pipeline: Megatron's interleaved schedule runs (EnvPipe runs model chunks only with "
+        "--envpipe-scheduling interleaved), without EnvPipe's order, clocks or energy reports",
     "forward_backward_no_pipelining":
         "no pipeline parallelism (pipeline-model-parallel size 1): Megatron's no-pipelining schedule runs, "
         "without EnvPipe's order, clocks or energy reports",
@@ -93,6 +97,7 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
         _saved["schedule"] = schedules.forward_backward_pipelining_without_interleaving
         schedules.forward_backward_pipelining_without_interleaving = envpipe_forward_backward
         replacements = {_saved["schedule"]: envpipe_forward_backward}  # Megatron's function -> ours
+        _saved["replacements"] = replacements
         for name, reason in _NOT_REPLACED.items():
             original = getattr(schedules, name, None)
             if original is not None:  # get_forward_backward_func looks them up at call time too
@@ -114,7 +119,13 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
                 return replacements.get(func, func)
 
             mtraining.get_forward_backward_func = get_forward_backward_func
-    STATE.configure(runtime, _saved["schedule"], hooks)
+    if INTERLEAVED in _saved:  # re-bound at every install(): the scheduling may have changed
+        original = _saved[INTERLEAVED]
+        ours = (envpipe_interleaved_forward_backward if config.scheduling == Scheduling.INTERLEAVED
+                else _logged_once(original, _NOT_REPLACED[INTERLEAVED]))
+        _saved["replacements"][original] = ours
+        setattr(schedules, INTERLEAVED, ours)
+    STATE.configure(runtime, _saved["schedule"], hooks, original_interleaved=_saved.get(INTERLEAVED))
     log.info(
         "EnvPipe installed: type %s, scheduling %s, reconfig %s%s",
         config.plan_type, config.scheduling, config.reconfig,
@@ -128,6 +139,7 @@ def uninstall() -> None:
         from megatron.core.pipeline_parallel import schedules  # installed: megatron is loaded
 
         schedules.forward_backward_pipelining_without_interleaving = _saved.pop("schedule")
+        _saved.pop("replacements", None)
         for name in _NOT_REPLACED:
             if name in _saved:
                 setattr(schedules, name, _saved.pop(name))

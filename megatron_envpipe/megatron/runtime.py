@@ -34,6 +34,7 @@ from typing import Any
 from megatron_envpipe.config import EnvPipeConfig, load_profile
 from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
 from megatron_envpipe.core.instructions import StageProgram, build_programs
+from megatron_envpipe.core.interleaved import interleaved_schedule
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.memory import AUTO, Budget, StageMemory, budget_line, derive_budget, within_budget
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
@@ -42,7 +43,7 @@ from megatron_envpipe.core.schedule import Schedule, one_f_one_b
 from megatron_envpipe.core.vocabulary import ReconfigPolicy, Scheduling
 from megatron_envpipe.gpu.profile_cache import ProfileCache
 from megatron_envpipe.gpu.startup import DeviceFacts
-from megatron_envpipe.gpu.sweep import ClockSweep, sweep_candidates
+from megatron_envpipe.gpu.sweep import ClockSweep, startup_sweep
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
@@ -120,6 +121,9 @@ class EnvPipeRuntime:
         self._memory: dict[tuple[int, int], list[tuple[StageMemory, ...]]] = {}
         self.budgets: dict[tuple[int, int], Budget] = {}  # the activation budget each plan was made with
         self._told_no_memory = False
+        # Model chunks per stage (Megatron's virtual pipeline) and its micro-batch group size, from prepare().
+        self.num_chunks: int = 1
+        self.microbatch_group_size: int | None = None
 
     # -- facts from the executor ---------------------------------------------------------
     def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None) -> None:
@@ -155,7 +159,15 @@ class EnvPipeRuntime:
             self.config.check_pipeline(num_stages, num_microbatches, self.profile if self.config.profile else None)
             self._checked.add(key)
 
-    def prepare(self, num_stages: int, num_microbatches: int) -> IterationPlan:
+    def prepare(self, num_stages: int, num_microbatches: int, num_chunks: int = 1,
+                microbatch_group_size: int | None = None) -> IterationPlan:
+        """This iteration's plan; ``num_chunks`` > 1 (Megatron's virtual pipeline, scheduling
+        "interleaved") runs Megatron's interleaved order with ``microbatch_group_size``."""
+        if (num_chunks, microbatch_group_size) != (self.num_chunks, self.microbatch_group_size):
+            if self._by_m or self._measured:
+                raise RuntimeError(f"EnvPipe: the model chunks per stage changed from {self.num_chunks} to "
+                                   f"{num_chunks} during training")
+            self.num_chunks, self.microbatch_group_size = num_chunks, microbatch_group_size
         key = (num_stages, num_microbatches)
         self.check_pipeline(num_stages, num_microbatches)
         state = self._by_m.get(key)
@@ -191,7 +203,8 @@ class EnvPipeRuntime:
 
     def _uniform(self, p: int, m: int, freq: int, *, measure: bool, phase: str, profiling: bool = False,
                  measure_memory: bool = False) -> IterationPlan:
-        sched = one_f_one_b(p, m)
+        sched = (one_f_one_b(p, m) if self.num_chunks == 1
+                 else interleaved_schedule(p, m, self.num_chunks, self.microbatch_group_size))
         plan = FrequencyPlan.constant(sched, [freq] * p)
         return IterationPlan(sched, plan, tuple(build_programs(sched, plan, self.config.prefetch)),
                              measure, phase, profiling, measure_memory)
@@ -304,11 +317,15 @@ class EnvPipeRuntime:
     def _sweep_for(self) -> ClockSweep:
         if self._sweep is None:
             step = self.config.profile_step_mhz or (self.gpu.profile_step_mhz if self.gpu else 90)
-            candidates = sweep_candidates(self.device.clocks_mhz, step)
-            self._sweep = ClockSweep(candidates, iterations_per_clock=self.config.profile_iterations,
-                                     p2p_power_w=self.config.p2p_power_w)
-            log.info("EnvPipe profiler: sweeping %d clocks %s MHz, %d iteration(s) each, from %s",
-                     len(candidates), list(candidates), self.config.profile_iterations, self.device.name)
+            refine = self.config.reconfig_step_mhz or (self.gpu.reconfig_step_mhz if self.gpu else 30)
+            self._sweep = startup_sweep(self.device.clocks_mhz, step, refine, self.config.profile_iterations,
+                                        self.config.p2p_power_w)
+            candidates = self._sweep.candidates_mhz
+            how = (f"{self.config.profile_iterations} iterations each until two agree, then one; then up to "
+                   f"{self._sweep.refine_clocks} more near the valley, {refine} MHz apart"
+                   if self._sweep.adaptive else f"{self.config.profile_iterations} iteration(s) each")
+            log.info("EnvPipe profiler: sweeping %d clocks %s MHz, %s, from %s", len(candidates), list(candidates),
+                     how, self.device.name)
         return self._sweep
 
     def _finish_sweep(self) -> None:
@@ -345,6 +362,8 @@ class EnvPipeRuntime:
             path = cache.store(self.cache_key, self.profile, {
                 "iterations_used": sweep.iterations_used,
                 "p2p_power_w": self.profile_p2p_power_w,
+                "clocks_mhz": list(sweep.measured_clocks_mhz()),
+                "stop_reason": sweep.stop_reason,
                 "device": self.device.name if self.device else None,
             })
             log.info("EnvPipe profiler: profile cached at %s", path)
@@ -362,10 +381,12 @@ class EnvPipeRuntime:
         points = {}
         for s in range(num_stages):
             for kind, ins in (("F", "forward"), ("B", "backward")):
-                times = [t.end_s - t.start_s for run in runs for t in run.stages[s] if t.unit.kind == kind]
-                mean = sum(times) / len(times)
-                # Energy is unknown without clock control: time only.
-                points[(s, ins)] = [ProfilePoint(clock, max(mean, 1e-9), 0.0)]
+                for chunk in range(self.num_chunks):  # model chunks (interleaved): one row each
+                    times = [t.end_s - t.start_s for run in runs for t in run.stages[s]
+                             if t.unit.kind == kind and t.unit.chunk == chunk]
+                    mean = sum(times) / len(times)
+                    # Energy is unknown without clock control: time only.
+                    points[(s, ins, chunk)] = [ProfilePoint(clock, max(mean, 1e-9), 0.0)]
         return Profile(points, source=f"<measured at one clock over {len(runs)} iteration(s): no clock control>")
 
     def _make_state(self, num_stages: int, num_microbatches: int) -> "_PlanState":
@@ -377,7 +398,9 @@ class EnvPipeRuntime:
         # Offline we simulate the chosen policy on the profile; online it keeps correcting from measurements.
         budget = self._budget(num_stages, num_microbatches)
         self.budgets[(num_stages, num_microbatches)] = budget
-        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget)
+        chunks = {} if self.num_chunks == 1 else {"virtual_stages": self.num_chunks,
+                                                  "microbatch_group_size": self.microbatch_group_size}
+        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget, **chunks)
         if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
             pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
         result = self._plan_within(profile, num_microbatches, pcfg)

@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.instructions import Instruction
+from megatron_envpipe.core.schedule import Schedule
 from megatron_envpipe.megatron.channels import PipelineChannels
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
@@ -31,12 +32,16 @@ class ExecutorState:
     user_hooks: bool = False  # hooks were given to install(): no device of our own
     device_ready: bool = False  # the device was opened and the pipeline agreed on its facts
     original: Callable[..., Any] | None = None  # Megatron's own 1F1B, for what EnvPipe does not run
+    original_interleaved: Callable[..., Any] | None = None  # Megatron's own interleaved schedule, likewise
     warned: set[str] = field(default_factory=set)  # fallback reasons already logged
-    channels: dict[tuple[int, ...], PipelineChannels] = field(default_factory=dict)  # by pipeline ranks
+    # By pipeline ranks and whether they include the wrap-around channels (model chunks).
+    channels: dict[tuple[tuple[int, ...], bool], PipelineChannels] = field(default_factory=dict)
     shown_program: tuple[Instruction, ...] | None = None  # the program last printed by --envpipe-verbose
+    proved_schedule: Schedule | None = None  # the schedule whose programs check_deadlock last passed
 
     def configure(self, runtime: EnvPipeRuntime, original: Callable[..., Any],
-                  hooks: ExecutionHooks | None = None) -> None:
+                  hooks: ExecutionHooks | None = None,
+                  original_interleaved: Callable[..., Any] | None = None) -> None:
         """``install()``: a new run-time and hooks; the device is set up again at the next call.
 
         Without ``hooks`` the executor opens this rank's GPU at the first
@@ -44,11 +49,13 @@ class ExecutorState:
         """
         old = self.hooks
         self.original = original
+        self.original_interleaved = original_interleaved
         self.runtime = runtime
         self.hooks = hooks or ExecutionHooks()
         self.user_hooks = hooks is not None
         self.device_ready = False
         self.warned = set()
+        self.proved_schedule = None
         if old is not self.hooks:
             old.close()
 
@@ -60,7 +67,9 @@ class ExecutorState:
         self.user_hooks = False
         self.device_ready = False
         self.original = None
+        self.original_interleaved = None
         self.channels = {}
+        self.proved_schedule = None
 
     def use_hooks(self, hooks: ExecutionHooks) -> None:
         """Replace the hooks (the first iteration's GPU hooks); the previous ones are closed."""
@@ -74,11 +83,12 @@ class ExecutorState:
         self.warned.add(reason)
         return True
 
-    def channels_for(self, pp_group: Any, ranks: tuple[int, ...]) -> PipelineChannels:
-        """The P2P channels of the pipeline with these ``ranks`` (created by every rank at once)."""
-        channels = self.channels.get(ranks)
+    def channels_for(self, pp_group: Any, ranks: tuple[int, ...], wrap: bool = False) -> PipelineChannels:
+        """The P2P channels of the pipeline with these ``ranks`` (created by every rank at once);
+        ``wrap``: with the wrap-around channels of model chunks."""
+        channels = self.channels.get((ranks, wrap))
         if channels is None:
-            channels = self.channels[ranks] = PipelineChannels(pp_group)
+            channels = self.channels[(ranks, wrap)] = PipelineChannels(pp_group, wrap=wrap)
         return channels
 
 

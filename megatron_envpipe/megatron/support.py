@@ -11,18 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["default_pg_collection", "unsupported_reason"]
+__all__ = ["default_pg_collection", "interleaved_unsupported_reason", "unsupported_reason"]
 
 
-def unsupported_reason(model: Any, config: Any, kwargs: dict[str, Any]) -> str | None:
+def unsupported_reason(model: Any, config: Any, kwargs: dict[str, Any], interleaved: bool = False) -> str | None:
     """Why EnvPipe cannot run this schedule call (Megatron's own schedule runs it), or None.
 
     ``kwargs`` are the call's keyword arguments. The ``getattr`` reads config
-    fields that exist only in some megatron-core releases.
+    fields that exist only in some megatron-core releases. ``overlap_p2p_comm``
+    only makes Megatron's interleaved schedule's P2P asynchronous, as EnvPipe's
+    always is: the same math, so it runs with model chunks (1F1B has no such mode).
     """
     if kwargs.get("forward_only"):
         return "forward-only (evaluation) iterations"
-    if config.overlap_p2p_comm:
+    if config.overlap_p2p_comm and not interleaved:
         return "overlap_p2p_comm"
     if getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False):
         return "variable sequence lengths (shape handshake)"
@@ -46,6 +48,27 @@ def unsupported_reason(model: Any, config: Any, kwargs: dict[str, Any]) -> str |
         return f"{type(pgc).__name__} process groups"
     if (kwargs.get("p2p_communicator") is None) != (pgc is None):
         return "p2p_communicator without pg_collection (or the reverse)"
+    return None
+
+
+def interleaved_unsupported_reason(config: Any, num_chunks: int, num_microbatches: int,
+                                   kwargs: dict[str, Any]) -> str | None:
+    """Why EnvPipe cannot run this call of Megatron's interleaved schedule, or None.
+
+    On top of :func:`unsupported_reason`: what the stock interleaved schedule
+    itself refuses (it then raises its own error) and chunk counts that
+    disagree with the config.
+    """
+    if kwargs.get("adjust_tensor_shapes_fn") is not None:
+        return "adjust_tensor_shapes_fn with a virtual pipeline"
+    if config.virtual_pipeline_model_parallel_size != num_chunks:
+        return (f"{num_chunks} model chunks but config.virtual_pipeline_model_parallel_size "
+                f"{config.virtual_pipeline_model_parallel_size}")
+    group = config.microbatch_group_size_per_vp_stage
+    pp = config.pipeline_model_parallel_size
+    if group is None or not pp <= group <= num_microbatches or 0 < num_microbatches % group < pp:
+        return (f"micro-batch counts Megatron's interleaved schedule refuses (M {num_microbatches}, "
+                f"microbatch_group_size_per_vp_stage {group}, pipeline size {pp})")
     return None
 
 

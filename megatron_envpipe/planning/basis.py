@@ -17,11 +17,8 @@ from megatron_envpipe.core.gpu_specs import GpuSpec
 from megatron_envpipe.core.instructions import paired_hold_dependencies
 from megatron_envpipe.core.memory import AUTO
 from megatron_envpipe.core.plan import FrequencyPlan
-from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.schedule import (
-    Schedule,
-    one_f_one_b,
-)
+from megatron_envpipe.core.profile import Profile, ProfileError
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, one_f_one_b
 from megatron_envpipe.core.timeline import Dependency, PlanEvaluator, PlanScore, Timeline
 from megatron_envpipe.core.vocabulary import (
     PLAN_TYPES,
@@ -34,8 +31,10 @@ from megatron_envpipe.core.vocabulary import (
     coerce_enum,
 )
 from megatron_envpipe.errors import UsageError
+from megatron_envpipe.planning.switching import check_switching, default_switch_cost_j
 
 DEFAULT_RECONFIG_STEP_MHZ = 30
+MAX_VIRTUAL_STAGES = 64  # model chunks per rank; Megatron needs at least one layer per chunk
 SLOWDOWN_WARNING = 0.01  # a plan slower than baseline by more than this carries a warning
 
 
@@ -65,6 +64,16 @@ class PlannerConfig:
     # (energy then counted until the target: faster plans block at P2P power).
     max_slowdown: float = 0.0
     target_time_s: float | None = None
+    # Fewer clock changes (planning/switching.py): merge neighbouring units' clocks while that gives up
+    # less than switch_cost_j per change (0: off; None: the derived default for "optimal" plans, off for
+    # EnvPipe's own plan types, which is what the CLI and training use), then enforce max_clock_changes
+    # per rank per iteration (None: no budget).
+    switch_cost_j: float | None = 0.0
+    max_clock_changes: int | None = None
+    # Model chunks per rank: > 1 only with scheduling "interleaved" (Megatron's virtual pipeline).
+    virtual_stages: int = 1
+    # Megatron's microbatch_group_size_per_vp_stage for the interleaved order (None: P, Megatron's default).
+    microbatch_group_size: int | None = None
 
     def __post_init__(self) -> None:
         # Strings ("optimal", "ours") become the vocabulary's members, which compare equal to them.
@@ -80,7 +89,8 @@ class PlannerConfig:
         if self.plan_type not in PLAN_TYPES:
             raise PlannerError(f"unknown plan type {self.plan_type!r}; choose one of {', '.join(PLAN_TYPES)}")
         if self.scheduling not in SCHEDULINGS:
-            raise PlannerError(f"unknown scheduling {self.scheduling!r}; choose 1f1b or ours")
+            raise PlannerError(f"unknown scheduling {self.scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
+        self._validate_virtual_stages()
         if self.reconfig not in RECONFIG_POLICIES:
             raise PlannerError(
                 f"unknown reconfiguration policy {self.reconfig!r}; choose one of {', '.join(RECONFIG_POLICIES)}"
@@ -113,7 +123,40 @@ class PlannerConfig:
                                "the target alone sets the deadline")
         if self.plan_type != PlanType.OPTIMAL and (self.max_slowdown or self.target_time_s is not None):
             raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
+        check_switching(self.switch_cost_j, self.max_clock_changes)
         return self
+
+    def _validate_virtual_stages(self) -> None:
+        """Interleaved needs V >= 2 chunks per rank and keeps Megatron's order; 1f1b and ours plan one chunk."""
+        v = self.virtual_stages
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VIRTUAL_STAGES:
+            raise PlannerError(f"virtual stages (model chunks per rank, --virtual-stages) must be a whole number "
+                               f"between 1 and {MAX_VIRTUAL_STAGES}, got {v!r}")
+        if self.scheduling != Scheduling.INTERLEAVED:
+            if self.microbatch_group_size is not None:
+                raise PlannerError("a micro-batch group size applies to --scheduling interleaved only")
+            if v != 1:
+                raise PlannerError(f"--virtual-stages {v} needs --scheduling interleaved: 1f1b and ours plan one "
+                                   "model chunk per rank (Megatron runs its interleaved schedule for V > 1)")
+            return
+        if v < 2:
+            raise PlannerError("--scheduling interleaved needs --virtual-stages V >= 2 (Megatron's "
+                               "--virtual-pipeline-model-parallel-size); with one model chunk per rank use 1f1b or ours")
+        # EnvPipe's extra warm-up does not carry over (interleaved.md finding (b): a slope of extra forwards
+        # deadlocks through the wrap-around edge, the best feasible shapes gain < 1 point).
+        for flag, given in (("--extra-warmup", self.extra_warmup is not None),
+                            ("--max-inflight", self.max_inflight is not None),
+                            ("--comm paired", self.comm == CommModel.PAIRED)):
+            if given:
+                raise PlannerError(f"{flag} applies to EnvPipe's own orders (1f1b/ours); interleaved keeps "
+                                   f"Megatron's order and plans only clocks: drop {flag}")
+
+    @property
+    def baseline_name(self) -> str:
+        """What plans are scored against: the same order at f_max (interleaved) or 1F1B at f_max."""
+        if self.scheduling == Scheduling.INTERLEAVED:
+            return f"interleaved V={self.virtual_stages} at f_max"
+        return "1F1B at f_max"
 
     @property
     def effective_p2p_power_w(self) -> float:
@@ -122,6 +165,14 @@ class PlannerConfig:
         if self.p2p_power_w is not None:
             return self.p2p_power_w
         return self.gpu.known_p2p_power_w() if self.gpu is not None else 0.0
+
+    @property
+    def effective_switch_cost_j(self) -> float:
+        """Joules a clock change is worth avoiding: the given cost, or (None) the derived default for
+        'optimal' plans (clock-switch latency x P2P power) and 0 for EnvPipe's plan types."""
+        if self.switch_cost_j is not None:
+            return float(self.switch_cost_j)
+        return default_switch_cost_j(self.effective_p2p_power_w) if self.plan_type == PlanType.OPTIMAL else 0.0
 
     @property
     def effective_reconfig_step_mhz(self) -> int:
@@ -220,9 +271,20 @@ class PlanningBasis:
     f_max_mhz: int
     valley_mhz: tuple[int, ...]
     warnings: list[str]
-    baseline_plan: FrequencyPlan  # 1F1B, every unit at f_max
+    baseline_plan: FrequencyPlan  # 1F1B (interleaved: the same schedule), every unit at f_max
     baseline_timeline: Timeline
     baseline: PlanScore
+
+
+def planning_profile(profile: Profile, config: PlannerConfig) -> Profile:
+    """``profile`` with one set of costs per model chunk for ``config.virtual_stages`` chunks
+    (a profile without a chunk column is split evenly: each chunk costs 1/V of its stage's unit)."""
+    if config.virtual_stages == 1:
+        return profile
+    try:
+        return profile.for_chunks(config.virtual_stages)
+    except ProfileError as exc:
+        raise PlannerError(str(exc)) from None
 
 
 def planning_basis(
@@ -246,7 +308,15 @@ def planning_basis(
             f"the baseline runs at {f_max} MHz"
         )
     valley = stage_valley_clocks(profile, candidates, p2p_power)
-    baseline_schedule = one_f_one_b(p, num_microbatches)
+    if config.scheduling == Scheduling.INTERLEAVED:  # the same order at f_max: interleaved shortens 1F1B's bubble itself
+        try:
+            baseline_schedule = build_schedule(config.scheduling, p, num_microbatches,
+                                               num_chunks=config.virtual_stages,
+                                               microbatch_group_size=config.microbatch_group_size)
+        except ScheduleError as exc:
+            raise PlannerError(f"--scheduling interleaved --virtual-stages {config.virtual_stages}: {exc}") from None
+    else:
+        baseline_schedule = one_f_one_b(p, num_microbatches)
     baseline_eval = PlanEvaluator(baseline_schedule, profile, p2p_power, config.p2p_latency_s)
     baseline_plan = FrequencyPlan.constant(baseline_schedule, [f_max] * p)
     baseline_timeline = baseline_eval.simulate(baseline_plan.flat())

@@ -33,7 +33,7 @@ from megatron_envpipe.core.profile import Profile, pareto_filter
 from megatron_envpipe.core.schedule import Schedule
 from megatron_envpipe.core.timeline import PlanScore
 from megatron_envpipe.core.vocabulary import PlanType
-from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
+from megatron_envpipe.planning.basis import PlannerConfig, PlannerError, planning_profile
 from megatron_envpipe.planning.optimal.deadline import InfeasibleDeadline
 from megatron_envpipe.planning.optimal.entry import optimal_setup, rank_schedules
 from megatron_envpipe.planning.optimal.search import DEFAULT_SEARCH_WORK
@@ -46,7 +46,7 @@ CSV_COLUMNS = ("time_s", "energy_j", "saving", "slowdown")
 class FrontierPoint:
     time_s: float
     energy_j: float
-    saving: float  # vs 1F1B at f_max (at the baseline's own iteration time)
+    saving: float  # vs the baseline (1F1B, or interleaved, at f_max; at the baseline's own iteration time)
     slowdown: float  # time / baseline time - 1
     plan: FrequencyPlan
     deadline_s: float  # the deadline this plan was computed for (time_s <= deadline_s)
@@ -60,7 +60,7 @@ class FrontierPoint:
 class Frontier:
     schedule: Schedule
     points: list[FrontierPoint]  # fastest first; energy strictly decreasing
-    baseline: PlanScore  # 1F1B at f_max
+    baseline: PlanScore  # 1F1B at f_max (interleaved: the same schedule at f_max)
     p2p_power_w: float
     fastest_s: float  # every unit at its fastest clock
     valley_s: float  # the LP's minimum-energy iteration time
@@ -117,6 +117,7 @@ def compute_frontier(
         raise PlannerError(f"a frontier needs at least 2 points, got {points}")
     t0 = time.perf_counter()
     config = dataclasses.replace(config, plan_type=PlanType.OPTIMAL, max_slowdown=0.0, target_time_s=None)
+    profile = planning_profile(profile, config)
     setup = optimal_setup(profile, num_microbatches, config, num_stages)
     base = setup.baseline
     # Schedule: the one the zero-slowdown plan would use (or, if even that is infeasible,

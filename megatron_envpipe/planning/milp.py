@@ -58,12 +58,15 @@ class MilpResult:
 def unit_clocks(
     profile: Profile, graph: PipelineGraph, candidates_mhz: Sequence[int] | None = None
 ) -> list[list[tuple[int, float, float]]]:
-    """Per unit (aligned with ``graph.nodes``): every allowed profiled clock as (MHz, seconds, joules)."""
+    """Per unit (aligned with ``graph.nodes``): every allowed profiled clock as (MHz, seconds, joules),
+    from the unit's model chunk's rows (a profile of whole stages is split evenly over the chunks)."""
     keep = None if candidates_mhz is None else set(candidates_mhz)
+    chunks = 1 + max((unit.chunk for _, unit in graph.nodes), default=0)
+    profile = profile.for_chunks(chunks) if chunks > 1 else profile
     out = []
     for s, unit in graph.nodes:
         ins = instruction_of(unit.kind)
-        clocks = [(p.freq_mhz, p.time_s, p.energy_j) for p in profile.points(s, ins)
+        clocks = [(p.freq_mhz, p.time_s, p.energy_j) for p in profile.points(s, ins, unit.chunk)
                   if keep is None or p.freq_mhz in keep]
         if not clocks:
             raise ValueError(f"{profile.source}: stage {s} {ins} has no clock among the candidates")

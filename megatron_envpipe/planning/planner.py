@@ -4,16 +4,22 @@
 ``baseline``/``uniform``/``envelope`` (EnvPipe's initial plans plus offline
 reconfiguration, :mod:`megatron_envpipe.planning.envpipe`) and for
 ``optimal`` (minimum energy per unit under a deadline,
-:mod:`megatron_envpipe.planning.optimal`).
+:mod:`megatron_envpipe.planning.optimal`), then, when the config asks for it,
+merges clocks that are not worth a clock change
+(:mod:`megatron_envpipe.planning.switching`).
 """
 
 from __future__ import annotations
 
+import time
+
 from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import PlanType
-from megatron_envpipe.planning.basis import PlannerConfig, PlanResult
+from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planning_profile
 from megatron_envpipe.planning.envpipe import plan_reconfigured
 from megatron_envpipe.planning.optimal import plan_optimal
+from megatron_envpipe.planning.switching import reduce_clock_changes
 
 
 def plan_envpipe(
@@ -24,6 +30,42 @@ def plan_envpipe(
 ) -> PlanResult:
     """Plan one pipeline iteration on the simulated timeline of ``profile``."""
     config.validate()
+    profile = planning_profile(profile, config)
     if config.plan_type == PlanType.OPTIMAL:
-        return plan_optimal(profile, num_microbatches, config, num_stages)
-    return plan_reconfigured(profile, num_microbatches, config, num_stages)
+        result = plan_optimal(profile, num_microbatches, config, num_stages)
+    else:
+        result = plan_reconfigured(profile, num_microbatches, config, num_stages)
+    return with_fewer_clock_changes(result, profile)
+
+
+def with_fewer_clock_changes(result: PlanResult, profile: Profile) -> PlanResult:
+    """``result`` after the switching pass its config asks for (``details['clock_switching']`` says what
+    it did); unchanged when the switch cost is 0 and there is no clock-change budget."""
+    cfg = result.config
+    cost = cfg.effective_switch_cost_j
+    if cost <= 0 and cfg.max_clock_changes is None:
+        return result
+    t0 = time.perf_counter()
+    padded = bool(result.details.get("padded_to_deadline"))
+    p2p = cfg.effective_p2p_power_w
+    evaluator = PlanEvaluator(result.schedule, profile, p2p, graph=result.timeline.graph)
+    sw = reduce_clock_changes(result.plan, evaluator, result.deadline_s if padded else None, cost,
+                              cfg.max_clock_changes)
+    result.plan, result.score, result.timeline = sw.plan, sw.score, sw.timeline
+    details = result.details
+    details["clock_switching"] = sw.summary()
+    energy = sw.score.energy_j
+    if padded:  # energy counted until the target, as plan_optimal reports it
+        energy += p2p * result.schedule.num_stages * (result.deadline_s - sw.score.iteration_time_s)
+        base = details["baseline_energy_at_deadline_j"]
+        details["energy_at_deadline_j"] = energy
+        details["energy_saving_at_deadline"] = 1.0 - energy / base if base > 0 else 0.0
+    if result.lower_bound_j:
+        details["gap_to_lp_bound"] = energy / result.lower_bound_j - 1.0
+    if sw.budget_unmet:
+        result.warnings.append(
+            f"ranks {list(sw.budget_unmet)} keep more than {cfg.max_clock_changes} clock changes per iteration "
+            f"({[sw.changes_after[s] for s in sw.budget_unmet]}): no further merge meets the deadline; "
+            "allow more changes or --max-slowdown")
+    result.planner_seconds += time.perf_counter() - t0
+    return result

@@ -27,7 +27,8 @@ import torch
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.core.hooks import RecordingHooks
-from megatron_envpipe.megatron.executor import envpipe_forward_backward
+from megatron_envpipe.core.vocabulary import Scheduling
+from megatron_envpipe.megatron.executor import envpipe_forward_backward, envpipe_interleaved_forward_backward
 from megatron_envpipe.megatron.patch import install
 from megatron_envpipe.megatron.state import STATE
 from megatron_envpipe.testing.harness import rank_batches, run_schedule
@@ -44,6 +45,29 @@ def _pipeline_position() -> tuple[int, int]:
 
 def _model_of(kwargs: dict[str, Any]) -> Any:
     return kwargs["model"][0] if isinstance(kwargs["model"], list) else kwargs["model"]
+
+
+def _zero_grads(kwargs: dict[str, Any]) -> None:
+    for model in kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]:
+        model.zero_grad(set_to_none=True)
+
+
+def _chunks(kwargs: dict[str, Any]) -> int:
+    return len(kwargs["model"]) if isinstance(kwargs["model"], list) else 1
+
+
+def _executor(kwargs: dict[str, Any]) -> Any:
+    """EnvPipe's replacement of the schedule Megatron would pick: interleaved for model chunks."""
+    return envpipe_interleaved_forward_backward if _chunks(kwargs) > 1 else envpipe_forward_backward
+
+
+def _prepare(runtime: Any, p: int, m: int, kwargs: dict[str, Any]) -> Any:
+    """What the executor will be given (prepare is pure)."""
+    v = _chunks(kwargs)
+    if v == 1:
+        return runtime.prepare(p, m)
+    group = _model_of(kwargs).config.microbatch_group_size_per_vp_stage
+    return runtime.prepare(p, m, num_chunks=v, microbatch_group_size=group)
 
 
 def _live_tensors() -> int:
@@ -68,24 +92,26 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
     runtime = STATE.runtime
     m = kwargs["num_microbatches"]
     p, stage = _pipeline_position()
-    plan = runtime.prepare(p, m)  # what the executor will be given (prepare is pure)
-    store = run_schedule(envpipe_forward_backward, **kwargs)
+    executor = _executor(kwargs)
+    # Model chunks under another scheduling fall back to Megatron's schedule: no program to expect.
+    runs_program = _chunks(kwargs) == 1 or config.scheduling == Scheduling.INTERLEAVED
+    plan = _prepare(runtime, p, m, kwargs) if runs_program else None
+    store = run_schedule(executor, **kwargs)
     live = [_live_tensors()]
     if repeat > 1:
         # More iterations on the same model, as a training loop would run them.
-        model = _model_of(kwargs)
         for _i in range(1, repeat):
-            model.zero_grad(set_to_none=True)
+            _zero_grads(kwargs)
             again = dict(kwargs, data_iterator=rank_batches(m))
-            run_schedule(envpipe_forward_backward, **again)
+            run_schedule(executor, **again)
             live.append(_live_tensors())
     rank = torch.distributed.get_rank()
     if record_dir is not None:
         record = {
             "executed": hooks.instructions[start:],
-            "planned": [str(i) for i in plan.programs[stage].instructions],
-            "phase": plan.phase,
-            "extra_warmup": list(plan.schedule.extra_warmup),
+            "planned": [str(i) for i in plan.programs[stage].instructions] if plan is not None else [],
+            "phase": plan.phase if plan is not None else "Megatron's schedule",
+            "extra_warmup": list(plan.schedule.extra_warmup) if plan is not None else [],
             "live_tensors": live,
         }
         path = Path(record_dir) / f"rank{rank}-{_installed['calls']}.json"
@@ -116,16 +142,16 @@ def _run_planned(config: EnvPipeConfig, record_dir: str, iterations: int, replic
     runtime = STATE.runtime
     m = kwargs["num_microbatches"]
     p, _ = _pipeline_position()
-    model = _model_of(kwargs)
+    executor = _executor(kwargs)
     phases, store = [], []
     for i in range(iterations):
         if i:  # the same model and data again, as if the optimizer had not stepped
-            model.zero_grad(set_to_none=True)
+            _zero_grads(kwargs)
             kwargs = dict(kwargs, data_iterator=rank_batches(m))
         # The device is opened by the first call; from then on prepare() says what the call will do.
-        phases.append(runtime.prepare(p, m).phase if runtime.device is not None else "start-up")
-        store = run_schedule(envpipe_forward_backward, **kwargs)
-    final = runtime.prepare(p, m)
+        phases.append(_prepare(runtime, p, m, kwargs).phase if runtime.device is not None else "start-up")
+        store = run_schedule(executor, **kwargs)
+    final = _prepare(runtime, p, m, kwargs)
     record = {
         "phases": phases,
         "plan": final.plan.to_dict(),

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims
+from megatron_envpipe.testing.sync_events import EVENTS, install_recorders
 from megatron_envpipe.testing.tiny_gpt import (
     Batch,
     TinyGPTSpec,
@@ -54,6 +55,7 @@ from megatron_envpipe.testing.tiny_gpt import (
 
 __all__ = [
     "MEGATRON_1F1B",
+    "MEGATRON_INTERLEAVED",
     "PipelineRun",
     "ScheduleFn",
     "ScheduleIdentity",
@@ -61,13 +63,15 @@ __all__ = [
     "compare_results",
     "identify",
     "megatron_1f1b",
+    "megatron_interleaved",
     "rank_batches",
     "run_pipeline",
     "run_schedule",
 ]
 
-# Megatron-core's own non-interleaved 1F1B, by module and qualified name.
+# Megatron-core's own non-interleaved 1F1B and interleaved schedules, by module and qualified name.
 MEGATRON_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
+MEGATRON_INTERLEAVED = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving"
 _MEGATRON_1F1B_FILE = ("megatron", "core", "pipeline_parallel", "schedules.py")
 
 _HOST = "127.0.0.1"
@@ -101,8 +105,8 @@ class ScheduleIdentity:
 
     @property
     def is_stock_megatron(self) -> bool:
-        """Megatron's own 1F1B, in a process where EnvPipe was not installed."""
-        return (self.name == MEGATRON_1F1B and not self.envpipe_installed
+        """Megatron's own 1F1B or interleaved schedule, in a process where EnvPipe was not installed."""
+        return (self.name in (MEGATRON_1F1B, MEGATRON_INTERLEAVED) and not self.envpipe_installed
                 and Path(self.source).parts[-len(_MEGATRON_1F1B_FILE):] == _MEGATRON_1F1B_FILE)
 
 
@@ -145,11 +149,21 @@ def megatron_1f1b(**kwargs: Any) -> list[Any]:
     """
     from megatron.core.pipeline_parallel import schedules
 
-    fn = schedules.forward_backward_pipelining_without_interleaving
+    return _stock(schedules.forward_backward_pipelining_without_interleaving, MEGATRON_1F1B, kwargs)
+
+
+def megatron_interleaved(**kwargs: Any) -> list[Any]:
+    """Megatron's own interleaved schedule (model chunks); refuses to run anything else, like :func:`megatron_1f1b`."""
+    from megatron.core.pipeline_parallel import schedules
+
+    return _stock(schedules.forward_backward_pipelining_with_interleaving, MEGATRON_INTERLEAVED, kwargs)
+
+
+def _stock(fn: Callable[..., list[Any]], name: str, kwargs: dict[str, Any]) -> list[Any]:
     identity = identify(fn)
-    if not identity.is_stock_megatron:
+    if not identity.is_stock_megatron or identity.name != name:
         raise RuntimeError(
-            f"megatron_1f1b: Megatron's 1F1B is {identity.name} here (EnvPipe installed: "
+            f"stock reference: Megatron's {name.rsplit('.', 1)[1]} is {identity.name} here (EnvPipe installed: "
             f"{identity.envpipe_installed}); a stock reference must run in ranks where install() was never called"
         )
     return run_schedule(fn, **kwargs)
@@ -168,6 +182,8 @@ class PipelineRun:
     num_microbatches: int
     schedule: ScheduleFn | None = None
     forward_only: bool = False
+    # Record the schedule's no-sync / grad-sync / param-sync calls and forwards (StageResult.events).
+    record_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,7 +194,8 @@ class StageResult:
     # Megatron's forward_data_store: one report dict per micro-batch on the last
     # stage ({"lm loss": masked loss sum, "num_tokens": ...}), empty elsewhere.
     losses: list[dict[str, torch.Tensor]]
-    # Every parameter of the stage, by name; None if it received no gradient.
+    # Every parameter of the stage, by name (``chunk<v>.<name>`` with model chunks); None if it
+    # received no gradient.
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     # The schedule functions this rank called in this run (normally one); see run_schedule.
     schedules: tuple[ScheduleIdentity, ...] = ()
@@ -186,6 +203,8 @@ class StageResult:
     stage: int = 0
     tp_rank: int = 0
     dp_rank: int = 0
+    # With PipelineRun.record_sync: the rank's sync and forward events, in order (testing/sync_events.py).
+    events: tuple[tuple[Any, ...], ...] = ()
 
 
 def run_pipeline(
@@ -196,12 +215,15 @@ def run_pipeline(
     timeout_s: float = 300.0,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
+    virtual_pipeline_size: int | None = None,
 ) -> list[list[StageResult]]:
     """Start ``TP x pipeline_size x DP`` gloo ranks, execute ``runs`` in order, return results.
 
     ``spec`` defaults to ``TinyGPTSpec()``. Result ``[i][r]`` is run ``i`` on
     global rank ``r``, laid out as Megatron's ``initialize_model_parallel`` does
     (TP fastest, then DP, then PP); with TP = DP = 1, rank == pipeline stage.
+    ``virtual_pipeline_size`` V: each stage holds V model chunks (Megatron's
+    interleaved pipeline), each with its own data iterator over the same data.
     A rank that raises aborts all ranks and its error is re-raised here with its
     traceback; ranks still alive after ``timeout_s`` (e.g. a P2P deadlock) are
     killed and ``TimeoutError`` is raised.
@@ -210,6 +232,8 @@ def run_pipeline(
         raise ValueError("pipeline tests need at least 2 stages")
     if tensor_parallel_size < 1 or data_parallel_size < 1:
         raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+    if virtual_pipeline_size is not None and virtual_pipeline_size < 2:
+        raise ValueError("virtual_pipeline_size must be None or >= 2")
     world_size = tensor_parallel_size * pipeline_size * data_parallel_size
     check_megatron_installed()
     spec = spec or TinyGPTSpec()
@@ -223,7 +247,8 @@ def run_pipeline(
         out_dir = Path(tmp)
         context = mp.start_processes(
             _rank_main,
-            args=(world_size, store.port, runs, spec, str(out_dir), pipeline_size, tensor_parallel_size),
+            args=(world_size, store.port, runs, spec, str(out_dir), pipeline_size, tensor_parallel_size,
+                  virtual_pipeline_size),
             nprocs=world_size,
             join=False,
             start_method="forkserver",
@@ -257,6 +282,7 @@ def _rank_main(
     out_dir: str,
     pipeline_size: int,
     tensor_parallel_size: int,
+    virtual_pipeline_size: int | None,
 ) -> None:
     # One intra-op thread per rank: P ranks would oversubscribe a small machine,
     # and CPU kernels' reduction splits must not depend on its core count.
@@ -267,9 +293,11 @@ def _rank_main(
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
-                                                 pipeline_model_parallel_size=pipeline_size)
+                                                 pipeline_model_parallel_size=pipeline_size,
+                                                 virtual_pipeline_model_parallel_size=virtual_pipeline_size)
         with cpu_shims("cpu"):
-            results = [_run_once(rank, run, spec, pipeline_size, tensor_parallel_size) for run in runs]
+            results = [_run_once(rank, run, spec, pipeline_size, tensor_parallel_size, virtual_pipeline_size)
+                       for run in runs]
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         parallel_state.destroy_model_parallel()
@@ -280,29 +308,35 @@ def _rank_main(
 _data: dict[str, Any] = {}
 
 
-def rank_batches(num_microbatches: int) -> Iterator[Batch]:
+def rank_batches(num_microbatches: int) -> Iterator[Batch] | list[Iterator[Batch]]:
     """This rank's micro-batches of the current run again, from the first one.
 
     For schedule functions that run several iterations on the model of one run
-    (:mod:`~megatron_envpipe.testing.envpipe_runs`): the same data each time.
+    (:mod:`~megatron_envpipe.testing.envpipe_runs`): the same data each time;
+    with model chunks, a list of one iterator per chunk.
     """
-    return synthetic_batches(_data["spec"], num_microbatches, _data["replica"])
+    chunks = _data["chunks"]
+    if chunks is None:
+        return synthetic_batches(_data["spec"], num_microbatches, _data["replica"])
+    return [synthetic_batches(_data["spec"], num_microbatches, _data["replica"]) for _ in range(chunks)]
 
 
 def _run_once(rank: int, run: PipelineRun, spec: TinyGPTSpec, pipeline_size: int,
-              tensor_parallel_size: int) -> StageResult:
+              tensor_parallel_size: int, virtual_pipeline_size: int | None = None) -> StageResult:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     replica = parallel_state.get_data_parallel_rank()
     data_parallel_size = parallel_state.get_data_parallel_world_size()
-    config = build_config(spec, pipeline_size, tensor_parallel_size, data_parallel_size)
-    model = build_model(spec, config)
-    _data.update(spec=spec, replica=replica)
+    config = build_config(spec, pipeline_size, tensor_parallel_size, data_parallel_size, virtual_pipeline_size)
+    chunks = [None] if virtual_pipeline_size is None else list(range(virtual_pipeline_size))
+    models = [build_model(spec, config, vp_stage=v) for v in chunks]
+    _data.update(spec=spec, replica=replica, chunks=virtual_pipeline_size)
+    step = install_recorders(config, models, forward_step_func) if run.record_sync else forward_step_func
     kwargs: dict[str, Any] = dict(
-        forward_step_func=forward_step_func,
-        data_iterator=synthetic_batches(spec, run.num_microbatches, replica),
-        model=[model],
+        forward_step_func=step,
+        data_iterator=rank_batches(run.num_microbatches),
+        model=models,
         num_microbatches=run.num_microbatches,
         seq_length=spec.seq_length,
         micro_batch_size=spec.micro_batch_size,
@@ -318,10 +352,12 @@ def _run_once(rank: int, run: PipelineRun, spec: TinyGPTSpec, pipeline_size: int
     ran = tuple(_ran) or (identify(run.schedule),)
     losses = [{key: value.detach().cpu().clone() for key, value in item.items()} for item in store]
     grads = {
-        name: None if param.grad is None else param.grad.detach().cpu().clone()
+        (name if v is None else f"chunk{v}.{name}"): None if param.grad is None else param.grad.detach().cpu().clone()
+        for v, model in zip(chunks, models, strict=True)
         for name, param in model.named_parameters()
     }
-    return StageResult(rank=rank, losses=losses, grads=grads, schedules=ran,
+    events = tuple(EVENTS) if run.record_sync else ()
+    return StageResult(rank=rank, losses=losses, grads=grads, schedules=ran, events=events,
                        stage=parallel_state.get_pipeline_model_parallel_rank(),
                        tp_rank=parallel_state.get_tensor_model_parallel_rank(), dp_rank=replica)
 

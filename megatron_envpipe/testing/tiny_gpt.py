@@ -53,15 +53,26 @@ class TinyGPTSpec:
     # Fraction of label positions excluded from the loss; non-zero so that the
     # per-micro-batch token count (Megatron's 3-tuple loss path) actually varies.
     masked_fraction: float = 0.125
+    # Megatron's overlap_p2p_comm (async P2P, with batch_p2p_comm off): what Megatron-LM requires for
+    # an interleaved pipeline of 2 stages, whose batched exchanges would pair two messages per rank pair.
+    overlap_p2p_comm: bool = False
+    # What megatron.training sets: outputs pseudo-freed after their send. megatron-core 0.16's interleaved
+    # schedule frees them before an overlapped (async) send has read them (fixed in 0.19): with
+    # overlap_p2p_comm on 0.16 the stock reference needs it off.
+    deallocate_pipeline_outputs: bool = True
 
 
 def build_config(spec: TinyGPTSpec, pipeline_size: int, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1) -> TransformerConfig:
+                 data_parallel_size: int = 1, virtual_pipeline_size: int | None = None) -> TransformerConfig:
     """TransformerConfig with the fields Megatron's pipeline schedules read set explicitly.
 
     With ``data_parallel_size > 1`` the schedule finalizes gradients with
     :func:`average_data_parallel_grads`, so replicas end the iteration with the same grads.
+    ``virtual_pipeline_size`` V: each stage's ``layers_per_stage`` layers are split into V model chunks.
     """
+    if virtual_pipeline_size is not None and spec.layers_per_stage % virtual_pipeline_size:
+        raise ValueError(f"layers_per_stage {spec.layers_per_stage} must be a multiple of the virtual "
+                         f"pipeline size {virtual_pipeline_size}")
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -69,13 +80,16 @@ def build_config(spec: TinyGPTSpec, pipeline_size: int, tensor_parallel_size: in
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
         pipeline_model_parallel_size=pipeline_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size,
         tensor_model_parallel_size=tensor_parallel_size,
         params_dtype=torch.float32,
         # Receive buffers of P2PCommunicator are allocated with this dtype.
         pipeline_dtype=torch.float32,
+        overlap_p2p_comm=spec.overlap_p2p_comm,
+        batch_p2p_comm=not spec.overlap_p2p_comm,
         # What megatron.training sets: outputs are pseudo-freed after their send
         # and backward goes through custom_backward. An executor must cope with it.
-        deallocate_pipeline_outputs=True,
+        deallocate_pipeline_outputs=spec.deallocate_pipeline_outputs,
         # Initialise on CPU with the default generator, independent of device.
         use_cpu_initialization=True,
         hidden_dropout=0.0,
@@ -102,30 +116,32 @@ def average_data_parallel_grads(models: list[torch.nn.Module], num_tokens: Any =
                 param.grad /= dist.get_world_size(group)
 
 
-def build_model(spec: TinyGPTSpec, config: TransformerConfig) -> GPTModel:
-    """This rank's pipeline stage of the GPT, with weights fixed by ``spec.seed``.
+def build_model(spec: TinyGPTSpec, config: TransformerConfig, vp_stage: int | None = None) -> GPTModel:
+    """This rank's pipeline stage of the GPT (model chunk ``vp_stage``), with weights fixed by ``spec.seed``.
 
     Requires ``initialize_model_parallel`` and, on CPU, active ``cpu_shims``.
     Each stage seeds with ``seed + 100 * stage`` (as megatron.training does) so
-    stages differ from each other but each is reproducible.
+    stages differ from each other but each is reproducible; chunk v adds ``10000 * v``.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    model_parallel_manual_seed(spec.seed + 100 * stage)
+    model_parallel_manual_seed(spec.seed + 100 * stage + 10_000 * (vp_stage or 0))
+    chunked = {} if vp_stage is None else {"vp_stage": vp_stage}
     return GPTModel(
         config=config,
         # Local spec: plain torch modules, no Transformer Engine or apex.
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         # Untied: tying makes the last stage copy the embedding with
         # `weight.data.cuda()` plus an all-reduce, which has no CPU path.
         share_embeddings_and_output_weights=False,
+        **chunked,
     )
 
 

@@ -90,3 +90,39 @@ def test_compare_plans_example_runs():
 
     assert out.stdout.count("\n") == 2 + len(PLAN_TYPES) * 2 * len(RECONFIG_POLICIES)
     assert "envelope ours  balanced" in out.stdout
+
+
+def test_plan_reports_and_limits_clock_changes(capsys):
+    base = ["plan", "--profile", "a40/gpt3-175b", "-m", "12", "--type", "optimal", "--scheduling", "ours"]
+    code, out, _ = run(capsys, base + ["--switch-cost-j", "0", "--json"])
+    free = json.loads(out)
+    assert code == 0 and free["clock_switching"] is None  # 0: the pass is off
+    assert free["clock_changes_per_rank_per_iteration"] == free["plan"]["clock_changes_per_stage"]
+    code, out, _ = run(capsys, base + ["--max-clock-changes", "5", "--json"])
+    capped = json.loads(out)
+    assert code == 0 and max(capped["clock_changes_per_rank_per_iteration"]) <= 5
+    sw = capped["clock_switching"]
+    assert sw["clock_changes_before"] == free["clock_changes_per_rank_per_iteration"]
+    assert sw["switch_cost_j"] == pytest.approx(0.7038)  # optimal's default: 10 ms x 70.38 W
+    assert capped["plan"]["iteration_time_s"] <= free["plan"]["iteration_time_s"] * (1 + 1e-9)
+    assert capped["energy_saving"] == pytest.approx(1 - capped["plan"]["energy_j"] / capped["baseline"]["energy_j"])
+    code, out, _ = run(capsys, base + ["--max-clock-changes", "5"])
+    assert code == 0 and "clock changes per rank per iteration [" in out and "before the switching pass" in out
+    # EnvPipe's own plan types: reported, not changed, unless asked
+    code, out, _ = run(capsys, ACCEPT + ["--json"])
+    assert json.loads(out)["clock_switching"] is None
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--switch-cost-j", "-1"], "--switch-cost-j"),
+    (["--switch-cost-j", "inf"], "--switch-cost-j"),
+    (["--max-clock-changes", "0"], "--max-clock-changes"),
+    (["--compat", "perseus", "--scheduling", "1f1b", "--max-clock-changes", "3"], "--compat perseus has no"),
+])
+def test_switching_flag_errors(capsys, argv, needle):
+    try:
+        code = main(["plan", "--profile", "a40/gpt3-175b", "-m", "12"] + argv)
+    except SystemExit as exc:  # argparse's own range checks
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err

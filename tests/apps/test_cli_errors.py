@@ -96,7 +96,7 @@ def test_reset_clocks_keeps_its_exit_statuses(capsys, monkeypatch, exc, code):
 
 @pytest.mark.parametrize(
     "flag,names",
-    [("--scheduling", "'1f1b', 'ours'"), ("--type", "'baseline', 'uniform', 'envelope', 'optimal'"),
+    [("--scheduling", "'1f1b', 'ours', 'interleaved'"), ("--type", "'baseline', 'uniform', 'envelope', 'optimal'"),
      ("--reconfig", "'default', 'greedy', 'balanced'"), ("--comm", "'per-direction', 'paired'")],
 )
 def test_invalid_choices_list_plain_names(capsys, flag, names):

@@ -296,3 +296,37 @@ def test_simulated_gpu_profiles_plans_trains_and_reports_energy(
     # The next run reuses the cached profile: no profiling iterations.
     _, again = _run_example(flags, example_cache, tmp_path / "again.json", 2)
     assert "reusing the cached profile" in again and "start-up profiler:" not in again.split("reusing")[0]
+
+
+# --------------------------------------------------------------------------- interleaved (model chunks)
+
+MEGATRON_INTERLEAVED = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving"
+INTERLEAVED_EXECUTOR = "megatron_envpipe.megatron.executor.envpipe_interleaved_forward_backward"
+VPP = ["--virtual-pipeline-model-parallel-size", "2"]
+
+
+def test_example_virtual_pipeline_arguments() -> None:
+    example = _example_module()
+    assert example.parse_args(VPP).virtual_pipeline_model_parallel_size == 2
+    assert example.parse_args([]).virtual_pipeline_model_parallel_size is None
+    for bad in (["--virtual-pipeline-model-parallel-size", "1"], [*VPP, "--num-layers", "4"],
+                [*VPP, "--pipeline-model-parallel-size", "2"]):
+        with pytest.raises(SystemExit):
+            example.parse_args(bad)
+
+
+def test_interleaved_envpipe_trains_bitwise_like_stock_interleaved_megatron(example_cache: Path, tmp_path: Path) -> None:
+    """Issue 14's acceptance: V = 2 chunks per stage, EnvPipe's optimal plan on the interleaved order,
+    losses equal to stock Megatron's interleaved schedule run in processes that never installed EnvPipe."""
+    stock, stock_log = _run_example(["--no-envpipe", *VPP], example_cache, tmp_path / "stock.json")
+    assert stock["schedule"] == [{"functions": [MEGATRON_INTERLEAVED], "envpipe_installed": False,
+                                  "executor_imported": False}] * NPROC
+    assert "4 stages x 2 model chunks" in stock_log
+    envpipe, log = _run_example(["--envpipe-type", "optimal", "--envpipe-scheduling", "interleaved", *VPP],
+                                example_cache, tmp_path / "envpipe.json")
+    assert envpipe["schedule"] == [{"functions": [INTERLEAVED_EXECUTOR], "envpipe_installed": True,
+                                    "executor_imported": True}] * NPROC
+    assert envpipe["virtual_pipeline_model_parallel_size"] == 2
+    assert len(envpipe["losses"]) == ITERS and all(math.isfinite(x) for x in envpipe["losses"])
+    assert envpipe["tokens"] == stock["tokens"]
+    assert hexes(envpipe["losses"]) == hexes(stock["losses"])

@@ -260,3 +260,127 @@ def test_paired_hold_costs_energy_in_planning(gpt3_profile):
     ours = plan_envpipe(gpt3_profile, 24, PlannerConfig("envelope", "ours", "balanced", gpu=gpu))
     held = plan_envpipe(gpt3_profile, 24, PlannerConfig("envelope", "ours", "balanced", gpu=gpu, comm="paired"))
     assert ours.energy_saving > held.energy_saving + 0.02
+
+
+# --------------------------------------------------------------------------- model chunks (interleaved)
+
+
+def interleaved_cases():
+    from megatron_envpipe.core.interleaved import interleaved_schedule
+
+    for p in (2, 3, 4, 5):
+        for v in (2, 3):
+            for m in (p, 2 * p, 4 * p):
+                yield interleaved_schedule(p, m, v)
+            # Groups of N = P + 1 with a last group of P (Megatron accepts M mod N >= P).
+            yield interleaved_schedule(p, 3 * (p + 1) + p, v, p + 1)
+
+
+def test_chunk_instructions_print_parse_and_name_the_wrap_around_peer():
+    assert str(Forward(3)) == "Forward(3)" and str(Forward(3, 1)) == "Forward(3,1)"
+    assert str(SetFrequency(1410)) == "SetFrequency(1410)"
+    for text in ("Forward(3,1)", "Backward(0,2)", "RecvActivationStart(5,1)", "SendGradFinish(4)", "Free(2,1)"):
+        assert str(parse_instruction(text)) == text
+    for bad in ("SetFrequency(1,2)", "Forward(1,2,3)", "Forward(a)", "Forward()"):
+        with pytest.raises(Exception, match="cannot parse"):
+            parse_instruction(bad)
+    # Rank P-1's chunk 0 sends to rank 0's chunk 1: one message, named alike on both ends.
+    send, recv = SendActivationStart(2, 0), RecvActivationStart(2, 1)
+    assert send.channel(3, 4) == recv.channel(0, 4) == (3, 0, "act")
+    assert send.message(3, 4) == recv.message(0, 4) == ("act", 2, 3)
+    grad_send, grad_recv = SendGradStart(2, 1), RecvGradStart(2, 0)
+    assert grad_send.channel(0, 4) == grad_recv.channel(3, 4) == (0, 3, "grad")
+    assert grad_send.message(0, 4) == grad_recv.message(3, 4)
+    # At P = 2 the wrap-around channels differ from the neighbour channels of the same pair.
+    assert SendActivationStart(0, 0).channel(1, 2) == (1, 0, "act") != SendActivationStart(0, 0).channel(0, 2)
+    assert SendGradStart(0, 1).channel(0, 2) == (0, 1, "grad") != SendGradStart(0, 0).channel(1, 2)
+
+
+def test_interleaved_programs_follow_the_schedule_and_are_deadlock_free_with_lazy_communicators():
+    from megatron_envpipe.core.communicators import warmup_programs
+
+    checked = 0
+    for sched in interleaved_cases():
+        p, v = sched.num_stages, sched.num_chunks
+        for prefetch in (1, 2):
+            programs = build_programs(sched, prefetch=prefetch)
+            assert [tuple(prog.units()) for prog in programs] == list(sched.orders)
+            check_deadlock(programs)
+            check_deadlock(programs, lazy_communicators=True, warmup=warmup_programs(p, wrap=True))
+            checked += 1
+        # Only virtual stage 0 has no input, only the last no output gradient.
+        first, last = programs[0].instructions, programs[-1].instructions
+        assert not any(isinstance(i, RecvActivationFinish) and i.chunk == 0 for i in first)
+        assert sum(isinstance(i, RecvActivationFinish) for i in first) == (v - 1) * sched.num_microbatches
+        assert not any(isinstance(i, SendActivationStart) and i.chunk == v - 1 for i in last)
+        assert sum(isinstance(i, SendGradStart) for i in first) == (v - 1) * sched.num_microbatches
+    assert checked >= 40
+
+
+def test_interleaved_programs_need_the_wrap_around_warmup():
+    """Without the wrap-around channels in the warm-up, their first uses can form a cycle (P = 2)."""
+    from megatron_envpipe.core.communicators import warmup_programs
+    from megatron_envpipe.core.interleaved import interleaved_schedule
+
+    failures = 0
+    for p in (2, 3, 4):
+        programs = build_programs(interleaved_schedule(p, 2 * p, 2))
+        try:
+            check_deadlock(programs, lazy_communicators=True, warmup=warmup_programs(p))
+        except DeadlockError:
+            failures += 1
+    assert failures  # the wrap-around warm-up above is what makes them safe
+
+
+def test_wrong_receive_order_on_the_wrap_channel_is_caught():
+    from megatron_envpipe.core.interleaved import interleaved_schedule
+
+    programs = build_programs(interleaved_schedule(2, 4, 2), prefetch=1)
+    first = list(programs[0].instructions)
+    starts = [k for k, i in enumerate(first) if isinstance(i, RecvActivationStart)]
+    a, b = starts[0], starts[1]
+    first[a], first[b] = first[b], first[a]  # rank 0 posts its wrap-around receives out of order
+    with pytest.raises(DeadlockError):
+        check_deadlock([StageProgram(0, tuple(first)), programs[1]])
+
+
+def test_interleaved_timeline_models_exactly_what_the_programs_impose():
+    """The chunk-aware DAG (wrap-around edges included) times units exactly as the programs run them."""
+    from megatron_envpipe.core.timeline import PipelineGraph
+
+    rng = random.Random(14)
+    for sched in interleaved_cases():
+        p = sched.num_stages
+        dur = {(s, u): rng.uniform(0.1, 2.0) for s, o in enumerate(sched.orders) for u in o}
+        graph = PipelineGraph(sched)
+        tl = graph.simulate([dur[(s, u)] for s, u in graph.nodes])
+        programs = build_programs(sched, prefetch=rng.choice([1, 2]))
+        pc, now, done = [0] * p, [0.0] * p, [0] * p
+        units = [prog.units() for prog in programs]
+        posted: dict = {}
+        starts: dict = {}
+        while any(pc[s] < len(programs[s].instructions) for s in range(p)):
+            progressed = False
+            for s in range(p):
+                while pc[s] < len(programs[s].instructions):
+                    i = programs[s].instructions[pc[s]]
+                    if isinstance(i, CommInstruction):
+                        key = (i.message(s, p), i.is_send)
+                        if i.is_start:
+                            posted[key] = now[s]
+                        else:
+                            peer = (i.message(s, p), not i.is_send)
+                            if peer not in posted:
+                                break
+                            if not i.is_send:
+                                now[s] = max(now[s], posted[peer])
+                    elif isinstance(i, (Forward, Backward)):
+                        unit = units[s][done[s]]
+                        done[s] += 1
+                        starts[(s, unit)] = now[s]
+                        now[s] += dur[(s, unit)]
+                    pc[s] += 1
+                    progressed = True
+            assert progressed, "programs deadlocked"
+        for node, (s, u) in enumerate(graph.nodes):
+            assert starts[(s, u)] == pytest.approx(tl.start_s[node], abs=1e-9), (p, sched.num_microbatches, s, u)

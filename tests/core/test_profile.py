@@ -153,3 +153,112 @@ def test_a_huge_stage_id_does_not_enumerate_every_gap():
     pts = {(s, ins): [ProfilePoint(1500, 0.1, 1.0)] for s in (0, 10**9) for ins in ("forward", "backward")}
     with pytest.raises(ProfileError, match=r"stage\(s\) \[1, 2, 3, 4, 5\] \.\.\. missing"):
         Profile(pts)
+
+
+# -- model chunks -------------------------------------------------------------------------
+
+CHUNKED = """stage,instruction,frequency,time,energy,chunk
+0,forward,1410,0.05,15.0,0
+0,backward,1410,0.10,30.0,0
+0,forward,1410,0.06,16.0,1
+0,backward,1410,0.11,31.0,1
+1,forward,1410,0.07,17.0,0
+1,backward,1410,0.12,32.0,0
+1,forward,1410,0.08,18.0,1
+1,backward,1410,0.13,33.0,1
+0,forward,1200,0.06,14.0,0
+0,backward,1200,0.12,28.0,0
+0,forward,1200,0.07,15.0,1
+0,backward,1200,0.13,29.0,1
+1,forward,1200,0.08,16.0,0
+1,backward,1200,0.14,31.0,0
+1,forward,1200,0.09,17.0,1
+1,backward,1200,0.15,32.0,1
+"""
+
+
+def test_chunk_column_parses_per_chunk(tmp_path):
+    prof = Profile.from_csv(write(tmp_path, CHUNKED))
+    assert (prof.num_stages, prof.num_chunks) == (2, 2)
+    assert prof.time_s(1, "forward", 1410, chunk=1) == 0.08
+    assert prof.energy_j(0, "backward", 1200, 1) == 29.0
+    assert prof.point(1, "backward", 1200, chunk=0) == ProfilePoint(1200, 0.14, 31.0)
+    assert prof.frequencies(0, "forward", 1) == (1410, 1200)
+    assert [p.time_s for p in prof.points(1, "backward", 1)] == [0.13, 0.15]
+    assert prof.min_energy_frequency(0, "forward", 1) == 1200
+    # The default chunk is 0.
+    assert prof.time_s(1, "forward", 1410) == 0.07
+    with pytest.raises(ProfileError, match="no rows for stage 1 chunk 2 forward"):
+        prof.points(1, "forward", 2)
+
+
+def test_chunked_profile_roundtrips_and_one_chunk_output_is_unchanged(tmp_path, gpt3_profile):
+    prof = Profile.from_csv(write(tmp_path, CHUNKED))
+    text = prof.to_csv_text()
+    assert text.splitlines()[0] == "stage,instruction,frequency,time,energy,chunk"
+    again = Profile.from_csv_text(text)
+    for s in range(2):
+        for c in range(2):
+            for ins in ("forward", "backward"):
+                assert again.points(s, ins, c) == prof.points(s, ins, c)
+    assert gpt3_profile.to_csv_text().splitlines()[0] == "stage,instruction,frequency,time,energy"
+    assert prof.scaled(2.0).time_s(1, "forward", 1410, 1) == pytest.approx(0.16)
+    assert prof.for_pipeline(2) is prof and prof.restricted([1200]).frequencies(1, "backward", 1) == (1200,)
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (lambda t: t.replace("1,forward,1410,0.08,18.0,1", "1,forward,1410,0.08,18.0,"), r"p.csv:8: missing chunk"),
+        (lambda t: t.replace("1,forward,1410,0.08,18.0,1", "1,forward,1410,0.08,18.0,-1"), r"p.csv:8: chunk -1 is not"),
+        (lambda t: t.replace("1,forward,1410,0.08,18.0,1", "1,forward,1410,0.08,18.0,1.5"), "p.csv:8: chunk '1.5'"),
+        (lambda t: t.replace("1,forward,1410,0.08,18.0,1", "1,forward,1410,0.08,18.0,0"), "p.csv:8: duplicate row for "
+         "stage 1 chunk 0 forward"),
+    ],
+)
+def test_bad_chunk_columns_name_file_and_line(tmp_path, mutate, needle):
+    with pytest.raises(ProfileError, match=needle):
+        Profile.from_csv(write(tmp_path, mutate(CHUNKED)))
+
+
+def test_every_stage_needs_every_chunk(tmp_path):
+    text = "".join(line + "\n" for line in CHUNKED.splitlines() if not line.startswith("1,") or not line.endswith(",1"))
+    with pytest.raises(ProfileError, match=r"stage 1 chunk 1 has no forward rows \(every stage needs chunks 0..1\)"):
+        Profile.from_csv(write(tmp_path, text))
+
+
+def test_for_chunks_splits_a_whole_stage_profile_evenly(gpt3_profile):
+    prof = gpt3_profile.for_chunks(4)
+    assert (prof.num_stages, prof.num_chunks) == (8, 4)
+    for s in (0, 7):
+        for ins in ("forward", "backward"):
+            whole = gpt3_profile.points(s, ins)
+            for c in range(4):
+                assert prof.points(s, ins, c) == tuple(
+                    ProfilePoint(p.freq_mhz, p.time_s / 4, p.energy_j / 4) for p in whole
+                )
+    assert "split into 4 equal chunks" in prof.source
+    assert gpt3_profile.for_chunks(1) is gpt3_profile
+    assert prof.for_chunks(4) is prof
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, 10**6])
+def test_for_chunks_rejects_bad_counts(gpt3_profile, bad):
+    with pytest.raises(ProfileError, match="model chunks per stage must be a whole number"):
+        gpt3_profile.for_chunks(bad)
+
+
+def test_for_chunks_refuses_another_chunk_count(tmp_path):
+    prof = Profile.from_csv(write(tmp_path, CHUNKED))
+    with pytest.raises(ProfileError, match="profiled with 2 model chunks per stage but the pipeline has 4"):
+        prof.for_chunks(4)
+    with pytest.raises(ProfileError, match="profiled with 2 model chunks per stage but the pipeline has 1"):
+        prof.for_chunks(1)
+
+
+def test_constructor_takes_chunk_keys_and_rejects_a_key_given_twice():
+    pt = [ProfilePoint(1000, 1.0, 1.0)]
+    prof = Profile({(0, "forward", 1): pt, (0, "backward", 1): pt, (0, "forward"): pt, (0, "backward", 0): pt})
+    assert prof.num_chunks == 2
+    with pytest.raises(ProfileError, match="given twice"):
+        Profile({(0, "forward"): pt, (0, "forward", 0): pt, (0, "backward"): pt})

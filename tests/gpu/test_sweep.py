@@ -19,11 +19,13 @@ from megatron_envpipe.gpu.sweep import (
     ClockSweep,
     ProfileRow,
     StageSamples,
+    UnitSample,
     blocking_power_w,
     robust_mean,
     stage_samples,
     sweep_candidates,
 )
+from megatron_envpipe.testing.profiler_runs import a40_three_stages
 
 A40_P2P_W = 70.38
 
@@ -96,19 +98,27 @@ def test_sweep_order_warmup_rows_and_early_stop_below_the_valley():
     prof = valley_profile()
     sweep = ClockSweep(VALLEY_CLOCKS, iterations_per_clock=2, warmup_iterations=1, stop_after_rising=3)
     clocks = run_exact(prof, sweep)
-    # Warm-up at the maximum, then two iterations per clock, highest first, in lockstep.
-    assert clocks == [1800, 1800, 1800, 1650, 1650, 1500, 1500, 1350, 1350, 1200, 1200, 1050, 1050, 900, 900]
+    # Warm-up at the maximum, two iterations there (they agree: every stage is steady), then one per
+    # clock, highest first, in lockstep.
+    assert clocks == [1800, 1800, 1800, 1650, 1500, 1350, 1200, 1050, 900]
+    assert sweep.steady == (True, True) and not sweep.unsteady_events
+    assert [r.iterations for r in sweep.results] == [2, 1, 1, 1, 1, 1, 1]
     assert sweep.done and sweep.stopped_early and sweep.next_clock() is None
     assert sweep.valley_clock_mhz() == 1350
     assert sweep.measured_clocks_mhz() == (1800, 1650, 1500, 1350, 1200, 1050, 900)  # 3 below the valley, not 750
     assert "below the energy valley" in sweep.stop_reason and "1350 MHz" in sweep.stop_reason
-    assert sweep.iterations_used == 15 < sweep.envpipe_iterations() == 48
+    assert sweep.iterations_used == 9 < sweep.envpipe_iterations() / 3 == 16
+    # Without the adaptive rule: two iterations at every clock, as before.
+    fixed = ClockSweep(VALLEY_CLOCKS, iterations_per_clock=2, adaptive=False)
+    assert run_exact(prof, fixed) == [1800, 1800, 1800, 1650, 1650, 1500, 1500, 1350, 1350, 1200, 1200, 1050,
+                                      1050, 900, 900]
+    assert fixed.measured_clocks_mhz() == sweep.measured_clocks_mhz() and fixed.iterations_used == 15
     for row in sweep.rows():
         assert row.time_s == pytest.approx(prof.time_s(row.stage, row.instruction, row.freq_mhz))
         assert row.energy_j == pytest.approx(prof.energy_j(row.stage, row.instruction, row.freq_mhz))
     assert sweep.rows()[0] == ProfileRow(0, "forward", 1800, pytest.approx(0.05), pytest.approx(15.0))
     assert sweep.p2p_power_w() == pytest.approx(A40_P2P_W)
-    assert "15 iterations (EnvPipe: 48)" in sweep.summary()
+    assert "9 iterations (EnvPipe: 48, 19 %)" in sweep.summary()
     again = sweep.profile()
     assert again.common_frequencies() == sweep.measured_clocks_mhz()
     with pytest.raises(RuntimeError, match="done"):
@@ -252,21 +262,6 @@ def test_stage_samples_falls_back_to_interpolation_when_powers_are_inseparable()
 
 
 # -- the acceptance test ---------------------------------------------------------------
-def a40_three_stages() -> Profile:
-    """Three distinct real A40 stages (GPT-3 first and last, Bloom last), at every
-    180 MHz from 1740 down to the profile's 855 MHz floor (6 clocks)."""
-    gpt3 = Profile.from_csv(shipped_profile("a40/gpt3-175b"))
-    bloom = Profile.from_csv(shipped_profile("a40/bloom-176b"))
-    clocks = sweep_candidates(gpt3.common_frequencies(), 180)
-    sources = ((gpt3, 0), (gpt3, 7), (bloom, 7))
-    points = {
-        (s, ins): [src.point(st, ins, f) for f in clocks]
-        for s, (src, st) in enumerate(sources)
-        for ins in ("forward", "backward")
-    }
-    return Profile(points, source="<A40 3 stages>")
-
-
 def profile_simulated_pipeline(prof: Profile, sweep: ClockSweep, time_scale: float, microbatches: int,
                                timing: str = "device", poll_interval_s: float = 0.002) -> None:
     """What the runtime does per profiling iteration, on simulated GPUs in real time:
@@ -331,7 +326,9 @@ def test_acceptance_profiler_reproduces_the_driving_profile(tmp_path):
               f"(true {A40_P2P_W}), {wall:.1f} s wall")
     assert worst_t < 0.02 and worst_e < 0.02
     assert sweep.p2p_power_w() == pytest.approx(A40_P2P_W, rel=0.02)
-    assert sweep.iterations_used == 1 + 2 * len(cands) < 6 * len(cands)
+    # Warm-up, two agreeing iterations at the maximum, then one per clock.
+    assert sweep.iterations_used == 1 + 1 + len(cands) < 6 * len(cands) / 3
+    assert [r.iterations for r in sweep.results] == [2] + [1] * (len(cands) - 1)
     # The measured profile goes through the cache and back unchanged.
     cache = ProfileCache(tmp_path)
     key = {"model": "a40-3-stage test", "pp": 3}
@@ -348,7 +345,7 @@ def test_acceptance_with_host_timestamps():
     competing for the CPU delay the host and inflate unit times without bound, so the
     test retries once, then skips rather than fails on an overloaded machine."""
     prof = a40_three_stages()
-    for attempt in range(2):
+    for _attempt in range(2):
         sweep = ClockSweep(prof.common_frequencies())
         profile_simulated_pipeline(prof, sweep, time_scale=0.02, microbatches=4, timing="host")
         worst_t, worst_e = max_relative_errors(prof, sweep.rows())
@@ -369,7 +366,7 @@ def test_acceptance_early_stop_below_a_clear_valley_in_real_time():
     profile_simulated_pipeline(prof, sweep, time_scale=0.02, microbatches=3)
     assert sweep.stopped_early and sweep.valley_clock_mhz() == 1350
     assert sweep.measured_clocks_mhz()[-1] == 900  # three clocks below the valley; 750 never run
-    assert sweep.iterations_used == 15
+    assert sweep.iterations_used == 9  # warm-up, 2 at 1800 MHz, 1 at each of the 6 clocks down to 900
     worst_t, worst_e = max_relative_errors(prof, sweep.rows())
     assert worst_t < 0.03 and worst_e < 0.02  # 1-2 ms units: host overhead weighs more in time
 
@@ -425,3 +422,36 @@ def test_cache_store_lookup_describe(tmp_path, monkeypatch):
     monkeypatch.delenv("MEGATRON_ENVPIPE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert ProfileCache().root == tmp_path / "xdg" / "megatron-envpipe" / "profiles"
+
+
+def test_model_chunks_get_their_own_rows_and_the_profile_round_trips(tmp_path):
+    """Interleaved pipeline: samples tagged with their model chunk give one row per chunk (chunks differ:
+    chunk 1 of the last stage carries the LM head), and the profile keeps them through its CSV."""
+    whole = valley_profile()
+    heavy = {(s, c): 1.0 + 0.3 * c * (s == whole.num_stages - 1) + 0.1 * c for s in range(2) for c in range(2)}
+    truth = Profile({(s, ins, c): [ProfilePoint(p.freq_mhz, p.time_s / 2 * heavy[s, c], p.energy_j / 2 * heavy[s, c])
+                                   for p in whole.points(s, ins)]
+                     for s in range(whole.num_stages) for ins in ("forward", "backward") for c in range(2)},
+                    source="<chunked truth>")
+    sweep = ClockSweep(VALLEY_CLOCKS, iterations_per_clock=2, warmup_iterations=1, stop_after_rising=3)
+    while not sweep.done:
+        f = sweep.next_clock()
+        sweep.record(f, [StageSamples.of(
+            [UnitSample(k, truth.time_s(s, i, f, c), truth.energy_j(s, i, f, c), c)
+             for _ in range(3) for c in (0, 1) for k, i in (("F", "forward"), ("B", "backward"))],
+            [(0.2, 0.2 * A40_P2P_W)]) for s in range(truth.num_stages)])
+    got = sweep.profile()
+    assert got.num_chunks == 2
+    for f in sweep.measured_clocks_mhz():
+        for s in range(2):
+            for c in range(2):
+                for ins in ("forward", "backward"):
+                    assert got.time_s(s, ins, f, c) == pytest.approx(truth.time_s(s, ins, f, c))
+                    assert got.energy_j(s, ins, f, c) == pytest.approx(truth.energy_j(s, ins, f, c))
+    # The chunks' rows add up to the stage's, so the valley is the whole stage's.
+    assert sweep.valley_clock_mhz() == 1350
+    path = tmp_path / "chunked.csv"
+    got.to_csv(path)
+    assert "chunk" in path.read_text().splitlines()[0]
+    again = Profile.from_csv(path)
+    assert again.num_chunks == 2 and again.energy_j(1, "backward", 1800, 1) == got.energy_j(1, "backward", 1800, 1)

@@ -250,3 +250,17 @@ def test_forward_only_falls_back_to_megatron_and_matches(same_math_p2: SameMathR
     assert not compare_results(stock, ours)
     assert len(ours[1].losses) == FORWARD_ONLY_M and all(g is None for g in ours[0].grads.values())  # no backward
     assert records(same_math_p2.forward_only_dir, 0)["executed"] == []  # Megatron's schedule ran, not the program
+
+
+def test_grad_sync_calls_as_megatrons_1f1b(tmp_path):
+    """no_sync and grad_sync_func around the units: the same calls at the same points as stock 1F1B."""
+    p, m = 4, 8
+    stock = run_pipeline(p, [PipelineRun(m, record_sync=True)], timeout_s=240)[0]
+    ours = run_pipeline(p, [PipelineRun(m, envpipe_schedule(EnvPipeConfig(), str(tmp_path)), record_sync=True)],
+                        timeout_s=240)[0]
+    for want, got in zip(stock, ours, strict=True):
+        assert want.schedules[0].name == MEGATRON_1F1B and got.schedules[0].name == EXECUTOR
+        # Not vacuous: stage 0 syncs inside its last backward, the others launch grad_sync_func after it.
+        expected = {"forward", "no_sync", "sync"} | ({"grad_sync"} if want.rank else set())
+        assert {e[0] for e in want.events} == expected, want.events
+        assert got.events == want.events, f"rank {want.rank}: {got.events} != {want.events}"

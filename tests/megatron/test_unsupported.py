@@ -52,7 +52,7 @@ def test_virtual_pipeline_refuses_every_envpipe_setting(settings, virtual):
         EnvPipeConfig(**settings).validate_with_megatron_args(megatron(4, **virtual))
     text = str(info.value)
     flag = "--" + next(iter(virtual)).replace("_", "-")
-    assert "no interleaved (virtual-pipeline) schedule" in text and f"{flag} 2" in text
+    assert "no interleaved (virtual-pipeline) order" in text and "--envpipe-scheduling interleaved" in text and f"{flag} 2" in text
     assert all(f in text for f in _flags(settings)), text  # names what would have been ignored
     assert "--envpipe-type baseline --envpipe-scheduling 1f1b --envpipe-reconfig default" in text
 

@@ -152,4 +152,5 @@ def planner_config(
         max_inflight=args.max_inflight,
         extra_warmup=tuple(args.extra_warmup) if args.extra_warmup else None,
     )
-    return flags.planner_config(gpu, **{"p2p_latency_s": args.p2p_latency, "comm": args.comm, **more})
+    return flags.planner_config(gpu, **{"p2p_latency_s": args.p2p_latency, "comm": args.comm,
+                                        "virtual_stages": args.virtual_stages or 1, **more})

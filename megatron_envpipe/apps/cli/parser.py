@@ -25,6 +25,8 @@ from megatron_envpipe.core.vocabulary import (
     ReconfigPolicy,
     Scheduling,
 )
+from megatron_envpipe.planning.basis import MAX_VIRTUAL_STAGES
+from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S, MAX_SWITCH_COST_J
 
 # -- flag types -----------------------------------------------------------------------
 # Upper bounds: beyond them a value is a typo or a unit mistake, and sizes this large would
@@ -36,6 +38,7 @@ MAX_SCALE = 1e6
 MAX_SECONDS = 1e6
 MAX_LATENCY_S = 3_600.0
 MAX_SLOWDOWN = 10.0  # 1000 %
+MAX_CLOCK_CHANGES = 10**6
 
 
 def bounded_int(low: int, high: int) -> Callable[[str], int]:
@@ -155,7 +158,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per iteration")
     p.add_argument("--stages", type=bounded_int(1, MAX_STAGES), help="pipeline stages (checked against the profile)")
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.OURS.value,
-                   help="unit order (default ours)")
+                   help="unit order (default ours); interleaved: Megatron's virtual pipeline, with --virtual-stages")
+    _add_virtual_stages(p)
     p.add_argument("--max-inflight", type=budget_arg, metavar="N|b0,b1,...|none",
                    help="activation budget of ours, in micro-batch activations: N for every stage or one per "
                         "stage, e.g. 8,7,6,5,4,3,2,1 (default none: no limit)")
@@ -166,11 +170,18 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                         "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
 
 
+def _add_virtual_stages(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--virtual-stages", type=bounded_int(1, MAX_VIRTUAL_STAGES), metavar="V",
+                   help="model chunks per rank of --scheduling interleaved (Megatron's "
+                        "--virtual-pipeline-model-parallel-size), V >= 2")
+
+
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     """The sizes and unit order of 'schedule' and 'programs'."""
     p.add_argument("--stages", type=bounded_int(1, MAX_STAGES), required=True)
     p.add_argument("--microbatches", "-m", type=bounded_int(1, MAX_MICROBATCHES), required=True)
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.ONE_F_ONE_B.value)
+    _add_virtual_stages(p)
     p.add_argument("--extra-warmup", type=warmup_list, help="r_s for ours, one per stage, e.g. 4,3,1,0 (clamped)")
 
 
@@ -197,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-time", type=bounded_float(0.0, MAX_SECONDS, " s", low_open=True), metavar="S",
                    help="--type optimal: plan for iterations lasting S seconds anyway (e.g. a straggler's pace); "
                         "energy is counted until then")
+    p.add_argument("--switch-cost-j", type=bounded_float(0.0, MAX_SWITCH_COST_J, " J"), metavar="J",
+                   help="energy a clock change must save to be kept: neighbouring units' clocks are merged while "
+                        "that gives up less than J per change removed (0: off; default for --type optimal: "
+                        f"{DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x the P2P power, off for the other types)")
+    p.add_argument("--max-clock-changes", type=bounded_int(1, MAX_CLOCK_CHANGES), metavar="N",
+                   help="at most N clock changes per rank per iteration (the first lock counts), where the "
+                        "deadline allows")
     p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan and its scores as JSON")
     p.set_defaults(func=cmd_plan)
@@ -222,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", "-m", type=bounded_int(1, MAX_MICROBATCHES), help="micro-batches (without --plan)")
     # No default: given with --plan it would be ignored, which is reported instead (see cmd_simulate).
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, help="unit order (without --plan; default 1f1b)")
+    _add_virtual_stages(p)
     p.add_argument("--extra-warmup", type=warmup_list, help="r_s for --scheduling ours, one per stage, e.g. 4,3,1,0")
     p.add_argument("--freq", type=bounded_int(1, MAX_CLOCK_MHZ),
                    help="one clock for every unit (default: the profile's max)")

@@ -18,7 +18,8 @@ from megatron_envpipe.apps.cli.render import print_json, recv_wait_ms, score_dic
 from megatron_envpipe.apps.plot import image_format, timelines_image
 from megatron_envpipe.core.instructions import DeadlockError, build_programs, check_deadlock
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
-from megatron_envpipe.core.schedule import Schedule, build_schedule, clamp_extra_warmup
+from megatron_envpipe.core.profile import ProfileError
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import Scheduling
 
@@ -30,7 +31,8 @@ def _check_simulate_flags(args: argparse.Namespace) -> None:
             raise CliError("simulate needs --plan PLAN.json, or --microbatches M (with --scheduling/--freq)")
         return
     given = [flag for flag, value in (("--microbatches", args.microbatches), ("--scheduling", args.scheduling),
-                                      ("--extra-warmup", args.extra_warmup), ("--freq", args.freq))
+                                      ("--extra-warmup", args.extra_warmup), ("--freq", args.freq),
+                                      ("--virtual-stages", args.virtual_stages))
              if value is not None]
     if given:
         raise CliError(f"--plan brings its own schedule and clocks: drop {', '.join(given)} "
@@ -49,6 +51,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if schedule.num_stages != profile.num_stages:
             raise CliError(f"--plan {args.plan} has {schedule.num_stages} stages, the profile {profile.num_stages} "
                            f"({profile.source}): simulate it on the profile it was planned for")
+        profile = _chunk_profile(profile, schedule.num_chunks)
     else:
         p = profile.num_stages
         scheduling = args.scheduling or Scheduling.ONE_F_ONE_B.value
@@ -58,7 +61,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if not args.extra_warmup:
                 raise CliError("--scheduling ours needs --extra-warmup r0,r1,...")
             r = clamp_extra_warmup(p, args.microbatches, args.extra_warmup)
-        schedule = build_schedule(scheduling, p, args.microbatches, r)
+        schedule = _build(scheduling, p, args.microbatches, r, args.virtual_stages)
+        profile = _chunk_profile(profile, schedule.num_chunks)
         freq = args.freq or profile.max_frequency()
         plan = FrequencyPlan.constant(schedule, [freq] * p)
     evaluator = PlanEvaluator(schedule, profile, p2p, args.p2p_latency)
@@ -101,7 +105,29 @@ def _schedule_from_flags(args: argparse.Namespace, max_inflight: Any = None) -> 
     r = None
     if args.scheduling == Scheduling.OURS:
         r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages, max_inflight)
-    return build_schedule(args.scheduling, args.stages, args.microbatches, r).validate()
+    return _build(args.scheduling, args.stages, args.microbatches, r, args.virtual_stages).validate()
+
+
+def _build(scheduling: str, num_stages: int, num_microbatches: int, r, virtual_stages: int | None) -> Schedule:
+    """The schedule of the flags; --virtual-stages V (>= 2) only with --scheduling interleaved, which needs it."""
+    v = virtual_stages or 1
+    if (scheduling == Scheduling.INTERLEAVED) != (v > 1):
+        raise CliError("--scheduling interleaved needs --virtual-stages V >= 2" if v == 1 else
+                       f"--virtual-stages {v} needs --scheduling interleaved (1f1b and ours run one chunk per rank)")
+    try:
+        return build_schedule(scheduling, num_stages, num_microbatches, r, num_chunks=v)
+    except ScheduleError as exc:
+        raise CliError(f"--scheduling {scheduling} --virtual-stages {v}: {exc}") from None
+
+
+def _chunk_profile(profile, num_chunks: int):
+    """The profile's costs per model chunk (split evenly without a chunk column)."""
+    if num_chunks == 1:
+        return profile
+    try:
+        return profile.for_chunks(num_chunks)
+    except ProfileError as exc:
+        raise CliError(str(exc)) from None
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:

@@ -45,6 +45,8 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
             )
         ignored = [flag for flag, given in (
             ("--max-inflight", args.max_inflight is not None), ("--reconfig-step", args.reconfig_step is not None),
+            ("--switch-cost-j", args.switch_cost_j is not None),
+            ("--max-clock-changes", args.max_clock_changes is not None),
             ("--p2p-latency", args.p2p_latency != 0.0), ("--comm paired", args.comm != CommModel.PER_DIRECTION),
         ) if given]
         if ignored:
@@ -79,14 +81,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         max_slowdown = args.max_slowdown if args.max_slowdown is not None else 0.0
         config = planner_config(args, gpu, args.type, args.reconfig, reconfig_step_mhz=args.reconfig_step,
-                                max_slowdown=max_slowdown, target_time_s=args.target_time)
+                                max_slowdown=max_slowdown, target_time_s=args.target_time,
+                                switch_cost_j=args.switch_cost_j, max_clock_changes=args.max_clock_changes)
         result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
     data = result_to_dict(result, profile, extra)
     picture = None
     if args.plot is not None:
         picture = timelines_image(
             [
-                ("baseline: 1F1B at f_max", result.baseline_plan, result.baseline_timeline),
+                (f"baseline: {result.config.baseline_name}", result.baseline_plan, result.baseline_timeline),
                 (f"plan: {result.config.plan_type}/{result.config.scheduling}/{result.config.reconfig}",
                  result.plan, result.timeline),
             ],
@@ -145,7 +148,8 @@ def _print_frontier(fr: Frontier, profile: Profile, target_time: float | None, p
     print(f"pipeline    {fr.num_stages} stages x {fr.schedule.num_microbatches} micro-batches; schedule {fr.schedule.name}"
           + (f", extra warm-up {list(fr.schedule.extra_warmup)}" if fr.schedule.name == Scheduling.OURS else "")
           + f"; peak in-flight activations {list(fr.schedule.peak_inflight())}; P2P {fr.p2p_power_w:g} W")
-    print(f"baseline    {b.iteration_time_s:.4f} s  {b.energy_j:.1f} J   (1F1B, all at f_max)")
+    shown = "1F1B, all at f_max" if fr.config.virtual_stages == 1 else fr.config.baseline_name
+    print(f"baseline    {b.iteration_time_s:.4f} s  {b.energy_j:.1f} J   ({shown})")
     print(f"frontier    {len(fr.points)} plans from {fr.fastest_s:.4f} s (fastest) to {fr.valley_s:.4f} s "
           f"(energy valley), {fr.planner_seconds:.2f} s to compute\n")
     print(f"{'time s':>10}{'energy J':>12}{'saving':>9}{'slowdown':>10}")

@@ -66,13 +66,17 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
         "valley_mhz": list(result.valley_mhz),
         "baseline": {
             **score_dict(result.baseline),
-            "scheduling": Scheduling.ONE_F_ONE_B.value,
+            "name": cfg.baseline_name,
+            "scheduling": result.baseline_plan.schedule.name,
+            "virtual_stages": cfg.virtual_stages,
             "peak_inflight_activations": list(result.baseline_plan.schedule.peak_inflight()),
             "frequency_mhz": result.f_max_mhz,
         },
         "plan": plan_dict,
         "energy_saving": result.energy_saving,
         "slowdown": result.slowdown,
+        "clock_changes_per_rank_per_iteration": list(result.plan.clock_changes()),
+        "clock_switching": result.details.get("clock_switching"),
         "iterations": result.iterations,
         "converged": result.converged,
         "stop_reason": result.stop_reason,
@@ -104,6 +108,20 @@ def in_flight_text(result: PlanResult) -> str:
             + (f"; budget {show_budget(budget)}" if budget is not None else "") + ")")
 
 
+def clock_changes_text(result: PlanResult) -> str:
+    """``clock changes per rank per iteration [...] (mean x; before the switch-cost pass [...])``."""
+    changes = result.plan.clock_changes()
+    text = f"clock changes per rank per iteration {list(changes)} (mean {sum(changes) / len(changes):.1f}"
+    sw = result.details.get("clock_switching")
+    if sw:
+        before = sw["clock_changes_before"]
+        rules = ([f"changes saving less than {sw['switch_cost_j']:g} J merged"] if sw["switch_cost_j"] else []) + (
+            [f"at most {sw['max_clock_changes']} per rank"] if sw["max_clock_changes"] else [])
+        text += (f"; {sum(before) / len(before):.1f} before the switching pass ({', '.join(rules)}), "
+                 f"which cost {sw['energy_given_up_j']:+.1f} J")
+    return text + ")"
+
+
 def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None) -> None:
     """``envpipe plan``'s text report: sizes, clocks, baseline vs plan, then EnvPipe's printout."""
     out = out or sys.stdout
@@ -130,7 +148,8 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
         )
     print("", file=out)
     print(f"{'':10}{'iteration time':>16}{'energy':>16}", file=out)
-    print(f"{'baseline':10}{b.iteration_time_s:>14.4f} s{b.energy_j:>14.1f} J   (1F1B, all at f_max)", file=out)
+    shown = "1F1B, all at f_max" if cfg.virtual_stages == 1 else cfg.baseline_name
+    print(f"{'baseline':10}{b.iteration_time_s:>14.4f} s{b.energy_j:>14.1f} J   ({shown})", file=out)
     print(f"{'plan':10}{p.iteration_time_s:>14.4f} s{p.energy_j:>14.1f} J", file=out)
     print(
         f"\nenergy saving {100 * result.energy_saving:.2f} %   slowdown {100 * result.slowdown:.2f} %   "
@@ -138,6 +157,7 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
         f"{result.planner_seconds:.3f} s to plan)",
         file=out,
     )
+    print(f"clocks      {clock_changes_text(result)}", file=out)
     print(f"stopped: {result.stop_reason}", file=out)
     if result.deadline_s is not None:
         d = result.details

@@ -23,7 +23,18 @@ Method (deterministic):
    ``0 <= x_vj <= segment length``, cost slope per segment) so the only rows
    are precedence constraints; ``end_v <= T <= D``. Solved with HiGHS
    (``highspy``, warm-started across deadlines; or ``scipy.optimize.linprog``).
-   Its optimum is a lower bound on every plan's energy.
+   Its optimum is a lower bound on every plan's energy. Costs are read per
+   (stage, model chunk, instruction) through the evaluator's ``cost_keys``.
+   At scale (the LP is most of the time from P = 16 on): the matrix is built
+   in one go in numpy (:func:`.rows.schedule_csc`); ``ours``'s extra warm-up
+   candidates start from the best one's optimal basis so far and stop as soon
+   as their bound cannot win (HiGHS's objective bound: a candidate cut off
+   could not have been the plan); a long steady state with no slack (1F1B at
+   zero slowdown, M >= 6 max(P, warm-up), >= 3000 units) starts from the
+   optimum of a 3x shorter pipeline with its middle micro-batch repeated,
+   which the exact solve then only has to confirm or correct
+   (:meth:`.model.TimeEnergyModel.shorter_pipeline_start`); HiGHS prices
+   with Devex (faster than steepest edge on these LPs).
 3. **Rounding** to real clocks: a forward pass in topological order gives each
    unit the slowest option that still lets it finish by its latest finish time
    computed from target durations (so the plan is feasible by construction),
@@ -42,7 +53,7 @@ Method (deterministic):
    iteration overshoots the deadline, raise the clock of the unit on the
    critical path with the cheapest marginal energy per second saved.
 
-On the shipped A40 profiles (8 stages, M = 12..96) a plan takes 0.1-0.7 s and
+On the shipped A40 profiles (8 stages, M = 12..96) a plan takes 0.1-0.4 s and
 lands within 0.01-1 % of the LP bound (1F1B's gap is mostly the bound's: the
 discrete clocks cannot fill the steady state's slack exactly); on small
 instances it is within 0.5 % of the exact MILP optimum (:mod:`.milp`, tests).

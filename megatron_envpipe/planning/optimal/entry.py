@@ -23,6 +23,11 @@ from megatron_envpipe.planning.basis import (
 from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL, InfeasibleDeadline
 from megatron_envpipe.planning.optimal.model import TimeEnergyModel
 
+# Small problems (at most this many units) also round the runner-up schedule when its LP bound
+# is within this of the best one's: rounding, not the bound, decides between close candidates.
+RUNNER_UP_MAX_UNITS = 800
+RUNNER_UP_RTOL = 0.002
+
 
 def extra_warmup_candidates(
     profile: Profile,
@@ -103,23 +108,42 @@ class RankedSchedule(NamedTuple):
 
 
 def rank_schedules(
-    setup: OptimalSetup, profile: Profile, config: PlannerConfig, deadline: float, padded: bool
+    setup: OptimalSetup, profile: Profile, config: PlannerConfig, deadline: float, padded: bool,
+    cut_off: list[str] | None = None,
 ) -> list[RankedSchedule]:
-    """Models of the candidate schedules that can meet ``deadline``, best LP bound first."""
+    """Models of the candidate schedules that can meet ``deadline``, best LP bound first.
+
+    A candidate whose LP was stopped because it cannot win gets the bound
+    ``inf`` (ranked last) and its label is appended to ``cut_off``.
+    """
+    cut_off = [] if cut_off is None else cut_off
     ranked = []
     skipped = []
+    warm = None
+    best = math.inf
+    weight = 0.0 if padded else setup.p2p_power_w * setup.num_stages
     for label, schedule in setup.schedules:
         model = setup.model(schedule, profile, config)
         fastest = model.fastest_time_s()
         if fastest > deadline * (1 + FEASIBILITY_RTOL):
             skipped.append((fastest, len(skipped), label, schedule))
             continue
-        _, _, bound = model.solve_lp(deadline, 0.0 if padded else setup.p2p_power_w * setup.num_stages)
-        ranked.append(RankedSchedule(bound, len(ranked), label, schedule, model))
+        # Each LP starts from the best one's optimal basis so far (same shape, a few units moved) and
+        # stops once its bound cannot make it the one plan_optimal rounds (or a runner-up it rounds too).
+        cutoff = best * (1 + RUNNER_UP_RTOL) if model.n <= RUNNER_UP_MAX_UNITS else best
+        answer = model.lp_bound(deadline, weight, warm, cutoff)
+        if answer is None:
+            cut_off.append(label)
+            ranked.append(RankedSchedule(math.inf, len(ranked), label, schedule, model))
+            continue
+        if answer[2] < best:
+            best, warm = answer[2], model.lp_basis()
+        ranked.append(RankedSchedule(answer[2], len(ranked), label, schedule, model))
     if not ranked:
         fastest, _, label, schedule = min(skipped)
         what = (
             "1F1B at f_max" if schedule.name == Scheduling.ONE_F_ONE_B
+            else f"{config.baseline_name}" if not schedule.extra_warmup
             else f"{schedule.name} (extra warm-up {list(schedule.extra_warmup)}) at f_max"
         )
         raise InfeasibleDeadline(
@@ -155,12 +179,13 @@ def plan_optimal(
         float(config.target_time_s) if padded
         else baseline_score.iteration_time_s * (1.0 + config.max_slowdown)
     )
-    ranked = rank_schedules(setup, profile, config, deadline, padded)
+    cut_off: list[str] = []
+    ranked = rank_schedules(setup, profile, config, deadline, padded, cut_off)
     best_bound = ranked[0].lp_bound_j
     best = None
     # Round the best-ranked schedule, and (small problems) a runner-up whose bound is within 0.2 %.
-    for bound, _, label, schedule, model in ranked[: 2 if ranked[0].model.n <= 800 else 1]:
-        if best is not None and bound > best_bound * 1.002:
+    for bound, _, label, schedule, model in ranked[: 2 if ranked[0].model.n <= RUNNER_UP_MAX_UNITS else 1]:
+        if best is not None and bound > best_bound * (1 + RUNNER_UP_RTOL):
             break
         sol = model.solve(deadline, padded=padded)
         energy = sol.score.energy_j + (p2p * p * (deadline - sol.score.iteration_time_s) if padded else 0.0)
@@ -180,6 +205,7 @@ def plan_optimal(
             {lab: list(s.extra_warmup) for lab, s in setup.schedules} if config.scheduling == Scheduling.OURS else {}
         ),
         "extra_warmup_chosen": label if config.scheduling == Scheduling.OURS else None,
+        "extra_warmup_cut_off": cut_off,  # LP stopped early: its bound could not beat the chosen one
         **sol.stats,
     }
     if padded:
@@ -218,7 +244,7 @@ def plan_optimal(
     )
     if result.slowdown > SLOWDOWN_WARNING:
         warnings.append(
-            f"this plan is {100 * result.slowdown:.2f}% slower than the baseline (1F1B at {f_max} MHz), "
+            f"this plan is {100 * result.slowdown:.2f}% slower than the baseline ({config.baseline_name}, {f_max} MHz), "
             + ("as the target iteration time allows" if padded else "as --max-slowdown allows")
         )
     result.planner_seconds = time.perf_counter() - t0

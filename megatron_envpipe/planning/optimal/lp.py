@@ -24,6 +24,8 @@ class LpBackend:
 
     status: Any
     optimal: bool
+    cut_off: bool = False  # the last solve stopped once its bound passed set_objective_bound's
+    warm_starts: bool = False  # set_start / set_basis / set_objective_bound do something
     mip_gap: float | None
     mip_dual_bound: float | None
 
@@ -35,6 +37,23 @@ class LpBackend:
 
     def solve(self) -> tuple[bool, Any, float]:
         raise NotImplementedError
+
+    def set_objective_bound(self, bound: float) -> None:
+        """Stop a solve (not ok, ``cut_off``) once the optimum is proven above ``bound`` (inf: never).
+
+        The dual simplex's objective only rises towards the optimum, so a
+        candidate that cannot beat the best one so far is dropped early. A
+        backend without the option solves to the end (same answer, slower)."""
+
+    def set_start(self, x: Any) -> None:
+        """Start the next solve from column values ``x`` (a guess: feasible or not; the solve stays exact)."""
+
+    def basis(self) -> Any:
+        """The last solve's basis, to warm-start an LP of the same shape (None: this backend has none)."""
+        return None
+
+    def set_basis(self, basis: Any) -> None:
+        """Start the next solve from ``basis`` (ignored where the backend or the shape does not fit)."""
 
 
 # The first highspy.Highs() of a process prints a banner to the C-level stdout, before
@@ -72,6 +91,8 @@ def new_highs(highspy: Any) -> Any:
 
 
 class HighsBackend(LpBackend):
+    warm_starts = True
+
     def __init__(self, np, highspy, c, start, index, value, row_lo, row_up, col_lo, col_up, integer=None,
                  time_limit_s=None, mip_rel_gap=None):
         self.np, self.highspy = np, highspy
@@ -81,6 +102,10 @@ class HighsBackend(LpBackend):
             h.setOptionValue("time_limit", float(time_limit_s))
         if mip_rel_gap is not None:
             h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+        if integer is None:
+            # Devex pricing: the planner's LPs (long chains of end times, dense basis updates) solve
+            # 20-30 % faster than with dual steepest edge (P = 16 and 32 pipelines, same optimum).
+            h.setOptionValue("simplex_dual_edge_weight_strategy", 1)
         lp = highspy.HighsLp()
         lp.num_col_ = len(c)
         lp.num_row_ = len(row_lo)
@@ -108,6 +133,24 @@ class HighsBackend(LpBackend):
         np = self.np
         self.h.changeColsCost(len(cols), np.asarray(cols, dtype=np.int32), np.asarray(costs, float))
 
+    def set_objective_bound(self, bound):
+        self.h.setOptionValue("objective_bound", float(bound))
+
+    def set_start(self, x):
+        sol = self.highspy.HighsSolution()
+        sol.col_value = list(x)
+        sol.value_valid = True
+        self.h.setSolution(sol)
+
+    def basis(self):
+        b = self.h.getBasis()
+        return b if b.valid else None
+
+    def set_basis(self, basis):
+        h = self.h
+        if len(basis.col_status) == h.getNumCol() and len(basis.row_status) == h.getNumRow():
+            h.setBasis(basis)  # HiGHS checks it, and starts from scratch if it does not fit
+
     def solve(self):
         h = self.h
         h.run()
@@ -116,6 +159,7 @@ class HighsBackend(LpBackend):
         sol = h.getSolution()
         info = h.getInfo()
         ok = status == ms.kOptimal
+        self.cut_off = status == ms.kObjectiveBound
         self.status = h.modelStatusToString(status)
         if not ok and status in (ms.kTimeLimit, ms.kInterrupt) and sol.value_valid:
             ok = True  # MILP: best incumbent within the time limit

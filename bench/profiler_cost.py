@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Start-up profiler cost against EnvPipe's, its accuracy, and what the plan loses (issue 13, item 3).
+
+Goal: profiler iterations <= 1/3 of EnvPipe's (6 iterations per clock over the
+same coarse clocks, envpipe.md §5) on the shipped A40 profiles and on a
+synthetic profile whose valley is the lowest clock (no early stop), with the
+profile as accurate as before. Each case profiles simulated GPUs (8 stages,
+real time, energy from the counter poller) twice in the same run: with the
+previous sweep (2 iterations per clock, no refinement) and with the current
+one (the runtime's :func:`~megatron_envpipe.gpu.sweep.startup_sweep`), and
+prints:
+
+* iterations, EnvPipe's iterations on the same clocks, the ratio;
+* accuracy: the largest relative error of the measured time and energy against
+  the driving profile at every measured clock (every clock the planner may use);
+* plan quality: ``envelope`` and ``optimal`` plans (ours, balanced, M = 12 and
+  24) made from the measured profile, scored on the driving profile, against
+  the plan made from the driving profile at all its clocks.
+
+    python bench/profiler_cost.py [--time-scale 0.01] [--microbatches 4] [--cases gpt3,bloom,synthetic] [--repeat 1]
+
+(``--cases three-stage --time-scale 0.02`` is the accuracy test's set-up in tests/gpu/test_sweep.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.gpu.sweep import COST_SHARE_OF_ENVPIPE, ClockSweep, startup_sweep, sweep_candidates
+from megatron_envpipe.testing.profiler_runs import (
+    a40_three_stages,
+    low_valley_profile,
+    plan_check,
+    profile_on_simulated_gpus,
+    relative_errors,
+)
+
+CASES = {
+    "gpt3": lambda: Profile.from_csv(shipped_profile("a40/gpt3-175b")),
+    "bloom": lambda: Profile.from_csv(shipped_profile("a40/bloom-176b")),
+    "synthetic": lambda: low_valley_profile(8),
+    "three-stage": lambda: a40_three_stages(),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--time-scale", type=float, default=0.01, help="wall seconds per simulated second")
+    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per profiling iteration")
+    ap.add_argument("--cases", default="gpt3,bloom,synthetic", help="comma-separated: " + ",".join(CASES))
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="profile each case this many times per sweep; errors are the median over them")
+    args = ap.parse_args()
+    if not (0 < args.time_scale <= 1) or args.microbatches < 1 or args.repeat < 1:
+        ap.error("--time-scale must be in (0, 1], --microbatches and --repeat >= 1")
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    bad = [c for c in names if c not in CASES]
+    if bad or not names:
+        ap.error(f"--cases: unknown {bad}; choose from {', '.join(CASES)}")
+    a40 = get_gpu_spec("a40")
+    p2p = a40.known_p2p_power_w()
+    ok = True
+    for name in names:
+        truth = CASES[name]()
+        clocks = truth.common_frequencies()
+        def previous(clocks):  # the sweep before issue 13: 2 iterations at every clock, nothing refined
+            return ClockSweep(sweep_candidates(clocks, a40.profile_step_mhz), iterations_per_clock=2, adaptive=False)
+
+        def current(clocks):  # what the runtime runs now
+            return startup_sweep(clocks, a40.profile_step_mhz, a40.reconfig_step_mhz)
+
+        print(f"\n== {name}: {truth.source}, {truth.num_stages} stages, {len(clocks)} clocks "
+              f"{clocks[0]}..{clocks[-1]} MHz (simulated A40, time scale {args.time_scale})")
+        print(f"{'sweep':<10}{'iterations':>11}{'EnvPipe':>9}{'ratio':>8}{'clocks':>8}{'refined':>9}"
+              f"{'early stop':>12}{'max err time':>14}{'max err energy':>16}{'P2P W':>8}{'wall s':>8}")
+        measured = {}
+        for label, make in (("previous", previous), ("current", current)):
+            errors = []
+            for _ in range(args.repeat):
+                sweep = make(clocks)
+                wall = profile_on_simulated_gpus(truth, sweep, p2p_power_w=p2p, time_scale=args.time_scale,
+                                                 microbatches=args.microbatches)
+                errors.append(relative_errors(truth, sweep.rows()))
+            err_t = statistics.median(e[0] for e in errors)
+            err_e = statistics.median(e[1] for e in errors)
+            measured[label] = sweep.profile()
+            print(f"{label:<10}{sweep.iterations_used:>11}{sweep.envpipe_iterations():>9}{sweep.cost_share():>8.3f}"
+                  f"{len(sweep.measured_clocks_mhz()):>8}{len(sweep.refined_clocks_mhz()):>9}"
+                  f"{'yes' if sweep.stopped_early else 'no':>12}{100 * err_t:>13.3f}%{100 * err_e:>15.3f}%"
+                  f"{sweep.p2p_power_w():>8.2f}{wall:>8.1f}")
+        new = sweep
+        print(f"current: {new.summary()}")
+        if new.cost_share() > COST_SHARE_OF_ENVPIPE + 1e-9:
+            ok = False
+            print(f"GOAL MISSED: {new.iterations_used} iterations > 1/3 of EnvPipe's {new.envpipe_iterations()}")
+        print(f"{'plan':<10}{'M':>4}{'from truth':>12}{'previous':>10}{'current':>10}{'gap prev':>10}"
+              f"{'gap cur':>9}{'slowdown cur':>14}  (energy saving on the driving profile, %; gap in points)")
+        for plan_type in ("envelope", "optimal"):
+            for m in (12, 24):
+                prev = plan_check(measured["previous"], truth, m, plan_type, a40, p2p)
+                cur = plan_check(measured["current"], truth, m, plan_type, a40, p2p)
+                if not cur.clocks_measured_only:
+                    ok = False
+                    print("ERROR: the current plan uses a clock that was not measured")
+                print(f"{plan_type:<10}{m:>4}{100 * cur.true_saving:>12.2f}{100 * prev.measured_saving:>10.2f}"
+                      f"{100 * cur.measured_saving:>10.2f}{prev.gap_points:>10.2f}{cur.gap_points:>9.2f}"
+                      f"{100 * cur.measured_slowdown:>+13.2f}%")
+    print("\nall cases within 1/3 of EnvPipe's iterations" if ok else "\nsome case missed the goal")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""Fewer clock changes: a post-pass that merges a unit run's clock into its neighbour's when switching buys little.
+
+Optimal plans change the SM clock at almost every unit (interleaved.md finding (c): 160-185
+changes per rank per iteration at V = 2), yet many of those changes save a fraction of a joule:
+neighbouring units sit on the same slack and differ by one clock step. Each change has a price
+the profile does not show (the lock call, the transition during which the GPU runs at neither
+clock), so a change is only worth keeping when it saves more than that price.
+
+The pass works per rank on *runs* (maximal stretches of consecutive units at one clock, in
+execution order). Merging a run means giving it a neighbouring run's clock, which removes one
+change (two when both neighbours share that clock). At a fixed iteration time a unit costs its
+*effective* energy ``E(f) - P_p2p * t(f)`` (the optimal planner's objective), so the energy a
+merge gives up is the run's effective-energy difference, exact while the iteration time stays
+put and an upper bound when a faster clock shortens it.
+
+* **Switch cost** ``switch_cost_j``: merges are taken greedily, best first, while the energy
+  given up is below ``switch_cost_j`` per change removed (so energy + switch_cost x changes
+  only falls).
+* **Budget** ``max_clock_changes``: then, on every rank still above the budget, the merges that
+  give up the least energy per change removed, until the rank is within it. A higher clock is
+  not always a shorter unit (profiles are measured: Bloom's stage 0 forward takes longer at
+  1740 MHz than at 1560 MHz), so a rank may have no merge left that meets the deadline: it is
+  then listed in ``budget_unmet`` (the planner warns) rather than made slower.
+
+**Deadline.** A faster clock never delays any unit (the simulation is an earliest-start walk);
+a slower one is accepted only if the iteration still ends by ``deadline_s``. The pass keeps the
+simulated timeline exact incrementally (a merge recomputes only the units downstream of it, with
+the simulator's own recurrence), so each check costs what the change touches, not a whole
+simulation. The result is simulated and scored again by the evaluator.
+
+**Default switch cost.** ``DEFAULT_SWITCH_LATENCY_S`` x the P2P blocking power: a GPU whose clock
+is being changed is assumed to spend that long doing nothing useful at blocking power. 10 ms is
+an assumption, not a measurement of ours (EnvPipe's code neither measures nor states a latency;
+Velicka et al., arXiv 2502.20075, show it differs markedly between GPUs): measure it with
+``bench/gpu_probe.py`` and pass ``--switch-cost-j`` (latency x power) for your GPU.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from megatron_envpipe.core.graph import latest_times, successors
+from megatron_envpipe.core.plan import FrequencyPlan
+from megatron_envpipe.core.profile import ProfileError
+from megatron_envpipe.core.timeline import PlanEvaluator, PlanScore, Timeline
+from megatron_envpipe.errors import UsageError
+
+DEFAULT_SWITCH_LATENCY_S = 0.010  # assumed time lost per clock change (see the module docstring)
+MAX_SWITCH_COST_J = 1e6
+_RTOL = 1e-12  # a plan meets its deadline when its makespan is at most deadline x (1 + _RTOL)
+
+
+class SwitchingError(UsageError, ValueError):
+    """A switch cost or clock-change budget that cannot be used."""
+
+
+def default_switch_cost_j(p2p_power_w: float) -> float:
+    """The switch cost used when none is given: ``DEFAULT_SWITCH_LATENCY_S`` x the P2P blocking power."""
+    return DEFAULT_SWITCH_LATENCY_S * p2p_power_w
+
+
+def check_switching(switch_cost_j: float | None, max_clock_changes: int | None) -> None:
+    """Range and kind of the two knobs (None: not given); SwitchingError naming the flag otherwise."""
+    if switch_cost_j is not None and (isinstance(switch_cost_j, bool) or not isinstance(switch_cost_j, int | float)
+                                      or not 0 <= switch_cost_j <= MAX_SWITCH_COST_J):
+        raise SwitchingError(f"switch cost (--switch-cost-j) must be a finite number of joules between 0 and "
+                             f"{MAX_SWITCH_COST_J:g} per clock change, got {switch_cost_j!r}")
+    if max_clock_changes is not None and (isinstance(max_clock_changes, bool) or not isinstance(max_clock_changes, int)
+                                          or max_clock_changes < 1):
+        raise SwitchingError(f"clock-change budget (--max-clock-changes) must be a whole number >= 1 per rank per "
+                             f"iteration (the first lock counts), got {max_clock_changes!r}")
+
+
+@dataclass(frozen=True)
+class SwitchingResult:
+    """A plan after the pass, scored, with what the pass changed."""
+
+    plan: FrequencyPlan
+    timeline: Timeline
+    score: PlanScore
+    deadline_s: float
+    switch_cost_j: float
+    max_clock_changes: int | None
+    changes_before: tuple[int, ...]  # per rank per iteration, the first lock counted (FrequencyPlan.clock_changes)
+    changes_after: tuple[int, ...]
+    energy_before_j: float
+    merges: int
+    budget_unmet: tuple[int, ...]  # ranks still above max_clock_changes: no merge left meets the deadline
+    exact_checks: int  # merges that slowed some unit, so needed a deadline check
+
+    @property
+    def energy_given_up_j(self) -> float:
+        return self.score.energy_j - self.energy_before_j
+
+    def summary(self) -> dict:
+        """The JSON entry ``clock_switching`` of a plan."""
+        return {
+            "switch_cost_j": self.switch_cost_j,
+            "max_clock_changes": self.max_clock_changes,
+            "clock_changes_before": list(self.changes_before),
+            "clock_changes_after": list(self.changes_after),
+            "energy_before_j": self.energy_before_j,
+            "energy_given_up_j": self.energy_given_up_j,
+            "switch_energy_saved_j": self.switch_cost_j * (sum(self.changes_before) - sum(self.changes_after)),
+            "merges": self.merges,
+            "budget_unmet_ranks": list(self.budget_unmet),
+            "exact_deadline_checks": self.exact_checks,
+        }
+
+
+class _Run:
+    """Units ``start..end-1`` (positions on one rank) at one clock; a node of the rank's linked list."""
+
+    __slots__ = ("stage", "start", "end", "freq", "prev", "next", "version", "alive")
+
+    def __init__(self, stage: int, start: int, end: int, freq: int) -> None:
+        self.stage, self.start, self.end, self.freq = stage, start, end, freq
+        self.prev: _Run | None = None
+        self.next: _Run | None = None
+        self.version = 0
+        self.alive = True
+
+
+class _Pass:
+    """The state of one pass over one plan: per-clock unit tables, runs per rank, the exact timeline."""
+
+    def __init__(self, plan: FrequencyPlan, evaluator: PlanEvaluator, deadline_s: float) -> None:
+        self.schedule = plan.schedule
+        self.evaluator = evaluator
+        self.graph = evaluator.graph
+        self.deadline_s = deadline_s
+        self.freqs = plan.flat()
+        self.offset = []
+        k = 0
+        for order in self.schedule.orders:
+            self.offset.append(k)
+            k += len(order)
+        self.n = k
+        p2p = evaluator.p2p_power_w
+        # Per clock, every unit's duration and effective energy, as prefix sums along each rank: a run's
+        # cost at any clock is then two lookups. A clock not profiled for every unit is no merge target.
+        self.durations: dict[int, list[float]] = {}
+        self.prefix: dict[int, list[float]] = {}
+        for f in sorted(set(self.freqs)):
+            try:
+                dur = evaluator.durations([f] * self.n)
+                energy = evaluator.unit_energies([f] * self.n)
+            except ProfileError:
+                continue
+            self.durations[f] = dur
+            acc, pre = 0.0, [0.0]
+            for d, e in zip(dur, energy):
+                acc += e - p2p * d
+                pre.append(acc)
+            self.prefix[f] = pre
+        self.succs = successors(self.graph.preds)
+        self.topo_pos = [0] * self.n
+        for i, v in enumerate(self.graph.order):
+            self.topo_pos[v] = i
+        self.dur = evaluator.durations(self.freqs)
+        timeline = self.graph.simulate(self.dur)
+        self.start, self.end = list(timeline.start_s), list(timeline.end_s)
+        self.latest_start, self.latest_finish = latest_times(self.graph.order, self.succs, self.dur, deadline_s)
+        self.runs: list[list[_Run]] = []
+        for s, row in enumerate(plan.freqs_mhz):
+            runs: list[_Run] = []
+            i = 0
+            while i < len(row):
+                j = i
+                while j < len(row) and row[j] == row[i]:
+                    j += 1
+                run = _Run(s, i, j, row[i])
+                if runs:
+                    runs[-1].next, run.prev = run, runs[-1]
+                runs.append(run)
+                i = j
+            self.runs.append(runs)
+        self.changes = [len(r) for r in self.runs]  # == FrequencyPlan.clock_changes()
+        self.merges = 0
+        self.exact_checks = 0
+
+    # -- timing --------------------------------------------------------------------------
+    def _fits(self, first: int, last: int, freq: int) -> bool:
+        """Run units ``first..last-1`` (flat) at ``freq`` if the iteration still ends by the deadline.
+
+        The timeline (earliest start/end) and the latest finish times for the deadline are kept
+        exact incrementally: a merge recomputes only the units downstream (and upstream) of it, with
+        the simulator's own recurrences, so the numbers are bit for bit a full simulation's. A merge
+        that slows units is first checked along its own rank (a lower bound of the new end times
+        against the latest finish times: a cheap, exact rejection), then by propagation, which is
+        undone when anything would end after the deadline.
+        """
+        table = self.durations[freq]
+        dur, end, lf = self.dur, self.end, self.latest_finish
+        old_dur = dur[first:last]
+        new_dur = table[first:last]
+        slower = any(b > a for a, b in zip(old_dur, new_dur))
+        if slower:
+            self.exact_checks += 1
+            if all(b >= a for a, b in zip(old_dur, new_dur)):
+                # Nothing gets faster, so no unit ends earlier than now: walking the run with the
+                # current ends of its other inputs gives lower bounds of its new end times.
+                preds = self.graph.preds
+                chain = -math.inf
+                for v in range(first, last):
+                    t = 0.0
+                    for u, lat in preds[v]:
+                        ready = (chain if first <= u < last else end[u]) + lat
+                        if ready > t:
+                            t = ready
+                    chain = t + dur[v] + (new_dur[v - first] - old_dur[v - first])
+                    if chain > lf[v] * (1 + _RTOL):
+                        return False
+        dur[first:last] = new_dur
+        undo = self._forward(range(first, last), self.deadline_s * (1 + _RTOL) if slower else math.inf)
+        if undo is None:
+            dur[first:last] = old_dur
+            return False
+        self._backward(range(first, last))
+        return True
+
+    def _forward(self, seeds: range, limit: float) -> list[tuple[int, float, float]] | None:
+        """Earliest start/end again downstream of ``seeds``; None (and nothing changed) if an end passes ``limit``."""
+        dur, start, end = self.dur, self.start, self.end
+        pos, preds, succs = self.topo_pos, self.graph.preds, self.succs
+        heap = [(pos[v], v) for v in seeds]
+        heapq.heapify(heap)
+        queued = set(seeds)
+        undo: list[tuple[int, float, float]] = []
+        while heap:
+            _, v = heapq.heappop(heap)
+            t = 0.0
+            for u, lat in preds[v]:
+                ready = end[u] + lat
+                if ready > t:
+                    t = ready
+            e = t + dur[v]
+            if t == start[v] and e == end[v]:
+                continue
+            undo.append((v, start[v], end[v]))
+            changed_end = e != end[v]
+            start[v], end[v] = t, e
+            if e > limit:
+                for w, s0, e0 in reversed(undo):
+                    start[w], end[w] = s0, e0
+                return None
+            if changed_end:
+                for w, _ in succs[v]:
+                    if w not in queued:
+                        queued.add(w)
+                        heapq.heappush(heap, (pos[w], w))
+        return undo
+
+    def _backward(self, seeds: range) -> None:
+        """Latest start/finish again upstream of ``seeds`` (as ``core.graph.latest_times``)."""
+        dur, ls, lf = self.dur, self.latest_start, self.latest_finish
+        pos, preds, succs, deadline = self.topo_pos, self.graph.preds, self.succs, self.deadline_s
+        heap = [(-pos[v], v) for v in seeds]
+        heapq.heapify(heap)
+        queued = set(seeds)
+        while heap:
+            _, v = heapq.heappop(heap)
+            t = deadline
+            for w, lat in succs[v]:
+                by = ls[w] - lat
+                if by < t:
+                    t = by
+            new_ls = t - dur[v]
+            if t == lf[v] and new_ls == ls[v]:
+                continue
+            lf[v] = t
+            changed = new_ls != ls[v]
+            ls[v] = new_ls
+            if changed:
+                for u, _ in preds[v]:
+                    if u not in queued:
+                        queued.add(u)
+                        heapq.heappush(heap, (-pos[u], u))
+
+    # -- merges --------------------------------------------------------------------------
+    def loss_j(self, run: _Run, freq: int) -> float:
+        """Effective energy run ``run`` gives up at ``freq`` (negative: it saves energy)."""
+        base = self.offset[run.stage]
+        new, old = self.prefix[freq], self.prefix[run.freq]
+        a, b = base + run.start, base + run.end
+        return (new[b] - new[a]) - (old[b] - old[a])
+
+    def candidates(self, run: _Run) -> list[tuple[int, int, float]]:
+        """(clock, changes removed, energy given up) for each neighbour clock ``run`` could take."""
+        if run.freq not in self.prefix:
+            return []
+        out = []
+        for freq in {r.freq for r in (run.prev, run.next) if r is not None}:
+            if freq not in self.prefix:
+                continue
+            removed = sum(1 for r in (run.prev, run.next) if r is not None and r.freq == freq)
+            out.append((freq, removed, self.loss_j(run, freq)))
+        return sorted(out)
+
+    def apply(self, run: _Run, freq: int) -> list[_Run] | None:
+        """Give ``run`` the clock ``freq`` if the deadline allows; the runs whose candidates changed, or None."""
+        base = self.offset[run.stage]
+        first, last = base + run.start, base + run.end
+        if not self._fits(first, last, freq):
+            return None
+        self.freqs[first:last] = [freq] * (last - first)
+        run.freq = freq
+        run.version += 1
+        for other in (run.prev, run.next):
+            if other is not None and other.freq == freq:
+                self._absorb(run, other)
+        self.merges += 1
+        return [r for r in (run.prev, run, run.next) if r is not None]
+
+    def _absorb(self, run: _Run, other: _Run) -> None:
+        """Join neighbour ``other`` (same clock) into ``run``."""
+        run.start, run.end = min(run.start, other.start), max(run.end, other.end)
+        if other is run.prev:
+            run.prev = other.prev
+            if other.prev is not None:
+                other.prev.next = run
+        else:
+            run.next = other.next
+            if other.next is not None:
+                other.next.prev = run
+        other.alive = False
+        self.changes[run.stage] -= 1
+
+    def touch(self, runs: Sequence[_Run]) -> None:
+        for r in runs:
+            r.version += 1
+
+    def plan(self) -> FrequencyPlan:
+        return FrequencyPlan.from_flat(self.schedule, self.freqs)
+
+
+def _greedy(state: _Pass, runs: Iterable[_Run], priority: Callable[[int, float], float | None],
+            done: Callable[[], bool] = lambda: False) -> None:
+    """Apply merges of ``runs`` (and of the runs they change), lowest ``priority(changes removed, energy given
+    up)`` first (None: not worth it), skipping those the deadline forbids, until ``done()`` or none is left."""
+    heap: list[tuple[float, int, int, int, _Run]] = []
+    tick = 0
+
+    def push(run: _Run) -> None:
+        nonlocal tick
+        for freq, removed, loss in state.candidates(run):
+            key = priority(removed, loss)
+            if key is not None:
+                heapq.heappush(heap, (key, tick, run.version, freq, run))  # tick: deterministic ties
+                tick += 1
+
+    for run in runs:
+        push(run)
+    while heap and not done():
+        _, _, version, freq, run = heapq.heappop(heap)
+        if not run.alive or run.version != version:
+            continue  # stale: the run changed since
+        changed = state.apply(run, freq)
+        if changed is None:
+            continue  # too slow for the deadline: this run keeps its clock
+        state.touch(changed)
+        for r in changed:
+            push(r)
+
+
+def _alive(runs: Iterable[_Run]) -> Iterator[_Run]:
+    """The runs not absorbed into a neighbour (a merge keeps one of the two objects)."""
+    return (run for run in runs if run.alive)
+
+
+def _by_switch_cost(state: _Pass, switch_cost_j: float) -> None:
+    """Merges giving up less than ``switch_cost_j`` per change removed, the largest net gain first."""
+    def net_loss(removed: int, loss: float) -> float | None:
+        value = loss - removed * switch_cost_j
+        return value if value < 0 else None
+
+    # A merge the deadline forbade may fit once others have sped units up: rounds until none is taken.
+    while True:
+        merges = state.merges
+        _greedy(state, _alive(run for runs in state.runs for run in runs), net_loss)
+        if state.merges == merges:
+            return
+
+
+def _by_budget(state: _Pass, max_changes: int) -> None:
+    """On every rank above ``max_changes``: the merges giving up the least energy per change removed."""
+    # Sweeps over the ranks until none merges: another rank's merges may make room for this one's.
+    while True:
+        merges = state.merges
+        for s in range(len(state.runs)):
+            if state.changes[s] > max_changes:
+                _greedy(state, _alive(state.runs[s]), lambda removed, loss: loss / removed,
+                        lambda s=s: state.changes[s] <= max_changes)
+        if state.merges == merges:
+            return  # every rank within budget, or no merge of the others fits the deadline (reported)
+
+
+def reduce_clock_changes(
+    plan: FrequencyPlan,
+    evaluator: PlanEvaluator,
+    deadline_s: float | None = None,
+    switch_cost_j: float = 0.0,
+    max_clock_changes: int | None = None,
+) -> SwitchingResult:
+    """Merge clocks of neighbouring unit runs per rank (module docstring); the plan never ends after ``deadline_s``.
+
+    ``deadline_s`` None: the plan's own iteration time (the pass never slows the iteration).
+    ``evaluator`` must be the plan's schedule's (it scores the result).
+    """
+    check_switching(switch_cost_j, max_clock_changes)
+    if evaluator.schedule is not plan.schedule and evaluator.schedule.orders != plan.schedule.orders:
+        raise SwitchingError("the evaluator scores another schedule than the plan's")
+    before_timeline = evaluator.simulate(plan.flat())
+    before = evaluator.score(plan.flat(), before_timeline)
+    own = before_timeline.iteration_time_s
+    deadline = own if deadline_s is None else max(float(deadline_s), own)
+    if not math.isfinite(deadline):
+        raise SwitchingError(f"deadline must be a finite number of seconds, got {deadline_s!r}")
+    state = _Pass(plan, evaluator, deadline)
+    if switch_cost_j > 0:
+        _by_switch_cost(state, float(switch_cost_j))
+    if max_clock_changes is not None:
+        _by_budget(state, max_clock_changes)
+    new_plan = state.plan() if state.merges else plan
+    timeline = evaluator.simulate(new_plan.flat()) if state.merges else before_timeline
+    score = evaluator.score(new_plan.flat(), timeline) if state.merges else before
+    if timeline.iteration_time_s > deadline * (1 + 1e-9):  # the tests above are exact or conservative
+        raise AssertionError(f"clock-change pass broke the deadline: {timeline.iteration_time_s} > {deadline}")
+    return SwitchingResult(
+        plan=new_plan,
+        timeline=timeline,
+        score=score,
+        deadline_s=deadline,
+        switch_cost_j=float(switch_cost_j),
+        max_clock_changes=max_clock_changes,
+        changes_before=plan.clock_changes(),
+        changes_after=new_plan.clock_changes(),
+        energy_before_j=before.energy_j,
+        merges=state.merges,
+        budget_unmet=tuple(s for s, c in enumerate(new_plan.clock_changes())
+                           if max_clock_changes is not None and c > max_clock_changes),
+        exact_checks=state.exact_checks,
+    )

@@ -1,0 +1,145 @@
+"""The start-up profiler on simulated GPUs: what it costs, how close it gets, what the plan loses.
+
+Used by ``bench/profiler_cost.py`` and ``tests/gpu/test_profiler_cost.py``. The
+pipeline is driven the way the runtime drives it per profiling iteration: lock
+the sweep's clock on every stage, run each stage's forwards and backwards on
+its :class:`~megatron_envpipe.gpu.simulated.SimulatedGpu` (device-side unit
+windows, as CUDA events give on GPUs), with P2P blocking windows of 2, 4, 6, ...
+ms before the backwards, attribute energy from each stage's background counter
+poller by the per-iteration regression, and record. Nothing is fed exact values.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from megatron_envpipe.core.gpu_specs import GpuSpec
+from megatron_envpipe.core.profile import Profile, ProfilePoint
+from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.core.timeline import PlanEvaluator
+from megatron_envpipe.gpu.energy import EnergyMonitor
+from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.sweep import ClockSweep, ProfileRow, stage_samples, sweep_candidates
+from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.planning.planner import plan_envpipe
+
+__all__ = ["PlanCheck", "a40_three_stages", "low_valley_profile", "plan_check", "profile_on_simulated_gpus", "relative_errors",
+           "restrict_profile"]
+
+INSTRUCTIONS = ("forward", "backward")
+
+
+def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w: float, time_scale: float = 0.01,
+                              microbatches: int = 4, poll_interval_s: float = 0.002) -> float:
+    """Run ``sweep`` to the end on one simulated GPU per stage of ``truth``; returns the wall seconds."""
+    gpus = [SimulatedGpu(truth, s, time_scale=time_scale, p2p_power_w=p2p_power_w) for s in range(truth.num_stages)]
+    monitors = [EnergyMonitor(g, poll_interval_s=poll_interval_s).start() for g in gpus]
+    t0 = time.monotonic()
+    try:
+        while not sweep.done:
+            freq = sweep.next_clock()
+            for g in gpus:
+                g.set_locked_clocks(freq)
+            per_stage = []
+            for s, g in enumerate(gpus):
+                units, blocking = [], []
+                for m in range(microbatches):
+                    for kind in "FB":
+                        if kind == "B":
+                            w0 = time.monotonic()
+                            time.sleep(0.002 * (m + 1))
+                            blocking.append((w0, time.monotonic()))
+                        g.unit_begin(s, kind)
+                        g.unit_end(s, kind)
+                        units.append(g.last_unit_window())
+                per_stage.append(stage_samples(monitors[s], units, blocking, time_scale=time_scale))
+            sweep.record(freq, per_stage)
+    finally:
+        for mon in monitors:
+            mon.stop()
+        for g in gpus:
+            g.reset_locked_clocks()
+    return time.monotonic() - t0
+
+
+def relative_errors(truth: Profile, rows: Iterable[ProfileRow]) -> tuple[float, float]:
+    """Largest relative error of the rows' time and energy against ``truth`` at the same clocks."""
+    worst_t = worst_e = 0.0
+    for r in rows:
+        worst_t = max(worst_t, abs(r.time_s / truth.time_s(r.stage, r.instruction, r.freq_mhz) - 1))
+        worst_e = max(worst_e, abs(r.energy_j / truth.energy_j(r.stage, r.instruction, r.freq_mhz) - 1))
+    return worst_t, worst_e
+
+
+def restrict_profile(profile: Profile, clocks_mhz: Iterable[int]) -> Profile:
+    """``profile`` at ``clocks_mhz`` only (what a profiler measuring just those would give, error-free)."""
+    keep = set(clocks_mhz)
+    points = {(s, ins): [p for p in profile.points(s, ins) if p.freq_mhz in keep]
+              for s in range(profile.num_stages) for ins in INSTRUCTIONS}
+    return Profile(points, source=f"{profile.source} at {len(keep)} clocks")
+
+
+def low_valley_profile(num_stages: int = 8, clocks_mhz: Iterable[int] = range(1740, 854, -15)) -> Profile:
+    """A synthetic profile whose energy valley (also after subtracting 70 W of P2P power x time) is the lowest
+    clock, so a sweep never stops early: time ``t0 (0.3 + 0.7 f_max / f)``, power ``50 + 200 (f / f_max)^2`` W;
+    stage ``s`` does ``1 + 0.08 s`` times the first stage's work."""
+    clocks = sorted(set(int(f) for f in clocks_mhz), reverse=True)
+    f_max = clocks[0]
+    points = {}
+    for s in range(num_stages):
+        for ins, t0 in (("forward", 0.1), ("backward", 0.2)):
+            pts = []
+            for f in clocks:
+                t = t0 * (1 + 0.08 * s) * (0.3 + 0.7 * f_max / f)
+                pts.append(ProfilePoint(f, t, t * (50.0 + 200.0 * (f / f_max) ** 2)))
+            points[(s, ins)] = pts
+    return Profile(points, source="<synthetic: valley at the lowest clock>")
+
+
+def a40_three_stages() -> Profile:
+    """Three distinct real A40 stages (GPT-3 first and last, Bloom last), at every 180 MHz from 1740 down
+    to the profiles' 855 MHz floor (6 clocks): the start-up profiler's accuracy test."""
+    gpt3 = Profile.from_csv(shipped_profile("a40/gpt3-175b"))
+    bloom = Profile.from_csv(shipped_profile("a40/bloom-176b"))
+    clocks = sweep_candidates(gpt3.common_frequencies(), 180)
+    sources = ((gpt3, 0), (gpt3, 7), (bloom, 7))
+    points = {(s, ins): [src.point(st, ins, f) for f in clocks] for s, (src, st) in enumerate(sources)
+              for ins in INSTRUCTIONS}
+    return Profile(points, source="<A40 3 stages>")
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """A plan made from a measured profile, scored on the true one, against the plan made from the truth."""
+
+    plan_type: str
+    num_microbatches: int
+    true_saving: float  # the truth's own plan
+    measured_saving: float  # the measured profile's plan, scored on the truth
+    measured_slowdown: float  # its iteration time on the truth vs the baseline's
+    clocks_measured_only: bool  # every clock the measured plan uses is a measured clock
+
+    @property
+    def gap_points(self) -> float:
+        return 100 * (self.true_saving - self.measured_saving)
+
+
+def plan_check(measured: Profile, truth: Profile, num_microbatches: int, plan_type: str, gpu: GpuSpec,
+               p2p_power_w: float) -> PlanCheck:
+    """Plan ``ours``/``balanced`` of ``plan_type`` from each profile; score both on ``truth``."""
+    cfg = PlannerConfig(plan_type=plan_type, scheduling="ours", reconfig="balanced", gpu=gpu,
+                        p2p_power_w=p2p_power_w)
+    ideal = plan_envpipe(truth, num_microbatches, cfg)
+    got = plan_envpipe(measured, num_microbatches, cfg)
+    flat = got.plan.flat()
+    on_truth = PlanEvaluator(got.schedule, truth, p2p_power_w,
+                             extra_dependencies=cfg.dependencies(got.schedule)).score(flat)
+    measured_clocks = set(measured.common_frequencies())
+    base = ideal.baseline
+    saving = 1 - on_truth.energy_j / base.energy_j if base.energy_j > 0 else 0.0
+    return PlanCheck(plan_type, num_microbatches, ideal.energy_saving, saving,
+                     on_truth.iteration_time_s / base.iteration_time_s - 1,
+                     all(f in measured_clocks for f in flat) and math.isfinite(saving))
