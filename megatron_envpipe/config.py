@@ -23,12 +23,12 @@ from typing import Any
 
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.interleaved import check_interleaved_sizes
+from megatron_envpipe.core.jitter import MAX_JITTER
 from megatron_envpipe.core.memory import (
     AUTO,
     MaxInflight,
     MemoryModel,
     budget_problem,
-    parse_max_inflight,
     show_budget,
 )
 from megatron_envpipe.core.profile import Profile, ProfileError
@@ -47,7 +47,8 @@ from megatron_envpipe.core.vocabulary import (
     coerce_enum,
 )
 from megatron_envpipe.errors import UsageError
-from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.flag_types import fraction, int_list, max_inflight_arg, memory_model_arg
+from megatron_envpipe.planning.basis import MAX_TIMING_MARGIN, PlannerConfig
 from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S, MAX_SWITCH_COST_J
 
 
@@ -81,6 +82,11 @@ class EnvPipeConfig:
     profile_iterations: int = 2  # profiled iterations per clock until two agree (gpu/sweep.py); 1: always one
     profile_cache: str | None = None  # cache dir ("off" disables); default ~/.cache/megatron-envpipe
     sim_time_scale: float = 0.02  # simulated GPU: wall seconds per simulated second
+    sim_jitter: float = 0.0  # simulated GPU: unit-time noise, a fraction of the unit's time (seeded per stage)
+    # Slack kept behind every unit planned below f_max (fraction of its time). 1 % held measured = planned
+    # within 0.2 points at 3-5 % unit jitter on GPT-3/Bloom at P = 4 and 8 (bench/robust_plans.py).
+    timing_margin: float = 0.01
+    reconfig_window: int = 3  # online correction: median of this many iterations decides a step
     log_interval: int = 1
     verbose: bool = False
     max_slowdown: float = 0.0  # --envpipe-type optimal: allowed iteration-time increase (fraction)
@@ -121,6 +127,9 @@ class EnvPipeConfig:
                 if not _is_int(r) or r < 0:
                     bad(f"--envpipe-extra-warmup {shown}: stage {s}'s entry {_show(r)} must be a whole number "
                         ">= 0 (extra warm-up forwards of that stage), e.g. 3,2,1,0")
+        if self.sim_jitter > 0 and not (self.gpu or "").startswith("simulated"):
+            bad(f"--envpipe-sim-jitter {_show(self.sim_jitter)} adds noise to the simulated GPU only: add "
+                "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-jitter")
         if self.gpu is not None and self.gpu not in ("auto", "none", "nvml"):
             if self.gpu.startswith("simulated"):
                 _, _, source = self.gpu.partition(":")
@@ -324,6 +333,7 @@ class EnvPipeConfig:
             "target_time_s": self.target_time_s,
             "switch_cost_j": self.switch_cost_j,
             "max_clock_changes": self.max_clock_changes,
+            "timing_margin": self.timing_margin,
         }
         values.update(overrides)
         return PlannerConfig(**values)
@@ -358,6 +368,9 @@ _NUMBERS: dict[str, tuple[str, str, tuple[str, float], float | None, str, str]] 
     "profile_step_mhz": ("--envpipe-profile-step", "int", ("ge", 1), None, "MHz", "90"),
     "profile_iterations": ("--envpipe-profile-iterations", "int", ("ge", 1), None, "iterations", "2"),
     "sim_time_scale": ("--envpipe-sim-time-scale", "float", ("gt", 0), 10.0, "", "0.02"),
+    "sim_jitter": ("--envpipe-sim-jitter", "float", ("ge", 0), MAX_JITTER, "", "0.03 (3 %)"),
+    "timing_margin": ("--envpipe-timing-margin", "float", ("ge", 0), MAX_TIMING_MARGIN, "", "0.01 (1 %)"),
+    "reconfig_window": ("--envpipe-reconfig-window", "int", ("ge", 1), 100, "iterations", "3"),
     "log_interval": ("--envpipe-log-interval", "int", ("ge", 1), None, "iterations", "1"),
     "max_slowdown": ("--envpipe-max-slowdown", "float", ("ge", 0), None, "", "0.05 (or 5%)"),
     "target_time_s": ("--envpipe-target-time", "float", ("gt", 0), None, "seconds", "8.5"),
@@ -411,24 +424,6 @@ def _number_problem(value: Any, kind: str, low: tuple[str, float], high: float |
     if high is not None and not value <= high:
         return f"must be at most {high:g}{unit}"
     return None
-
-
-def fraction(text: str) -> float:
-    """argparse type of the fraction flags: ``0.05`` or ``5%`` -> 0.05; finite and >= 0.
-
-    Shared by ``--envpipe-max-slowdown`` and the ``envpipe`` command's ``--max-slowdown``.
-    """
-    body = text.strip()
-    percent = body.endswith("%")
-    try:
-        value = float(body[:-1]) / 100 if percent else float(body)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a fraction like 0.05 or a percentage like 5%, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(
-            f"must be a finite fraction >= 0 (0.05 or 5% for 5%), got {text!r}")
-    return value
 
 
 def load_profile(name: str) -> Profile:
@@ -500,30 +495,6 @@ def num_microbatches_of(args: Any, pipeline_size: int) -> int | None:
 # argparse lists its choices with repr() in "invalid choice" errors: give it the plain names.
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: ``4,3,1,0`` -> ``[4, 3, 1, 0]``."""
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def max_inflight_arg(text: str) -> MaxInflight:
-    """argparse type of the activation-budget flags: ``auto``, ``none``/``unlimited``, ``8``, ``4,3,2,2``."""
-    try:
-        return parse_max_inflight(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def memory_model_arg(text: str) -> MemoryModel:
-    """argparse type of ``--envpipe-sim-memory``: ``GIB_FREE,MIB_PER_MICROBATCH``."""
-    try:
-        return MemoryModel.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--envpipe-*`` flags; returns the parser (Megatron's extra_args_provider shape)."""
     d = EnvPipeConfig()
@@ -581,6 +552,15 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="profile cache directory, or 'off' (default ~/.cache/megatron-envpipe/profiles)")
     g.add_argument("--envpipe-sim-time-scale", dest="envpipe_sim_time_scale", type=float, default=d.sim_time_scale,
                    help="simulated GPU: wall seconds per simulated second (default 0.02)")
+    g.add_argument("--envpipe-sim-jitter", dest="envpipe_sim_jitter", type=fraction, default=d.sim_jitter,
+                   help="simulated GPU: unit-time noise as a fraction of the unit's time, e.g. 0.03 or 3%% "
+                        "(normal, clipped at 3 sigma, seeded per stage; default 0)")
+    g.add_argument("--envpipe-timing-margin", dest="envpipe_timing_margin", type=fraction, default=d.timing_margin,
+                   help="slack kept behind every unit planned below the maximum clock, as a fraction of its time, "
+                        "so unit-time jitter does not slow the iteration (default 0.01 = 1%%; 0: none)")
+    g.add_argument("--envpipe-reconfig-window", dest="envpipe_reconfig_window", type=int, default=d.reconfig_window,
+                   help="online reconfiguration: iterations whose median decides each raise or lowering "
+                        "(default 3; 1: EnvPipe's one-iteration rule)")
     g.add_argument("--envpipe-log-interval", dest="envpipe_log_interval", type=int, default=d.log_interval,
                    help="print the EnvPipe plan/energy line every N iterations")
     g.add_argument("--envpipe-verbose", dest="envpipe_verbose", action="store_true",

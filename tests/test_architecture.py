@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_envpipe"
 ROOT = "megatron_envpipe"
 
 # Each layer may import the layers listed before it (and itself).
-LAYERS = ["errors", "core", "planning", "config", "gpu", "megatron", "apps", "testing"]
+LAYERS = ["errors", "core", "planning", "flag_types", "config", "gpu", "megatron", "apps", "testing"]
 # Lazy imports of package modules allowed inside functions, and why.
 LAZY_ALLOWED = {
     # `import megatron_envpipe` stays torch-free; install() pulls in torch + megatron-core on use.
@@ -178,7 +178,7 @@ def test_every_error_derives_from_the_root():
     assert not not_rooted, f"exceptions outside EnvPipeError: {not_rooted}"
 
 
-PURE_PREFIXES = ("megatron_envpipe.core", "megatron_envpipe.planning", "megatron_envpipe.errors",
+PURE_PREFIXES = ("megatron_envpipe.core", "megatron_envpipe.planning", "megatron_envpipe.errors", "megatron_envpipe.flag_types",
                  "megatron_envpipe.config", "megatron_envpipe.apps.cli", "megatron_envpipe.apps.plot")
 
 

@@ -48,10 +48,13 @@ ENVPIPE_TARGET_TIME=${ENVPIPE_TARGET_TIME:-}             # optimal: s per iterat
 ENVPIPE_SWITCH_COST_J=${ENVPIPE_SWITCH_COST_J:-}         # J per clock change the plan may give up to avoid one; empty: off
 ENVPIPE_MAX_CLOCK_CHANGES=${ENVPIPE_MAX_CLOCK_CHANGES:-} # clock changes per rank per iteration; empty: no budget
 ENVPIPE_FINISH_LIMIT=${ENVPIPE_FINISH_LIMIT:-10}         # stop reconfiguring after N iterations without progress
+ENVPIPE_TIMING_MARGIN=${ENVPIPE_TIMING_MARGIN:-}         # slack kept behind slowed units (fraction); empty: 0.01
+ENVPIPE_RECONFIG_WINDOW=${ENVPIPE_RECONFIG_WINDOW:-}     # iterations whose median decides a correction; empty: 3
 ENVPIPE_THRESHOLD_SCALE=${ENVPIPE_THRESHOLD_SCALE:-4.0}  # critical-path wait threshold
 ENVPIPE_PREFETCH=${ENVPIPE_PREFETCH:-2}                  # receives posted ahead per channel
 ENVPIPE_COMM_TIMEOUT=${ENVPIPE_COMM_TIMEOUT:-300}        # s before a stuck P2P transfer raises
 ENVPIPE_SIM_TIME_SCALE=${ENVPIPE_SIM_TIME_SCALE:-0.02}   # simulated GPU: wall s per simulated s
+ENVPIPE_SIM_JITTER=${ENVPIPE_SIM_JITTER:-}               # simulated GPU: unit-time noise, e.g. 0.03; empty: none
 ENVPIPE_SIM_MEMORY=${ENVPIPE_SIM_MEMORY:-}               # memory model for max-inflight auto off CUDA: GIB_FREE,MIB_PER_MICROBATCH
 ENVPIPE_LOG_INTERVAL=${ENVPIPE_LOG_INTERVAL:-}           # plan/energy line every N iterations; empty: LOG_INTERVAL
 ENVPIPE_VERBOSE=${ENVPIPE_VERBOSE:-0}                    # 1: print each stage's instruction program
@@ -275,6 +278,9 @@ envpipe_compose_args() {
     _envpipe_opt --envpipe-target-time "$ENVPIPE_TARGET_TIME"
     _envpipe_opt --envpipe-switch-cost-j "$ENVPIPE_SWITCH_COST_J"
     _envpipe_opt --envpipe-max-clock-changes "$ENVPIPE_MAX_CLOCK_CHANGES"
+    _envpipe_opt --envpipe-timing-margin "$ENVPIPE_TIMING_MARGIN"
+    _envpipe_opt --envpipe-reconfig-window "$ENVPIPE_RECONFIG_WINDOW"
+    _envpipe_opt --envpipe-sim-jitter "$ENVPIPE_SIM_JITTER"
     case "$ENVPIPE_VERBOSE" in
         1 | yes | true) ENVPIPE_ARGS+=(--envpipe-verbose) ;;
     esac

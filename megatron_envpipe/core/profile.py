@@ -280,6 +280,28 @@ class Profile:
             source=f"{self.source} (time x{time_scale:g}, energy x{energy_scale:g})",
         )
 
+    def with_timing_margin(self, fraction: float, below_mhz: int) -> "Profile":
+        """A copy in which every unit run below ``below_mhz`` takes ``1 + fraction`` times as long.
+
+        Planning on it keeps that much slack behind every slowed unit, so unit-time jitter
+        of up to ``fraction`` does not reach the critical path; units at ``below_mhz`` and
+        above (the baseline's clock) keep their times, so the deadline does not move.
+        Energies are unchanged: the margin is a scheduling reserve, not a cost.
+        """
+        if not 0 <= fraction < math.inf:
+            raise ProfileError(f"a timing margin must be a finite fraction >= 0, got {fraction}")
+        if fraction == 0:
+            return self
+        grow = 1.0 + fraction
+        return Profile(
+            {
+                key: [ProfilePoint(p.freq_mhz, p.time_s * grow if p.freq_mhz < below_mhz else p.time_s, p.energy_j)
+                      for p in pts]
+                for key, pts in self._sorted.items()
+            },
+            source=f"{self.source} (timing margin {100 * fraction:g}% below {below_mhz} MHz)",
+        )
+
     def for_pipeline(self, num_stages: int) -> "Profile":
         """This profile reduced to ``num_stages`` stages: the first ``P-1`` and the last.
 

@@ -47,6 +47,7 @@ def open_gpu(
     p2p_power_w: float | None = None,
     cuda: bool = True,
     num_chunks: int = 1,
+    jitter: float = 0.0,
 ) -> GpuDevice:
     """The device this rank trains on, per ``--envpipe-gpu``.
 
@@ -54,7 +55,8 @@ def open_gpu(
     under ``auto`` gets no GPU control rather than some other process's GPU).
     For ``simulated:<profile>``, ``stage``/``num_stages`` choose the profile rows
     (a longer profile emulates a shorter pipeline: first P-1 stages and the last), and
-    ``num_chunks`` V > 1 makes each unit one of V equal model chunks (1/V of a stage's row).
+    ``num_chunks`` V > 1 makes each unit one of V equal model chunks (1/V of a stage's row),
+    and ``jitter`` adds seeded unit-time noise (a fraction of the unit's time).
     """
     spec = spec or "auto"
     if spec == "none":
@@ -71,7 +73,7 @@ def open_gpu(
             p2p_power_w = table_spec.p2p_power_w if table_spec else 0.0
         # perf_counter: the executor's and the energy monitor's clock.
         return SimulatedGpu(profile, stage, time_scale=time_scale, p2p_power_w=p2p_power_w,
-                            name=f"Simulated GPU ({source})", clock=time.perf_counter)
+                            name=f"Simulated GPU ({source})", clock=time.perf_counter, jitter=jitter)
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")
     try:

@@ -3,6 +3,8 @@
 The model: a forward/backward unit at clock ``f`` takes ``profile.time_s(stage,
 instr, f)`` simulated seconds and draws ``E_unit(f) / t_unit(f)`` watts; outside
 units the GPU draws the P2P blocking power (Perseus's model, perseus.md §3).
+With ``jitter`` each unit's time is multiplied by a seeded noise factor
+(:class:`~megatron_envpipe.core.jitter.UnitJitter`), as on a real GPU.
 
 Time is made real: :meth:`SimulatedGpu.unit_end` sleeps until the unit has
 lasted ``t_unit(f) * time_scale`` wall seconds since :meth:`unit_begin`, so the
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_envpipe.core.jitter import JitterError, UnitJitter
 from megatron_envpipe.core.profile import Profile, ProfileError, instruction_of
 from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo
 
@@ -54,6 +57,8 @@ class SimulatedGpu(GpuDevice):
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        jitter: float = 0.0,
+        seed: int | str = 0,
     ) -> None:
         if not 0 <= stage < profile.num_stages:
             raise GpuError(f"simulated GPU: stage {stage} is not in the profile (stages 0..{profile.num_stages - 1})")
@@ -63,6 +68,11 @@ class SimulatedGpu(GpuDevice):
             )
         if p2p_power_w < 0:
             raise GpuError(f"simulated GPU: p2p_power_w must be >= 0, got {p2p_power_w}")
+        try:
+            # Seeded per stage: every rank draws its own reproducible noise.
+            self._jitter = UnitJitter(jitter, f"{seed}|stage{stage}")
+        except JitterError as exc:
+            raise GpuError(f"simulated GPU: {exc}") from None
         self.profile = profile
         self.stage = stage
         self.time_scale = float(time_scale)
@@ -153,7 +163,8 @@ class SimulatedGpu(GpuDevice):
                 raise GpuError(f"{self._name}: {exc}") from None
             now = self._clock()
             self._advance(now)
-            duration_wall_s = point.time_s * self.time_scale
+            # Jitter stretches or shrinks the unit at the profile's power: its energy scales with it.
+            duration_wall_s = point.time_s * self._jitter.factor() * self.time_scale
             self._unit = _OpenUnit(kind, now, now + duration_wall_s, point.power_w)
 
     def unit_end(self, stage: int, kind: str) -> None:

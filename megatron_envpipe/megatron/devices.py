@@ -61,7 +61,7 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
         cuda = torch_device.type == "cuda"
         device = open_gpu(cfg.gpu or "auto", torch.cuda.current_device() if cuda else None,
                           stage=groups.stage, num_stages=groups.num_stages, time_scale=cfg.sim_time_scale,
-                          p2p_power_w=cfg.p2p_power_w, cuda=cuda, num_chunks=num_chunks)
+                          p2p_power_w=cfg.p2p_power_w, cuda=cuda, num_chunks=num_chunks, jitter=cfg.sim_jitter)
         control = clock_control(device, cfg, groups.stage)
         state.use_hooks(GpuHooks(device, control=control, cuda=cuda,
                                  time_scale=cfg.sim_time_scale if device.simulated else 1.0))

@@ -44,7 +44,7 @@ from megatron_envpipe.core.vocabulary import ReconfigPolicy, Scheduling
 from megatron_envpipe.gpu.profile_cache import ProfileCache
 from megatron_envpipe.gpu.startup import DeviceFacts
 from megatron_envpipe.gpu.sweep import ClockSweep, startup_sweep
-from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates
+from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
 
@@ -238,11 +238,14 @@ class EnvPipeRuntime:
         if state.reconfigurer is not None and not state.reconfigurer.finished:
             before = state.reconfigurer.plan
             after = state.reconfigurer.observe(merged)
+            rc = state.reconfigurer
             if after != before:
-                log.info("EnvPipe reconfiguration step %d changed the plan", state.reconfigurer.iterations)
-            if state.reconfigurer.finished:
-                log.info("EnvPipe reconfiguration finished after %d iterations:\n%s",
-                         state.reconfigurer.iterations, format_envpipe(state.reconfigurer.plan))
+                log.info("EnvPipe reconfiguration step %d changed the plan (so far %d raises, %d lowerings)",
+                         rc.iterations, rc.raises, rc.lowers)
+            if rc.finished:
+                log.info("EnvPipe reconfiguration finished after %d iterations (%d raised, %d lowered, at most "
+                         "%d possible):\n%s", rc.iterations, rc.raises, rc.lowers, rc.change_bound(),
+                         format_envpipe(rc.plan))
 
     def report_energy(self, iteration: int, stage_energy: Sequence[Any]) -> EnergyReport | None:
         """Per-stage :class:`~megatron_envpipe.gpu.energy.IterationEnergy` of one iteration -> a report."""
@@ -425,7 +428,8 @@ class EnvPipeRuntime:
                 target = result.deadline_s * (cfg.sim_time_scale if simulated else 1.0)
             rc = Reconfigurer(result.plan, cfg.reconfig, ClockLadder(candidates, step),
                               finish_limit=cfg.finish_limit, threshold_scale=cfg.threshold_scale,
-                              target_time_s=target)
+                              target_time_s=target, window=cfg.reconfig_window,
+                              profile=planning_profile(profile, pcfg))
         return _PlanState(result.schedule, result.plan, rc)
 
 

@@ -42,6 +42,10 @@ class PlannerError(UsageError, ValueError):
     """Planner input that cannot give a plan (wrong names, sizes, budgets)."""
 
 
+# Beyond half a unit's time the margin would stop every clock change: a mistaken unit, not jitter.
+MAX_TIMING_MARGIN = 0.5
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     plan_type: PlanType = PlanType.ENVELOPE
@@ -74,6 +78,9 @@ class PlannerConfig:
     virtual_stages: int = 1
     # Megatron's microbatch_group_size_per_vp_stage for the interleaved order (None: P, Megatron's default).
     microbatch_group_size: int | None = None
+    # Slack kept behind every unit planned below f_max, as a fraction of its time (planned as if it
+    # ran that much longer), so unit-time jitter does not delay the iteration. Predictions stay nominal.
+    timing_margin: float = 0.0
 
     def __post_init__(self) -> None:
         # Strings ("optimal", "ours") become the vocabulary's members, which compare equal to them.
@@ -124,6 +131,9 @@ class PlannerConfig:
         if self.plan_type != PlanType.OPTIMAL and (self.max_slowdown or self.target_time_s is not None):
             raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
         check_switching(self.switch_cost_j, self.max_clock_changes)
+        if not 0 <= self.timing_margin <= MAX_TIMING_MARGIN:
+            raise PlannerError(f"timing margin must be a fraction between 0 and {MAX_TIMING_MARGIN:g} of a unit's "
+                               f"time (0.02 = 2 %), got {self.timing_margin}")
         return self
 
     def _validate_virtual_stages(self) -> None:

@@ -16,7 +16,7 @@ import time
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import PlanType
-from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planning_profile
+from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
 from megatron_envpipe.planning.envpipe import plan_reconfigured
 from megatron_envpipe.planning.optimal import plan_optimal
 from megatron_envpipe.planning.switching import reduce_clock_changes
@@ -31,11 +31,34 @@ def plan_envpipe(
     """Plan one pipeline iteration on the simulated timeline of ``profile``."""
     config.validate()
     profile = planning_profile(profile, config)
+    planned_on = profile
+    if config.timing_margin > 0:
+        # Plan as if every slowed unit ran (1 + margin) x longer: each keeps that much slack.
+        f_max = max(planner_candidates(profile, config.gpu), default=profile.max_frequency())
+        planned_on = profile.with_timing_margin(config.timing_margin, f_max)
     if config.plan_type == PlanType.OPTIMAL:
-        result = plan_optimal(profile, num_microbatches, config, num_stages)
+        result = plan_optimal(planned_on, num_microbatches, config, num_stages)
     else:
-        result = plan_reconfigured(profile, num_microbatches, config, num_stages)
-    return with_fewer_clock_changes(result, profile)
+        result = plan_reconfigured(planned_on, num_microbatches, config, num_stages)
+    result = with_fewer_clock_changes(result, planned_on)
+    if planned_on is not profile:
+        rescore_without_margin(result, profile)
+    return result
+
+
+def rescore_without_margin(result: PlanResult, profile: Profile) -> None:
+    """Score ``result``'s plan on the profile itself: the prediction a run is measured against
+    (nominal unit times); the margin stays in the plan as slack."""
+    t0 = time.perf_counter()
+    evaluator = PlanEvaluator(result.schedule, profile, result.config.effective_p2p_power_w,
+                              graph=result.timeline.graph)
+    freqs = [f for row in result.plan.freqs_mhz for f in row]
+    timeline = evaluator.simulate(freqs)
+    result.timeline, result.score = timeline, evaluator.score(freqs, timeline)
+    margin = result.config.timing_margin
+    result.details["timing_margin"] = margin
+    result.details["slack_kept"] = f"{100 * margin:g}% of every unit below f_max"
+    result.planner_seconds += time.perf_counter() - t0
 
 
 def with_fewer_clock_changes(result: PlanResult, profile: Profile) -> PlanResult:

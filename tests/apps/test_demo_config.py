@@ -21,6 +21,8 @@ def test_shipped_demo_config_loads():
         ("[demo]\nstagez = 4\n", "unknown key 'stagez'"),
         ("[demo]\nstages = 'four'\n", "stages = 'four' should be a int"),
         ("[demo]\nstages = 1\n", "needs stages >= 2"),
+        ("[demo]\nsim_jitter = 0.3\n", r"sim_jitter = 0.3: needs sim_jitter >= 0 and <= 0.25"),
+        ("[demo]\nsim_jitter = nan\n", r"sim_jitter = nan: must be a finite number"),
         ("[demo\n", "not valid TOML"),
     ],
 )
@@ -35,4 +37,13 @@ def test_bad_demo_config_names_file_and_key(tmp_path, body, needle):
 def test_demo_plans_through_envpipe_config():
     cfg = DemoConfig.load()
     gpu = get_gpu_spec("a40")
-    assert cfg.envpipe_config().planner_config(gpu) == PlannerConfig(cfg.plan_type, cfg.scheduling, cfg.reconfig, gpu=gpu)
+    # The demo plans as training does: with training's default timing margin (1 %).
+    assert cfg.envpipe_config().planner_config(gpu) == PlannerConfig(cfg.plan_type, cfg.scheduling, cfg.reconfig,
+                                                                     gpu=gpu, timing_margin=0.01)
+
+
+def test_jitter_demo_config_loads():
+    from megatron_envpipe.core.resources import configs_dir
+
+    cfg = DemoConfig.load(configs_dir() / "demo-jitter.toml")
+    assert (cfg.iterations, cfg.sim_jitter) == (50, 0.03) and DemoConfig.load().sim_jitter == 0.0

@@ -242,3 +242,32 @@ def test_polling_thread_reads_consistently_while_units_run():
     idle_s = (t_end - t_start) / scale - busy_s
     expected_j = unit_j + P2P_W * idle_s
     assert (end_e - start_e) / 1000 == pytest.approx(expected_j, rel=0.01)
+
+
+def test_jitter_stretches_units_reproducibly_at_the_profile_power():
+    """--envpipe-sim-jitter: every unit's time times a seeded factor; energy follows at the unit's power."""
+
+    def run(jitter: float, seed: int = 0, stage: int = 0) -> list[tuple[float, float]]:
+        ft = FakeTime()
+        gpu = SimulatedGpu(small_profile(), stage, time_scale=0.5, p2p_power_w=P2P_W, clock=ft.clock,
+                           sleep=ft.sleep, jitter=jitter, seed=seed)
+        out = []
+        for _ in range(200):
+            t0, e0 = ft.now, gpu.energy_mj()
+            gpu.unit_begin(stage, "F")
+            gpu.unit_end(stage, "F")
+            out.append((ft.now - t0, gpu.energy_mj() - e0))
+        return out
+
+    exact = run(0.0)
+    assert {round(t, 12) for t, _ in exact} == {round(0.10 * 0.5, 12)}
+    noisy = run(0.05)
+    assert noisy == run(0.05)  # same seed and stage: the same run
+    assert noisy != run(0.05, seed=1) and noisy != run(0.05, stage=1)
+    times = [t / (0.10 * 0.5) for t, _ in noisy]
+    assert min(times) < 0.97 and max(times) > 1.03 and all(0.85 - 1e-9 <= x <= 1.15 + 1e-9 for x in times)
+    # Power unchanged (300 W at the top clock): energy scales with the stretched time, in simulated seconds.
+    for t, e in noisy:
+        assert e / 1000 == pytest.approx(300.0 * t / 0.5, rel=1e-9)
+    with pytest.raises(GpuError, match="jitter must be a fraction between 0 and 0.25"):
+        SimulatedGpu(small_profile(), 0, jitter=0.3)

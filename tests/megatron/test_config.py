@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -36,11 +37,25 @@ def test_the_headline_flags():
         (["--envpipe-profile", "/no/such.csv"], "no such file"),
         (["--envpipe-comm-timeout", "0"], "comm-timeout 0: must be > 0 seconds"),
         (["--envpipe-prefetch", "0"], "prefetch 0: must be >= 1"),
+        (["--envpipe-sim-jitter", "3%"], "adds noise to the simulated GPU only: add --envpipe-gpu simulated"),
+        (["--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-jitter", "0.3"],
+         r"--envpipe-sim-jitter 0.3: must be at most 0.25"),
+        (["--envpipe-timing-margin", "0.6"], r"--envpipe-timing-margin 0.6: must be at most 0.5"),
+        (["--envpipe-reconfig-window", "0"], r"--envpipe-reconfig-window 0: must be >= 1 iterations"),
     ],
 )
 def test_impossible_combinations_fail_at_start_up(argv, needle):
     with pytest.raises(EnvPipeConfigError, match=needle):
         parse(argv)
+
+
+def test_robustness_flags():
+    cfg = parse(["--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-jitter", "3%",
+                 "--envpipe-timing-margin", "0", "--envpipe-reconfig-window", "5"])
+    assert (cfg.sim_jitter, cfg.timing_margin, cfg.reconfig_window) == (0.03, 0.0, 5)
+    assert parse([]).timing_margin == 0.01 and parse([]).reconfig_window == 3 and parse([]).sim_jitter == 0.0
+    with pytest.raises(SystemExit):  # nan is refused by the flag's type already
+        parse(["--envpipe-timing-margin", "nan"])
 
 
 def test_megatron_args_checks():
@@ -122,15 +137,23 @@ def test_planner_config_accepts_strings():
              "--envpipe-threshold-scale", "2"],  # run-time-only flags do not reach the planner
             PlannerConfig("uniform", "1f1b", "default", gpu=get_gpu_spec("a40")),
         ),
+        (
+            ["--envpipe-type", "envelope", "--envpipe-timing-margin", "2.5%", "--envpipe-reconfig-window", "5"],
+            PlannerConfig("envelope", "1f1b", "default", gpu=get_gpu_spec("a40"), timing_margin=0.025),
+        ),
     ],
 )
 def test_planner_config_is_what_the_runtime_builds(argv, expected):
     cfg = parse(argv)
+    if "--envpipe-timing-margin" not in argv:  # training plans keep the default margin; the planner's own is 0
+        assert expected.timing_margin == 0.0 and cfg.timing_margin == 0.01
+        expected = dataclasses.replace(expected, timing_margin=0.01)
     # What megatron/runtime.py built by hand, field by field (p2p from the flag when given).
     by_hand = PlannerConfig(
         plan_type=cfg.plan_type, scheduling=cfg.scheduling, reconfig=cfg.reconfig, gpu=get_gpu_spec("a40"),
         p2p_power_w=cfg.p2p_power_w, reconfig_step_mhz=cfg.reconfig_step_mhz, max_inflight=cfg.max_inflight,
         extra_warmup=cfg.extra_warmup, max_slowdown=cfg.max_slowdown, target_time_s=cfg.target_time_s,
+        timing_margin=cfg.timing_margin,
     )
     got = cfg.planner_config(get_gpu_spec("a40"))
     assert got == expected == by_hand
@@ -140,7 +163,8 @@ def test_planner_config_is_what_the_runtime_builds(argv, expected):
 def test_planner_config_overrides_and_no_gpu():
     cfg = parse(["--envpipe-type", "envelope", "--envpipe-scheduling", "ours"])
     # The run-time passes the profiler's P2P power when --envpipe-p2p-power is not given.
-    assert cfg.planner_config(None, p2p_power_w=55.0) == PlannerConfig("envelope", "ours", "default", p2p_power_w=55.0)
+    assert cfg.planner_config(None, p2p_power_w=55.0) == PlannerConfig("envelope", "ours", "default", p2p_power_w=55.0,
+                                                                                timing_margin=0.01)
     assert cfg.planner_config().gpu is None
     with pytest.raises(TypeError):
         cfg.planner_config(None, no_such_field=1)

@@ -270,7 +270,7 @@ def test_online_corrections_start_from_the_optimal_plan(gpt3_profile):
             assert rc.observe(on_time) == res.plan
         assert rc.finished
         # Stage 3 runs 4 % slower than profiled: the iteration is late, clocks go up on the measured path.
-        rc = Reconfigurer(res.plan, policy, ladder, finish_limit=2, target_time_s=res.deadline_s)
+        rc = Reconfigurer(res.plan, policy, ladder, finish_limit=2, target_time_s=res.deadline_s, window=1)
         late = measured(res.schedule, lambda s, u: ev.durations(rc.plan.flat())[ev.graph.node(s, u)] * (1.04 if s == 3 else 1))
         after = rc.observe(late)
         assert after != res.plan

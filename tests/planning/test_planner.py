@@ -100,7 +100,8 @@ def test_ladder_steps_land_on_candidates_and_cap_at_max():
 def test_online_step_from_measurements_and_finish_limit():
     sched = one_f_one_b(3, 4)
     plan = initial_plan(sched, "envelope", 1500, [900] * 3)
-    rc = Reconfigurer(plan, "balanced", ClockLadder(range(900, 1501, 30), 30), finish_limit=2)
+    # window=1: EnvPipe's one-iteration rule (the default decides on a median of 3, test_robust_plans.py)
+    rc = Reconfigurer(plan, "balanced", ClockLadder(range(900, 1501, 30), 30), finish_limit=2, window=1)
     graph = PipelineGraph(sched)
     # "Measured" iteration: slow inner units on stage 1 put it on the critical path.
     dur = [3.0 if (s == 1 and u.is_forward and u.microbatch in (1, 2)) else 1.0 for s, u in graph.nodes]

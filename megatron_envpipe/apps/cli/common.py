@@ -151,6 +151,8 @@ def planner_config(
         p2p_power_w=args.p2p_power,
         max_inflight=args.max_inflight,
         extra_warmup=tuple(args.extra_warmup) if args.extra_warmup else None,
+        # Offline plans are the ideal ones unless asked: training keeps its 1 % default margin.
+        timing_margin=getattr(args, "timing_margin", None) or 0.0,
     )
     return flags.planner_config(gpu, **{"p2p_latency_s": args.p2p_latency, "comm": args.comm,
                                         "virtual_stages": args.virtual_stages or 1, **more})

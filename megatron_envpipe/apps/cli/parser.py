@@ -25,7 +25,7 @@ from megatron_envpipe.core.vocabulary import (
     ReconfigPolicy,
     Scheduling,
 )
-from megatron_envpipe.planning.basis import MAX_VIRTUAL_STAGES
+from megatron_envpipe.planning.basis import MAX_TIMING_MARGIN, MAX_VIRTUAL_STAGES
 from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S, MAX_SWITCH_COST_J
 
 # -- flag types -----------------------------------------------------------------------
@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-clock-changes", type=bounded_int(1, MAX_CLOCK_CHANGES), metavar="N",
                    help="at most N clock changes per rank per iteration (the first lock counts), where the "
                         "deadline allows")
+    p.add_argument("--timing-margin", type=bounded_float(0.0, MAX_TIMING_MARGIN), metavar="FRACTION",
+                   help="keep this fraction of every slowed unit's time as slack against unit-time jitter, e.g. "
+                        "0.01 (default 0 here; training's --envpipe-timing-margin defaults to 0.01)")
     p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan and its scores as JSON")
     p.set_defaults(func=cmd_plan)

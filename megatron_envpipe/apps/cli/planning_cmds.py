@@ -47,6 +47,7 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
             ("--max-inflight", args.max_inflight is not None), ("--reconfig-step", args.reconfig_step is not None),
             ("--switch-cost-j", args.switch_cost_j is not None),
             ("--max-clock-changes", args.max_clock_changes is not None),
+            ("--timing-margin", args.timing_margin is not None),
             ("--p2p-latency", args.p2p_latency != 0.0), ("--comm paired", args.comm != CommModel.PER_DIRECTION),
         ) if given]
         if ignored:
