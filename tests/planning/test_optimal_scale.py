@@ -180,3 +180,37 @@ def test_searches_run_only_where_the_rounding_leaves_a_gap(gpt3_profile):
 
 def setup_config(scheduling: str) -> PlannerConfig:
     return PlannerConfig("optimal", scheduling, "default", gpu=A40)
+
+
+def test_large_problems_overlap_their_lps_and_rounding_without_changing_the_plan(gpt3_profile):
+    """plan_optimal at > 800 units builds the other candidates' models during the first LP, runs their
+    LPs side by side and rounds the first meanwhile: the same ranking and plan as one at a time."""
+    import threading
+
+    from megatron_envpipe.planning.optimal.entry import plan_optimal
+
+    cfg = PlannerConfig("optimal", "ours", "default", gpu=A40)
+    setup = optimal_setup(gpt3_profile, 96, cfg)  # 1536 units, three extra warm-up candidates
+    deadline = setup.baseline.iteration_time_s
+    assert len(setup.schedules) == 3
+    one_by_one = rank_schedules(setup, gpt3_profile, cfg, deadline, padded=False)
+    threads = set()
+
+    def round_first(model):
+        threads.add(threading.current_thread().name)
+        return model.solve(deadline)
+
+    speculated: dict = {}
+    side_by_side = rank_schedules(optimal_setup(gpt3_profile, 96, cfg), gpt3_profile, cfg, deadline, False,
+                                  None, round_first, speculated)
+    assert [(r.label, r.lp_bound_j) for r in side_by_side] == [
+        (r.label, pytest.approx(r.lp_bound_j, rel=1e-9)) for r in one_by_one]
+    # The first candidate was rounded on the main thread while the others' LPs ran (here another wins).
+    first = next(r for r in side_by_side if r.label == setup.schedules[0][0])
+    assert list(speculated) == [id(first.model)] and threads == {threading.main_thread().name}
+    same_first = next(r for r in one_by_one if r.label == first.label)
+    assert speculated[id(first.model)].freqs_mhz == same_first.model.solve(deadline).freqs_mhz
+    # plan_optimal's plan is the one-at-a-time ranking's best, rounded.
+    result = plan_optimal(gpt3_profile, 96, cfg)
+    assert [f for row in result.plan.freqs_mhz for f in row] == one_by_one[0].model.solve(deadline).freqs_mhz
+    assert result.details["extra_warmup_chosen"] == one_by_one[0].label

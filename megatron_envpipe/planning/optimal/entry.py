@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -109,36 +110,68 @@ class RankedSchedule(NamedTuple):
 
 def rank_schedules(
     setup: OptimalSetup, profile: Profile, config: PlannerConfig, deadline: float, padded: bool,
-    cut_off: list[str] | None = None,
+    cut_off: list[str] | None = None, speculate: Callable[[TimeEnergyModel], Any] | None = None,
+    speculated: dict[int, Any] | None = None,
 ) -> list[RankedSchedule]:
     """Models of the candidate schedules that can meet ``deadline``, best LP bound first.
 
     A candidate whose LP was stopped because it cannot win gets the bound
     ``inf`` (ranked last) and its label is appended to ``cut_off``.
+
+    With ``speculate`` (large problems: the LPs take seconds) the work overlaps, HiGHS
+    releasing the GIL: the other candidates' models are built while the first LP runs, their
+    LPs then run side by side, each warm-started from the first's basis and cut off at its
+    bound, and ``speculate(model)`` (rounding the best-ranked so far) runs meanwhile; its
+    result lands in ``speculated[id(model)]``. Every LP's start and cut-off are fixed before
+    any of them runs, so the ranking does not depend on thread timing. (Sequentially, a later
+    candidate starts from the best basis so far: the two differ only where a later candidate
+    beats the first.)
     """
     cut_off = [] if cut_off is None else cut_off
-    ranked = []
-    skipped = []
-    warm = None
-    best = math.inf
+    ranked: list[RankedSchedule] = []
+    skipped: list[tuple[float, int, str, Schedule]] = []
+    state: dict[str, Any] = {"best": math.inf, "warm": None}
     weight = 0.0 if padded else setup.p2p_power_w * setup.num_stages
-    for label, schedule in setup.schedules:
-        model = setup.model(schedule, profile, config)
-        fastest = model.fastest_time_s()
-        if fastest > deadline * (1 + FEASIBILITY_RTOL):
-            skipped.append((fastest, len(skipped), label, schedule))
-            continue
+
+    def bound(model: TimeEnergyModel, best: float, warm: Any) -> tuple[list[float], float, float] | None | str:
+        """The LP answer, None (cut off: cannot win) or "slow" (cannot meet the deadline)."""
+        if model.fastest_time_s() > deadline * (1 + FEASIBILITY_RTOL):
+            return "slow"
         # Each LP starts from the best one's optimal basis so far (same shape, a few units moved) and
         # stops once its bound cannot make it the one plan_optimal rounds (or a runner-up it rounds too).
         cutoff = best * (1 + RUNNER_UP_RTOL) if model.n <= RUNNER_UP_MAX_UNITS else best
-        answer = model.lp_bound(deadline, weight, warm, cutoff)
-        if answer is None:
+        return model.lp_bound(deadline, weight, warm, cutoff)
+
+    def record(label: str, schedule: Schedule, model: TimeEnergyModel, answer: Any) -> None:
+        if answer == "slow":
+            skipped.append((model.fastest_time_s(), len(skipped), label, schedule))
+        elif answer is None:
             cut_off.append(label)
             ranked.append(RankedSchedule(math.inf, len(ranked), label, schedule, model))
-            continue
-        if answer[2] < best:
-            best, warm = answer[2], model.lp_basis()
-        ranked.append(RankedSchedule(answer[2], len(ranked), label, schedule, model))
+        else:
+            if answer[2] < state["best"]:
+                state["best"], state["warm"] = answer[2], model.lp_basis()
+            ranked.append(RankedSchedule(answer[2], len(ranked), label, schedule, model))
+
+    schedules = setup.schedules
+    if speculate is None or len(schedules) < 2:
+        for label, schedule in schedules:
+            model = setup.model(schedule, profile, config)
+            record(label, schedule, model, bound(model, state["best"], state["warm"]))
+    else:
+        # Large problems: the first candidate's LP, then the others' side by side, each from the first's
+        # basis and cut off at its bound (fixed, so the outcome never depends on which finishes first).
+        (label0, schedule0), rest = schedules[0], schedules[1:]
+        model0 = setup.model(schedule0, profile, config)
+        with ThreadPoolExecutor(max_workers=len(rest), thread_name_prefix="envpipe-plan") as pool:
+            models = pool.submit(lambda: [setup.model(s, profile, config).prepare_lp() for _, s in rest])
+            record(label0, schedule0, model0, bound(model0, state["best"], state["warm"]))
+            best, warm = state["best"], state["warm"]
+            answers = [pool.submit(bound, m, best, warm) for m in models.result()]
+            if ranked and speculated is not None:
+                speculated[id(ranked[0].model)] = speculate(ranked[0].model)
+            for (label, schedule), model, answer in zip(rest, models.result(), answers):
+                record(label, schedule, model, answer.result())
     if not ranked:
         fastest, _, label, schedule = min(skipped)
         what = (
@@ -180,14 +213,19 @@ def plan_optimal(
         else baseline_score.iteration_time_s * (1.0 + config.max_slowdown)
     )
     cut_off: list[str] = []
-    ranked = rank_schedules(setup, profile, config, deadline, padded, cut_off)
+    # Large problems round the first candidate while the others' LPs run (the same plan, sooner).
+    speculated: dict[int, Any] = {}
+    units = sum(len(order) for order in setup.baseline_plan.schedule.orders)
+    large = len(setup.schedules) > 1 and units > RUNNER_UP_MAX_UNITS
+    ranked = rank_schedules(setup, profile, config, deadline, padded, cut_off,
+                            (lambda model: model.solve(deadline, padded=padded)) if large else None, speculated)
     best_bound = ranked[0].lp_bound_j
     best = None
     # Round the best-ranked schedule, and (small problems) a runner-up whose bound is within 0.2 %.
     for bound, _, label, schedule, model in ranked[: 2 if ranked[0].model.n <= RUNNER_UP_MAX_UNITS else 1]:
         if best is not None and bound > best_bound * (1 + RUNNER_UP_RTOL):
             break
-        sol = model.solve(deadline, padded=padded)
+        sol = speculated.get(id(model)) or model.solve(deadline, padded=padded)
         energy = sol.score.energy_j + (p2p * p * (deadline - sol.score.iteration_time_s) if padded else 0.0)
         if best is None or energy < best[0] - 1e-9 * abs(energy):
             best = (energy, label, schedule, model, sol)

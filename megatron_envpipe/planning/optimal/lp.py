@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,8 +62,16 @@ class LpBackend:
 _highs_banner_pending = True
 
 
+_highs_lock = threading.Lock()  # the planner builds LPs on two threads: one banner redirect at a time
+
+
 def new_highs(highspy: Any) -> Any:
     """``highspy.Highs()``, with fd 1 pointed at /dev/null while the first one prints its banner."""
+    with _highs_lock:
+        return _new_highs(highspy)
+
+
+def _new_highs(highspy: Any) -> Any:
     global _highs_banner_pending
     if not _highs_banner_pending:
         return highspy.Highs()

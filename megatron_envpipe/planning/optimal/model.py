@@ -167,6 +167,13 @@ class TimeEnergyModel:
         start, index, value, row_lo, row_up = schedule_csc(np, self.preds, n, first, count, t0, num_cols)
         return lp_backend(cost, start, index, value, row_lo, row_up, col_lo, col_up)
 
+    def prepare_lp(self) -> "TimeEnergyModel":
+        """Build the LP now (numpy; otherwise the first :meth:`lp_bound` does): lets a caller build
+        it while another model's LP runs."""
+        if self._lp is None:
+            self._lp = self._build_lp()
+        return self
+
     def lp_basis(self) -> Any:
         """The LP's last optimal basis (None before a solve, or without one): a warm start for
         :meth:`solve_lp` of another schedule with the same LP shape (another extra warm-up)."""
