@@ -29,9 +29,6 @@ class ExecutionHooks:
         """Every instruction, right before it is dispatched (off by default: see ``wants_instructions``)."""
 
     wants_instructions = False
-    # Whether iteration_end closes an energy window: the executor then ends every stage's
-    # window at one pipeline-wide point, so each window spans the whole iteration.
-    measures_energy = False
 
     def unit_begin(self, unit: Unit) -> None:
         """Right before a unit's compute (after its input arrived)."""

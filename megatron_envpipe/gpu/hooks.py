@@ -100,10 +100,6 @@ class GpuHooks(ExecutionHooks):
         # would add scheduling noise on a busy CPU.
         self._device_windows: list[tuple[str, float, float]] = []
 
-    @property
-    def measures_energy(self) -> bool:
-        return self.monitor is not None
-
     # -- ExecutionHooks --------------------------------------------------------------
     def iteration_begin(self, stage: int, iteration: int) -> None:
         self.stage = stage

@@ -377,11 +377,12 @@ class StageIteration:
         if timer is not None:
             measurement = timer.measurement(order)
             gathered = self.groups.agree(self.groups.gather_stages(measurement))
-        elif self.hooks.measures_energy:
+        elif self.runtime.device is not None and self.runtime.device.energy:
             # Every energy window ends at one point of the pipeline, measured iteration or not: a
             # stage done early idles (at P2P power) until the last finishes, and that idle time is
             # the iteration's too. Without it, unmeasured iterations would drop the cool-down bubble
-            # (~3 % of a 4-stage iteration's energy) that measured ones count.
+            # (~3 % of a 4-stage iteration's energy) that measured ones count. The condition is the
+            # pipeline's (facts agreed at start-up), so every rank joins or none does.
             self.groups.gather_stages(None)
         self.hooks.iteration_end(measurement)
         if profiling and timer is not None:

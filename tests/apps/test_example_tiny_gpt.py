@@ -298,6 +298,31 @@ def test_simulated_gpu_profiles_plans_trains_and_reports_energy(
     assert "reusing the cached profile" in again and "start-up profiler:" not in again.split("reusing")[0]
 
 
+def test_every_energy_window_spans_the_whole_pipeline_iteration(
+    stock: tuple[dict, str], example_cache: Path, tmp_path: Path
+) -> None:
+    """1F1B at f_max from a given profile: no iteration is measured for the reconfigurer, yet each
+    reported energy is the plan's prediction, cool-down bubble included (every stage's window ends
+    where the last stage's does; ending each at its own last unit dropped ~2.7 % of the energy)."""
+    from megatron_envpipe.core.profile import Profile
+    from megatron_envpipe.core.resources import shipped_profile
+
+    csv = tmp_path / "p4.csv"
+    Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(NPROC).to_csv(csv)
+    flags = ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b", "--envpipe-profile", str(csv),
+             "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.3",
+             "--envpipe-log-interval", "1"]
+    result, log = _run_example(flags, example_cache, tmp_path / "baseline.json", 5)
+    run = result["envpipe_run"]
+    predicted = run["plan"]["predicted_baseline_energy_j"]
+    measured = [e["energy_j"] for e in run["energy"][1:]]  # the first iteration warms the processes up
+    assert len(measured) == 4 and predicted > 0
+    # Host work on a busy CPU only ever adds time (at P2P power): at most +2 %, never below -0.5 %.
+    for energy in measured:
+        assert predicted * 0.995 <= energy <= predicted * 1.02, (measured, predicted)
+    assert hexes(result["losses"]) == hexes(stock[0]["losses"][:5])
+
+
 # --------------------------------------------------------------------------- interleaved (model chunks)
 
 MEGATRON_INTERLEAVED = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving"
