@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile, ProfileError, instruction_of
-from megatron_envpipe.core.schedule import (
-    Unit,
-)
+from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.core.timeline import outer_envelope
 from megatron_envpipe.core.vocabulary import RECONFIG_POLICIES, ReconfigPolicy
 from megatron_envpipe.planning.basis import PlannerError
@@ -35,7 +33,6 @@ DEFAULT_FINISH_LIMIT = 10
 # stall, a NCCL hiccup) yet reacts within 3 iterations. 1 is EnvPipe's own one-iteration rule.
 DEFAULT_WINDOW = 3
 THRESHOLD_CAP = 0.01  # of the last stage's median unit time (measured_critical_path)
-
 
 
 class ClockLadder:
