@@ -33,8 +33,15 @@ INSTRUCTIONS = ("forward", "backward")
 
 
 def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w: float, time_scale: float = 0.01,
-                              microbatches: int = 4, poll_interval_s: float = 0.002) -> float:
-    """Run ``sweep`` to the end on one simulated GPU per stage of ``truth``; returns the wall seconds."""
+                              microbatches: int = 4, poll_interval_s: float = 0.002, timing: str = "device") -> float:
+    """Run ``sweep`` to the end on one simulated GPU per stage of ``truth``; returns the wall seconds.
+
+    What the runtime does per profiling iteration, in real time: lock the sweep's clock on every
+    stage, run each stage's units (stages one after another; a stage waits 2, 4, 6, ... ms for each
+    gradient: the P2P blocking windows), attribute energy from each stage's poller, record.
+    ``timing="device"``: unit windows as the device ran them (the simulated GPU's counterpart of
+    CUDA events); ``"host"``: the host clock read around unit_begin/unit_end.
+    """
     gpus = [SimulatedGpu(truth, s, time_scale=time_scale, p2p_power_w=p2p_power_w) for s in range(truth.num_stages)]
     monitors = [EnergyMonitor(g, poll_interval_s=poll_interval_s).start() for g in gpus]
     t0 = time.monotonic()
@@ -52,9 +59,10 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
                             w0 = time.monotonic()
                             time.sleep(0.002 * (m + 1))
                             blocking.append((w0, time.monotonic()))
+                        t0_s = time.monotonic()
                         g.unit_begin(s, kind)
                         g.unit_end(s, kind)
-                        units.append(g.last_unit_window())
+                        units.append((kind, t0_s, time.monotonic()) if timing == "host" else g.last_unit_window())
                 per_stage.append(stage_samples(monitors[s], units, blocking, time_scale=time_scale))
             sweep.record(freq, per_stage)
     finally:

@@ -25,7 +25,7 @@ from megatron_envpipe.gpu.sweep import (
     stage_samples,
     sweep_candidates,
 )
-from megatron_envpipe.testing.profiler_runs import a40_three_stages
+from megatron_envpipe.testing.profiler_runs import a40_three_stages, profile_on_simulated_gpus, relative_errors
 
 A40_P2P_W = 70.38
 
@@ -262,52 +262,6 @@ def test_stage_samples_falls_back_to_interpolation_when_powers_are_inseparable()
 
 
 # -- the acceptance test ---------------------------------------------------------------
-def profile_simulated_pipeline(prof: Profile, sweep: ClockSweep, time_scale: float, microbatches: int,
-                               timing: str = "device", poll_interval_s: float = 0.002) -> None:
-    """What the runtime does per profiling iteration, on simulated GPUs in real time:
-    lock the sweep's clock on every stage, run each stage's units (stages one after
-    another; a stage waits 2, 4, 6, ... ms for each gradient: the P2P blocking
-    windows), attribute energy from each stage's poller, record.
-
-    ``timing="device"``: unit windows as the device ran them (the simulated GPU's
-    counterpart of CUDA events); ``"host"``: host clock read around unit_begin/unit_end.
-    """
-    gpus = [SimulatedGpu(prof, s, time_scale=time_scale, p2p_power_w=A40_P2P_W) for s in range(prof.num_stages)]
-    monitors = [EnergyMonitor(g, poll_interval_s=poll_interval_s).start() for g in gpus]
-    try:
-        while not sweep.done:
-            freq = sweep.next_clock()
-            for g in gpus:
-                g.set_locked_clocks(freq)
-            windows = []
-            for s, g in enumerate(gpus):
-                units, blocking = [], []
-                for m in range(microbatches):
-                    for kind in "FB":
-                        if kind == "B":
-                            w0 = time.monotonic()
-                            time.sleep(0.002 * (m + 1))
-                            blocking.append((w0, time.monotonic()))
-                        t0 = time.monotonic()
-                        g.unit_begin(s, kind)
-                        g.unit_end(s, kind)
-                        units.append((kind, t0, time.monotonic()) if timing == "host" else g.last_unit_window())
-                windows.append((units, blocking))
-            per_stage = [stage_samples(monitors[s], u, b, time_scale=time_scale) for s, (u, b) in enumerate(windows)]
-            sweep.record(freq, per_stage)
-    finally:
-        for m in monitors:
-            m.stop()
-
-
-def max_relative_errors(prof: Profile, rows: list[ProfileRow]) -> tuple[float, float]:
-    worst_t = worst_e = 0.0
-    for r in rows:
-        worst_t = max(worst_t, abs(r.time_s / prof.time_s(r.stage, r.instruction, r.freq_mhz) - 1))
-        worst_e = max(worst_e, abs(r.energy_j / prof.energy_j(r.stage, r.instruction, r.freq_mhz) - 1))
-    return worst_t, worst_e
-
-
 def test_acceptance_profiler_reproduces_the_driving_profile(tmp_path):
     """Device-side unit windows (as CUDA events give on GPUs): the time and energy the
     profiler reports are exactly what the simulated GPUs did, whatever the host load."""
@@ -316,11 +270,11 @@ def test_acceptance_profiler_reproduces_the_driving_profile(tmp_path):
     assert cands == (1740, 1560, 1380, 1200, 1020, 855)
     sweep = ClockSweep(cands, iterations_per_clock=2, warmup_iterations=1, stop_after_rising=3)
     t0 = time.monotonic()
-    profile_simulated_pipeline(prof, sweep, time_scale=0.02, microbatches=4)
+    profile_on_simulated_gpus(prof, sweep, p2p_power_w=A40_P2P_W, time_scale=0.02, microbatches=4)
     wall = time.monotonic() - t0
     rows = sweep.rows()
     assert len(rows) == 3 * 2 * len(cands)  # every (stage, instruction, clock)
-    worst_t, worst_e = max_relative_errors(prof, rows)
+    worst_t, worst_e = relative_errors(prof, rows)
     print(f"\n[acceptance] {sweep.summary()}\n[acceptance] device timing: max relative error time "
               f"{100 * worst_t:.3f} %, energy {100 * worst_e:.3f} %, P2P {sweep.p2p_power_w():.2f} W "
               f"(true {A40_P2P_W}), {wall:.1f} s wall")
@@ -347,8 +301,8 @@ def test_acceptance_with_host_timestamps():
     prof = a40_three_stages()
     for _attempt in range(2):
         sweep = ClockSweep(prof.common_frequencies())
-        profile_simulated_pipeline(prof, sweep, time_scale=0.02, microbatches=4, timing="host")
-        worst_t, worst_e = max_relative_errors(prof, sweep.rows())
+        profile_on_simulated_gpus(prof, sweep, p2p_power_w=A40_P2P_W, time_scale=0.02, microbatches=4, timing="host")
+        worst_t, worst_e = relative_errors(prof, sweep.rows())
         print(f"\n[acceptance] host timing: max relative error time {100 * worst_t:.3f} %, "
                   f"energy {100 * worst_e:.3f} %")
         if worst_t < 0.02 and worst_e < 0.02:
@@ -363,11 +317,11 @@ def test_acceptance_with_host_timestamps():
 def test_acceptance_early_stop_below_a_clear_valley_in_real_time():
     prof = valley_profile(2)
     sweep = ClockSweep(VALLEY_CLOCKS)  # P2P power measured, not given
-    profile_simulated_pipeline(prof, sweep, time_scale=0.02, microbatches=3)
+    profile_on_simulated_gpus(prof, sweep, p2p_power_w=A40_P2P_W, time_scale=0.02, microbatches=3)
     assert sweep.stopped_early and sweep.valley_clock_mhz() == 1350
     assert sweep.measured_clocks_mhz()[-1] == 900  # three clocks below the valley; 750 never run
     assert sweep.iterations_used == 9  # warm-up, 2 at 1800 MHz, 1 at each of the 6 clocks down to 900
-    worst_t, worst_e = max_relative_errors(prof, sweep.rows())
+    worst_t, worst_e = relative_errors(prof, sweep.rows())
     assert worst_t < 0.03 and worst_e < 0.02  # 1-2 ms units: host overhead weighs more in time
 
 
