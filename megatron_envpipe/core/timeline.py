@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_envpipe.core.graph import critical_path, earliest_times
+from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
 from megatron_envpipe.core.profile import Profile, instruction_of
 from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit, execution_order, unit_dag, unit_index
 
@@ -126,6 +127,16 @@ class Timeline:
         sp = self.graph.stage_pred[v]
         free_at = self.end_s[sp] if sp >= 0 else 0.0
         return max(0.0, self.start_s[v] - free_at)
+
+    def measurement(self) -> IterationMeasurement:
+        """This iteration as the executor would measure it: every stage's units in order, with their
+        start, end and receive wait (what the online reconfigurer is fed)."""
+        graph = self.graph
+        return IterationMeasurement(tuple(
+            tuple(UnitTiming(u, self.start_s[v], self.end_s[v], self.recv_wait_s(v))
+                  for u, v in ((u, graph.node(s, u)) for u in order))
+            for s, order in enumerate(graph.schedule.orders)
+        ))
 
     def critical_path(self) -> list[int]:
         """Node indices from the last-finishing unit back to a unit starting at 0.

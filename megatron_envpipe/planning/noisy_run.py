@@ -15,7 +15,6 @@ import statistics
 from dataclasses import dataclass
 
 from megatron_envpipe.core.jitter import UnitJitter
-from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanEvaluator, score_timeline
@@ -54,26 +53,13 @@ class NoisyRun:
         return t / bt - 1.0
 
 
-def measurement_of(evaluator: PlanEvaluator, durations_s: list[float]) -> tuple[IterationMeasurement, float, object]:
-    """Simulate one iteration with these unit durations: the executor's measurement of it and its timeline."""
-    graph = evaluator.graph
-    timeline = graph.simulate(durations_s)
-    stages = tuple(
-        tuple(UnitTiming(u, timeline.start_s[graph.node(s, u)], timeline.end_s[graph.node(s, u)],
-                         timeline.recv_wait_s(graph.node(s, u))) for u in order)
-        for s, order in enumerate(graph.schedule.orders)
-    )
-    return IterationMeasurement(stages), timeline.iteration_time_s, timeline
-
-
 def _iteration(evaluator: PlanEvaluator, freqs: list[int], jitter: list[UnitJitter]):
     nominal = evaluator.durations(freqs)
     energy = evaluator.unit_energies(freqs)
     factors = [jitter[s].factor() for s in evaluator.graph.stage_of]
-    durations = [d * f for d, f in zip(nominal, factors)]
-    measurement, _, timeline = measurement_of(evaluator, durations)
+    timeline = evaluator.graph.simulate([d * f for d, f in zip(nominal, factors)])
     score = score_timeline(timeline, [e * f for e, f in zip(energy, factors)], evaluator.p2p_power_w)
-    return measurement, score.iteration_time_s, score.energy_j
+    return timeline.measurement(), score.iteration_time_s, score.energy_j
 
 
 def run_noisy(result: PlanResult, profile: Profile, iterations: int, jitter: float, seed: int = 0, *,

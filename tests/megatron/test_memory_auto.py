@@ -16,7 +16,7 @@ import pytest
 
 from megatron_envpipe.apps.cli import main
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
-from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
+from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.memory import AUTO, GIB, MIB, MemoryModel, StageMemory, within_budget
 from megatron_envpipe.core.schedule import envpipe_schedule
 from megatron_envpipe.core.timeline import PipelineGraph
@@ -98,11 +98,8 @@ def test_unparsable_budget_flags_are_argparse_errors(argv, needle, capsys):
 def timings(schedule, fwd: float = 1.0, bwd: float = 2.0):
     """What the executor hands over after a measured iteration (every stage's units, serially timed)."""
     graph = PipelineGraph(schedule)
-    tl = graph.simulate([fwd if u.is_forward else bwd for _, u in graph.nodes])
-    rows = [tuple(UnitTiming(u, tl.start_s[graph.node(s, u)], tl.end_s[graph.node(s, u)],
-                             tl.recv_wait_s(graph.node(s, u))) for u in order)
-            for s, order in enumerate(schedule.orders)]
-    return [IterationMeasurement((row,)) for row in rows]
+    whole = graph.simulate([fwd if u.is_forward else bwd for _, u in graph.nodes]).measurement()
+    return [IterationMeasurement((stage,)) for stage in whole.stages]
 
 
 def model_memory(p: int, free_gib: float, mib: float) -> tuple[StageMemory, ...]:

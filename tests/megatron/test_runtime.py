@@ -6,7 +6,7 @@ import pytest
 
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.instructions import check_deadlock
-from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
+from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.timeline import PipelineGraph
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
@@ -14,15 +14,8 @@ from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 def measured(schedule, durations):
     """Per-stage measurements of a simulated iteration (what each stage's executor reports)."""
     graph = PipelineGraph(schedule)
-    tl = graph.simulate([durations(s, u) for s, u in graph.nodes])
-    out = []
-    for s, order in enumerate(schedule.orders):
-        rows = []
-        for u in order:
-            v = graph.node(s, u)
-            rows.append(UnitTiming(u, tl.start_s[v], tl.end_s[v], tl.recv_wait_s(v)))
-        out.append(IterationMeasurement((tuple(rows),)))
-    return out
+    whole = graph.simulate([durations(s, u) for s, u in graph.nodes]).measurement()
+    return [IterationMeasurement((stage,)) for stage in whole.stages]
 
 
 def test_without_profile_measures_1f1b_then_plans_ours_from_measured_times():

@@ -15,7 +15,7 @@ from megatron_envpipe.apps.cli import main  # noqa: E402
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError  # noqa: E402
 from megatron_envpipe.core.gpu_specs import get_gpu_spec  # noqa: E402
 from megatron_envpipe.core.instructions import paired_hold_dependencies  # noqa: E402
-from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
+from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.profile import Profile, ProfilePoint  # noqa: E402
 from megatron_envpipe.core.schedule import build_schedule, clamp_extra_warmup, one_f_one_b  # noqa: E402
 from megatron_envpipe.core.timeline import PipelineGraph, PlanEvaluator  # noqa: E402
@@ -250,12 +250,7 @@ def test_cli_plan_optimal_text_with_target(capsys):
 # -- online use ------------------------------------------------------------------------
 def measured(schedule, durations):
     graph = PipelineGraph(schedule)
-    tl = graph.simulate([durations(s, u) for s, u in graph.nodes])
-    rows = []
-    for s, order in enumerate(schedule.orders):
-        rows.append(tuple(UnitTiming(u, tl.start_s[graph.node(s, u)], tl.end_s[graph.node(s, u)],
-                                     tl.recv_wait_s(graph.node(s, u))) for u in order))
-    return IterationMeasurement(tuple(rows))
+    return graph.simulate([durations(s, u) for s, u in graph.nodes]).measurement()
 
 
 def test_online_corrections_start_from_the_optimal_plan(gpt3_profile):

@@ -106,15 +106,7 @@ def test_online_step_from_measurements_and_finish_limit():
     # "Measured" iteration: slow inner units on stage 1 put it on the critical path.
     dur = [3.0 if (s == 1 and u.is_forward and u.microbatch in (1, 2)) else 1.0 for s, u in graph.nodes]
     tl = graph.simulate(dur)
-    measurement = IterationMeasurement(
-        tuple(
-            tuple(
-                UnitTiming(u, tl.start_s[graph.node(s, u)], tl.end_s[graph.node(s, u)], tl.recv_wait_s(graph.node(s, u)))
-                for u in order
-            )
-            for s, order in enumerate(sched.orders)
-        )
-    )
+    measurement = tl.measurement()
     path = rc.measured_critical_path(measurement.recv_wait_s())
     assert path[0] == (0, B(3)) and path[-1] == (0, F(0))
     assert not rc.on_envelope(path)

@@ -15,7 +15,7 @@ from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.schedule import B, F, one_f_one_b
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
-from megatron_envpipe.planning.noisy_run import measurement_of, run_noisy
+from megatron_envpipe.planning.noisy_run import run_noisy
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
 
@@ -38,7 +38,7 @@ def exact_measurement(plan: FrequencyPlan, profile: Profile, scale: dict[int, fl
     durations = ev.durations(flat(plan))
     if scale:
         durations = [d * scale.get(s, 1.0) for d, s in zip(durations, ev.graph.stage_of)]
-    return measurement_of(ev, durations)[0]
+    return ev.graph.simulate(durations).measurement()
 
 
 # -- the jitter model ------------------------------------------------------------------
