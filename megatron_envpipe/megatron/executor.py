@@ -156,7 +156,7 @@ def envpipe_interleaved_forward_backward(
     if extra:
         return _fallback(f"unknown schedule arguments {sorted(extra)}", kwargs, interleaved=True)
     runtime = STATE.runtime
-    if runtime is not None and runtime.config.scheduling != getattr(Scheduling, "INTERLEAVED", "interleaved"):
+    if runtime is not None and runtime.config.scheduling != Scheduling.INTERLEAVED:
         return _fallback(f"virtual pipeline with --envpipe-scheduling {runtime.config.scheduling} (EnvPipe runs "
                          f"model chunks only with --envpipe-scheduling interleaved)", kwargs, interleaved=True)
     if not isinstance(model, list) or not isinstance(data_iterator, list) or len(model) < 2 \
@@ -377,12 +377,12 @@ class StageIteration:
         if timer is not None:
             measurement = timer.measurement(order)
             gathered = self.groups.agree(self.groups.gather_stages(measurement))
-        elif self.runtime.device is not None and self.runtime.device.energy:
+        elif self.runtime.measures_energy:
             # Every energy window ends at one point of the pipeline, measured iteration or not: a
             # stage done early idles (at P2P power) until the last finishes, and that idle time is
             # the iteration's too. Without it, unmeasured iterations would drop the cool-down bubble
             # (~3 % of a 4-stage iteration's energy) that measured ones count. The condition is the
-            # pipeline's (facts agreed at start-up), so every rank joins or none does.
+            # pipeline's, so every rank joins or none does.
             self.groups.gather_stages(None)
         self.hooks.iteration_end(measurement)
         if profiling and timer is not None:

@@ -36,7 +36,7 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
     line names it and why. Every line ends with how many intervals (one GPU's
     iteration) went unmeasured so far, by reason, and which GPUs lost clock control.
     """
-    if runtime.device is None or not runtime.device.energy:
+    if not runtime.measures_energy:
         return None
     if (iteration + 1) % runtime.config.log_interval:
         return None

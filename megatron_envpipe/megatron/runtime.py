@@ -143,6 +143,11 @@ class EnvPipeRuntime:
         self.memory_source = source
 
     @property
+    def measures_energy(self) -> bool:
+        """Whether every stage measures energy (facts agreed at start-up: the same on every rank)."""
+        return self.device is not None and self.device.energy
+
+    @property
     def profiling(self) -> bool:
         return self._sweep is not None and not self._sweep.done
 
@@ -249,7 +254,7 @@ class EnvPipeRuntime:
 
     def report_energy(self, iteration: int, stage_energy: Sequence[Any]) -> EnergyReport | None:
         """Per-stage :class:`~megatron_envpipe.gpu.energy.IterationEnergy` of one iteration -> a report."""
-        if not stage_energy or self.device is None or not self.device.energy:
+        if not stage_energy or not self.measures_energy:
             return None
         scale = self.config.sim_time_scale if self.device.simulated else 1.0
         time_s = max(e.time_s for e in stage_energy) / scale
