@@ -60,6 +60,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "profile_iterations": (1, 100),
     "sim_jitter": (0.0, MAX_JITTER),  # as --envpipe-sim-jitter: 0 (none) up to a quarter of a unit's time
 }
+_ABOVE_LOW = frozenset({"sim_time_scale"})  # must exceed its low bound; the others may equal it
 # Steady-state figures: the median of at most this many iterations at the end of each run.
 STEADY_ITERATIONS = 20
 _NAMES = {"plan_type": PLAN_TYPES, "scheduling": SCHEDULINGS, "reconfig": RECONFIG_POLICIES}
@@ -145,9 +146,9 @@ def _value_problem(key: str, value: Any) -> str | None:
         return "must be a finite number"
     if key in _RANGES:
         low, high = _RANGES[key]
-        open_low = isinstance(value, float) and key != "sim_jitter"
-        if not (value > low if open_low else value >= low) or value > high:
-            return f"needs {key} {'>' if open_low else '>='} {low:g} and <= {high:g}"
+        above = key in _ABOVE_LOW
+        if not (value > low if above else value >= low) or value > high:
+            return f"needs {key} {'>' if above else '>='} {low:g} and <= {high:g}"
     if key in _NAMES and value not in _NAMES[key]:
         return f"choose one of {', '.join(_NAMES[key])}"
     if key == "profile" and not value:
