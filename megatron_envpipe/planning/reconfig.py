@@ -117,6 +117,7 @@ class Reconfigurer:
         self.stack: list[Correction] = []  # online raises still in force, oldest first
         self._recent: list[tuple[list[list[float]], float]] = []  # (receive waits, time) since the last change
         self._lowered_since_raise = False
+        self._last_unit_s: float | None = None  # last stage's median unit time, until the threshold is fixed
         # The most single-step raises the plan's units can take: bounds the stack's depth.
         self.depth_bound = sum(ladder.levels_above(f) for row in self.freqs for f in row)
         # "default" never reconfigures: EnvPipe starts it finished.
@@ -238,15 +239,15 @@ class Reconfigurer:
             return self.plan
         self.iterations += 1
         self._recent.append((measurement.recv_wait_s(), measurement.iteration_time_s()))
-        # The last stage's median unit time caps the walk's threshold (measured_critical_path).
-        last_units = statistics.median(t.end_s - t.start_s for t in measurement.stages[-1])
+        if self.threshold_s is None:  # the last stage's median unit time caps the walk's threshold, once
+            self._last_unit_s = statistics.median(t.end_s - t.start_s for t in measurement.stages[-1])
         if len(self._recent) < self.window:
             self._quiet()
             return self.plan
         waits = [[statistics.median(column) for column in zip(*rows)]
                  for rows in zip(*(w for w, _ in self._recent))]
         time_s = statistics.median(t for _, t in self._recent)
-        path = self.measured_critical_path(waits, last_units)
+        path = self.measured_critical_path(waits, self._last_unit_s)
         if self.target_time_s is not None:
             late = time_s > self.target_time_s * (1 + self.time_tolerance)
             slack = time_s <= self.target_time_s  # hysteresis: lower only well inside the tolerance
