@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernels", type=int, default=1000, help="probe kernels per latency measurement")
     p.add_argument("--latency-reps", type=int, default=3)
     p.add_argument("--state-dir", default=None, help="ClockGuard state directory (default: $ENVPIPE_STATE_DIR or "
-                                                     "/var/tmp/megatron-envpipe/locked-clocks)")
+                                                     "/var/lib/megatron-envpipe/locked-clocks)")
     p.add_argument("--out", default=None, help="profile CSV (default out/gpu_probe_<gpu>.csv)")
     return p.parse_args(argv)
 

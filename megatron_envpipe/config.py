@@ -15,15 +15,13 @@ Pure Python.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_envpipe.core.flag_ranges import RANGES
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.interleaved import check_interleaved_sizes
-from megatron_envpipe.core.jitter import MAX_JITTER
 from megatron_envpipe.core.memory import (
     AUTO,
     MaxInflight,
@@ -34,6 +32,7 @@ from megatron_envpipe.core.memory import (
 from megatron_envpipe.core.profile import Profile, ProfileError
 from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
 from megatron_envpipe.core.schedule import ScheduleError
+from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.vocabulary import (
     PLAN_TYPE_NAMES,
     PLAN_TYPES,
@@ -46,14 +45,26 @@ from megatron_envpipe.core.vocabulary import (
     Scheduling,
     coerce_enum,
 )
-from megatron_envpipe.errors import UsageError
-from megatron_envpipe.flag_types import fraction, int_list, max_inflight_arg, memory_model_arg
-from megatron_envpipe.planning.basis import MAX_TIMING_MARGIN, PlannerConfig
-from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S, MAX_SWITCH_COST_J
+from megatron_envpipe.flag_types import (
+    OPTIONAL_NUMBERS,
+    TRAINING_NUMBERS,
+    VIRTUAL_PIPELINE_ARGS,
+    EnvPipeConfigError,
+    fraction,
+    int_list,
+    is_whole,
+    max_inflight_arg,
+    memory_model_arg,
+    num_microbatches_of,
+    show,
+    show_list,
+    virtual_stages_of,
+)
+from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S
 
-
-class EnvPipeConfigError(UsageError, ValueError):
-    """An impossible or inconsistent EnvPipe setting."""
+__all__ = ["EnvPipeConfig", "EnvPipeConfigError", "add_envpipe_args", "fraction", "int_list", "load_profile",
+           "max_inflight_arg", "memory_model_arg", "num_microbatches_of", "virtual_stages_of"]
 
 
 @dataclass(frozen=True)
@@ -99,8 +110,11 @@ class EnvPipeConfig:
         for name, enum in (("plan_type", PlanType), ("scheduling", Scheduling), ("reconfig", ReconfigPolicy)):
             object.__setattr__(self, name, coerce_enum(enum, getattr(self, name)))
 
-    def validate(self) -> "EnvPipeConfig":
-        """Every check that needs no Megatron flag: names, numbers (finite, in range), combinations."""
+    def validate(self, given: frozenset[str] | None = None) -> "EnvPipeConfig":
+        """Every check that needs no Megatron flag: names, numbers (finite, in range), combinations.
+
+        ``given``: the fields the user set (``from_args`` knows); None: those that differ from the default.
+        """
 
         def bad(msg: str) -> None:
             raise EnvPipeConfigError(msg)
@@ -113,22 +127,20 @@ class EnvPipeConfig:
             bad(f"--envpipe-reconfig {self.reconfig!r}: choose one of {', '.join(RECONFIG_POLICIES)}")
         self._validate_numbers()
         self._validate_max_inflight()
-        if self.scheduling == Scheduling.INTERLEAVED and self.max_inflight not in (AUTO, None):
-            bad(f"--envpipe-max-inflight {show_budget(self.max_inflight)} budgets the extra warm-up of "
-                "--envpipe-scheduling ours; interleaved keeps Megatron's order: drop it (or give auto/none)")
+        self._refuse_ignored(self._given() if given is None else given)
         if self.extra_warmup is not None:
             if self.scheduling != Scheduling.OURS:
                 bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours: add "
                     "--envpipe-scheduling ours or drop --envpipe-extra-warmup")
-            shown = _show_list(self.extra_warmup)
+            shown = show_list(self.extra_warmup)
             if not self.extra_warmup:
                 bad("--envpipe-extra-warmup is empty: give one whole number per pipeline stage, e.g. 3,2,1,0")
             for s, r in enumerate(self.extra_warmup):
-                if not _is_int(r) or r < 0:
-                    bad(f"--envpipe-extra-warmup {shown}: stage {s}'s entry {_show(r)} must be a whole number "
+                if not is_whole(r) or r < 0:
+                    bad(f"--envpipe-extra-warmup {shown}: stage {s}'s entry {show(r)} must be a whole number "
                         ">= 0 (extra warm-up forwards of that stage), e.g. 3,2,1,0")
         if self.sim_jitter > 0 and not (self.gpu or "").startswith("simulated"):
-            bad(f"--envpipe-sim-jitter {_show(self.sim_jitter)} adds noise to the simulated GPU only: add "
+            bad(f"--envpipe-sim-jitter {show(self.sim_jitter)} adds noise to the simulated GPU only: add "
                 "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-jitter")
         if self.gpu is not None and self.gpu not in ("auto", "none", "nvml"):
             if self.gpu.startswith("simulated"):
@@ -153,29 +165,61 @@ class EnvPipeConfig:
         if self.on_no_permission not in ("fail", "monitor"):
             bad(f"--envpipe-on-no-permission {self.on_no_permission!r}: choose fail or monitor")
         if self.max_slowdown and self.target_time_s is not None:
-            bad(f"--envpipe-max-slowdown {_show(self.max_slowdown)} and --envpipe-target-time "
-                f"{_show(self.target_time_s)} both set the optimal plan's deadline: give only one")
+            bad(f"--envpipe-max-slowdown {show(self.max_slowdown)} and --envpipe-target-time "
+                f"{show(self.target_time_s)} both set the optimal plan's deadline: give only one")
         if (self.max_slowdown or self.target_time_s is not None) and self.plan_type != PlanType.OPTIMAL:
             bad("--envpipe-max-slowdown and --envpipe-target-time need --envpipe-type optimal "
                 f"(this run has --envpipe-type {self.plan_type})")
         return self
 
+    def _given(self) -> frozenset[str]:
+        """The fields whose value differs from the default (what a Python caller evidently set)."""
+        default = EnvPipeConfig()
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name))
+
+    def _refuse_ignored(self, given: frozenset[str]) -> None:
+        """A flag that would do nothing in this setting is refused, never silently ignored."""
+        ignored: list[tuple[str, str, str]] = []  # (field, why it does nothing, what to do instead)
+        if self.scheduling != Scheduling.OURS:
+            ignored.append(("max_inflight", f"budgets the extra warm-up of --envpipe-scheduling ours, and "
+                            f"--envpipe-scheduling {self.scheduling} has none",
+                            "add --envpipe-scheduling ours or drop it"))
+        if self.plan_type == PlanType.BASELINE:
+            why = "runs every unit at the maximum clock: no clock to slow, merge or change"
+            ignored += [(name, f"does nothing with --envpipe-type baseline, which {why}",
+                         "drop it or choose another --envpipe-type")
+                        for name in ("switch_cost_j", "max_clock_changes", "timing_margin")]
+        if self.reconfig == ReconfigPolicy.DEFAULT:
+            ignored += [(name, "tunes online reconfiguration, which --envpipe-reconfig default turns off",
+                         "add --envpipe-reconfig balanced (or greedy) or drop it")
+                        for name in ("reconfig_step_mhz", "finish_limit", "threshold_scale", "reconfig_window")]
+        if self.profile is not None:
+            ignored += [(name, f"tunes the start-up measurement, which --envpipe-profile {self.profile} replaces",
+                         "drop one of them") for name in ("profile_step_mhz", "profile_iterations",
+                                                          "measure_iterations")]
+        for name, why, fix in ignored:
+            if name in given:
+                value = getattr(self, name)
+                flag = TRAINING_NUMBERS[name][0] if name in TRAINING_NUMBERS else "--envpipe-max-inflight"
+                shown = show_budget(value) if name == "max_inflight" else show(value)
+                raise EnvPipeConfigError(f"{flag} {shown} {why}, so it would be ignored: {fix}")
+
     def _validate_numbers(self) -> None:
-        """Each numeric flag: the right kind of number, finite, in its range (nan and inf never pass)."""
-        for name, (flag, kind, low, high, unit, example) in _NUMBERS.items():
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL_NUMBERS:
-                continue
-            problem = _number_problem(value, kind, low, high, unit)
-            if problem:
-                raise EnvPipeConfigError(f"{flag} {_show(value)}: {problem}; give e.g. {flag} {example}")
-        if self.max_slowdown > 1:
-            x = _show(self.max_slowdown)
+        """Each numeric flag: the right kind of number, finite, in its range (core.flag_ranges; nan, inf never pass)."""
+        if isinstance(self.max_slowdown, int | float) and 1 < self.max_slowdown < float("inf"):
+            x = show(self.max_slowdown)
             raise EnvPipeConfigError(
                 f"--envpipe-max-slowdown {x} allows iterations up to {100 * self.max_slowdown:.0f}% slower than the "
                 f"baseline (at most 1 = 100%): it is a fraction, 0.05 = 5%; for {x}% give "
-                f"{_show(self.max_slowdown / 100)} or {x}%"
+                f"{show(self.max_slowdown / 100)} or {x}%"
             )
+        for name, (flag, limits, example) in TRAINING_NUMBERS.items():
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_NUMBERS:
+                continue
+            problem = limits.problem(value)
+            if problem:
+                raise EnvPipeConfigError(f"{flag} {show(value)}: {problem}; give e.g. {flag} {example}")
 
     def _validate_max_inflight(self) -> None:
         """``--envpipe-max-inflight``: auto, none, a whole number >= 1, or one per stage; the memory model's numbers."""
@@ -187,16 +231,16 @@ class EnvPipeConfig:
             if not value:
                 raise EnvPipeConfigError(f"{flag} is empty: give one budget per pipeline stage, e.g. 4,3,2,2, or auto")
             for s, b in enumerate(value):
-                problem = _number_problem(b, "int", ("ge", 1), None, "micro-batch activations")
+                problem = RANGES["max_inflight"].problem(b)
                 if problem:
-                    raise EnvPipeConfigError(f"{flag} {show_budget(value)}: stage {s}'s entry {_show(b)} {problem}; "
+                    raise EnvPipeConfigError(f"{flag} {show_budget(value)}: stage {s}'s entry {show(b)} {problem}; "
                                              f"{example}")
         elif isinstance(value, str):
             raise EnvPipeConfigError(f"{flag} {value!r}: {example}")
         else:
-            problem = _number_problem(value, "int", ("ge", 1), None, "micro-batch activations")
+            problem = RANGES["max_inflight"].problem(value)
             if problem:
-                raise EnvPipeConfigError(f"{flag} {_show(value)}: {problem}; {example}")
+                raise EnvPipeConfigError(f"{flag} {show(value)}: {problem}; {example}")
         model = self.sim_memory
         if model is not None:
             problem = model.problem() if isinstance(model, MemoryModel) else "not a memory model"
@@ -228,7 +272,7 @@ class EnvPipeConfig:
             ("--envpipe-type", self.plan_type, PlanType.BASELINE),
             ("--envpipe-scheduling", self.scheduling, Scheduling.ONE_F_ONE_B),
             ("--envpipe-reconfig", self.reconfig, ReconfigPolicy.DEFAULT)) if value != default)
-        vpp_flags = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in _VIRTUAL_PIPELINE_ARGS
+        vpp_flags = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in VIRTUAL_PIPELINE_ARGS
                      if getattr(args, name, None) is not None]
         virtual = virtual_stages_of(args) if self.scheduling == Scheduling.INTERLEAVED else 1
         if self.scheduling == Scheduling.INTERLEAVED and virtual < 2:
@@ -248,8 +292,14 @@ class EnvPipeConfig:
                 "--envpipe-p2p-power W (measure it with Zeus's examples/pipeline_frequency_optimizer/profile_p2p.py), "
                 "or drop --envpipe-profile and let the start-up profiler measure it"
             )
+        if virtual > (most := RANGES["virtual_stages"].high):
+            raise EnvPipeConfigError(f"--envpipe-scheduling interleaved: {virtual} model chunks per rank (Megatron's "
+                                     f"virtual-pipeline flags) is more than the {most:g} EnvPipe plans; use fewer")
+        # The simulated GPU's profile, read once here: every rank would otherwise die reading it.
+        source = self.gpu.partition(":")[2] if (self.gpu or "").startswith("simulated") else None
+        simulated = load_profile(source, f"--envpipe-gpu {self.gpu}", "give another profile") if source else None
         pp = getattr(args, "pipeline_model_parallel_size", None)
-        if not _is_int(pp):
+        if not is_whole(pp):
             return self
         if pp < 2 and not self.is_stock:
             raise EnvPipeConfigError(
@@ -260,6 +310,11 @@ class EnvPipeConfig:
         if pp >= 2:
             profile = load_profile(self.profile) if self.profile is not None else None
             self.check_pipeline(pp, num_microbatches_of(args, pp), profile, virtual)
+            check_plan_size(self.plan_type, pp, num_microbatches_of(args, pp), virtual, EnvPipeConfigError)
+            if not (vpp_flags and self.scheduling != Scheduling.INTERLEAVED):  # else Megatron's own schedule runs
+                for flag, given in (("--envpipe-profile", profile), (f"--envpipe-gpu {self.gpu}", simulated)):
+                    if given is not None:
+                        _fit_profile(flag, given, pp, virtual)
         return self
 
     def check_pipeline(self, num_stages: int, num_microbatches: int | None = None,
@@ -285,7 +340,7 @@ class EnvPipeConfig:
         if self.extra_warmup is not None and len(self.extra_warmup) != num_stages:
             example = ",".join(str(max(0, num_stages - 1 - s)) for s in range(num_stages))
             raise EnvPipeConfigError(
-                f"--envpipe-extra-warmup {_show_list(self.extra_warmup)} has {len(self.extra_warmup)} "
+                f"--envpipe-extra-warmup {show_list(self.extra_warmup)} has {len(self.extra_warmup)} "
                 f"entries but {pipeline}: give exactly one per stage, first stage first, e.g. {example}"
             )
         if self.max_inflight == AUTO:
@@ -345,43 +400,24 @@ class EnvPipeConfig:
             key = f"envpipe_{f.name}"
             if hasattr(args, key):
                 values[f.name] = getattr(args, key)
+        # These flags' argparse default is None: "not given", so that only a value the user typed
+        # (even the default's) is refused where it would be ignored; unset, the field keeps its default.
+        typed = frozenset(name for name in _NONE_IS_UNSET if values.get(name) is not None)
+        for name in _NONE_IS_UNSET:
+            if values.get(name, 0) is None:
+                del values[name]
         if values.get("extra_warmup") is not None:
             values["extra_warmup"] = tuple(values["extra_warmup"])
         if isinstance(values.get("max_inflight"), list):
             values["max_inflight"] = tuple(values["max_inflight"])
-        return cls(**values).validate()
+        config = cls(**values)
+        return config.validate(config._given() | typed)
 
 
-# -- numbers, profiles and Megatron's sizes ---------------------------------------------
+_NONE_IS_UNSET = ("switch_cost_j", "max_clock_changes", "timing_margin")
 
-# field -> (flag, kind, low bound, high bound or None, unit, example). Bounds: ("ge", x) is
-# >= x, ("gt", x) is > x. Every number must be finite: nan fails every comparison, and so
-# passed checks written as `value < 0`.
-_NUMBERS: dict[str, tuple[str, str, tuple[str, float], float | None, str, str]] = {
-    "p2p_power_w": ("--envpipe-p2p-power", "float", ("ge", 0), 5000.0, "W", "70"),
-    "reconfig_step_mhz": ("--envpipe-reconfig-step", "int", ("ge", 1), None, "MHz", "30"),
-    "finish_limit": ("--envpipe-finish-limit", "int", ("ge", 0), None, "iterations", "10"),
-    "threshold_scale": ("--envpipe-threshold-scale", "float", ("gt", 0), None, "", "4"),
-    "prefetch": ("--envpipe-prefetch", "int", ("ge", 1), None, "receives", "2"),
-    "comm_timeout_s": ("--envpipe-comm-timeout", "float", ("gt", 0), None, "seconds", "300"),
-    "measure_iterations": ("--envpipe-measure-iterations", "int", ("ge", 1), None, "iterations", "1"),
-    "profile_step_mhz": ("--envpipe-profile-step", "int", ("ge", 1), None, "MHz", "90"),
-    "profile_iterations": ("--envpipe-profile-iterations", "int", ("ge", 1), None, "iterations", "2"),
-    "sim_time_scale": ("--envpipe-sim-time-scale", "float", ("gt", 0), 10.0, "", "0.02"),
-    "sim_jitter": ("--envpipe-sim-jitter", "float", ("ge", 0), MAX_JITTER, "", "0.03 (3 %)"),
-    "timing_margin": ("--envpipe-timing-margin", "float", ("ge", 0), MAX_TIMING_MARGIN, "", "0.01 (1 %)"),
-    "reconfig_window": ("--envpipe-reconfig-window", "int", ("ge", 1), 100, "iterations", "3"),
-    "log_interval": ("--envpipe-log-interval", "int", ("ge", 1), None, "iterations", "1"),
-    "max_slowdown": ("--envpipe-max-slowdown", "float", ("ge", 0), None, "", "0.05 (or 5%)"),
-    "target_time_s": ("--envpipe-target-time", "float", ("gt", 0), None, "seconds", "8.5"),
-    "switch_cost_j": ("--envpipe-switch-cost-j", "float", ("ge", 0), MAX_SWITCH_COST_J, "J", "0.7"),
-    "max_clock_changes": ("--envpipe-max-clock-changes", "int", ("ge", 1), None, "changes per iteration", "40"),
-}
-_OPTIONAL_NUMBERS = frozenset({"p2p_power_w", "reconfig_step_mhz", "profile_step_mhz",
-                               "target_time_s", "switch_cost_j", "max_clock_changes"})
-# Megatron's flags that turn on the interleaved schedule (names differ across releases).
-_VIRTUAL_PIPELINE_ARGS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-                          "num_virtual_stages_per_pipeline_rank")
+
+# -- GPUs and profiles ------------------------------------------------------------------
 
 
 def _table_gpu(gpu: str | None) -> GpuSpec | None:
@@ -391,105 +427,31 @@ def _table_gpu(gpu: str | None) -> GpuSpec | None:
     return get_gpu_spec(gpu)  # validate() has checked the key
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _show(value: Any) -> str:
-    """A flag value as the user would type it: 0.05, 300, nan, inf, 'text'."""
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value) if _is_int(value) else repr(value)
-
-
-def _show_list(values: Any) -> str:
-    return ",".join(_show(v) for v in values)
-
-
-def _number_problem(value: Any, kind: str, low: tuple[str, float], high: float | None, unit: str) -> str | None:
-    """Why ``value`` is not a valid number of this kind, range and unit, or None."""
-    op, bound = low
-    in_unit = f" ({unit})" if unit else ""
-    unit = f" {unit}" if unit else ""
-    if kind == "int" and not _is_int(value):
-        return f"must be a whole number{in_unit}"
-    if kind == "float" and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return f"must be a number{in_unit}"
-    if not math.isfinite(value):
-        return f"must be a finite number{in_unit}"
-    if op == "ge" and not value >= bound:
-        return f"must be >= {bound:g}{unit}"
-    if op == "gt" and not value > bound:
-        return f"must be > {bound:g}{unit}"
-    if high is not None and not value <= high:
-        return f"must be at most {high:g}{unit}"
-    return None
-
-
-def load_profile(name: str) -> Profile:
+def load_profile(name: str, flag: str = "--envpipe-profile",
+                 fix: str = "drop --envpipe-profile to measure at start-up") -> Profile:
     """The ``--envpipe-profile`` CSV (a path or a shipped name), parsed; EnvPipeConfigError if it
-    cannot be read, is not UTF-8 text, or is not a valid Perseus-format profile."""
+    cannot be read, is not UTF-8 text, or is not a valid Perseus-format profile. ``flag``/``fix``:
+    the flag that names it and what else to do (``--envpipe-gpu simulated:<profile>`` reads one too)."""
     try:
         return Profile.from_csv(shipped_profile(name))
     except FileNotFoundError as exc:
-        raise EnvPipeConfigError(f"--envpipe-profile {name}: {exc}") from None
+        raise EnvPipeConfigError(f"{flag} {name}: {exc}") from None
     except UnicodeDecodeError as exc:
         raise EnvPipeConfigError(
-            f"--envpipe-profile {name}: not a text CSV (byte {exc.start} is not UTF-8): give the Perseus-format "
+            f"{flag} {name}: not a text CSV (byte {exc.start} is not UTF-8): give the Perseus-format "
             "CSV (columns stage,instruction,frequency,time,energy)") from None
     except ProfileError as exc:
-        where = "--envpipe-profile" if name in str(exc) else f"--envpipe-profile {name}"  # it names the file
-        raise EnvPipeConfigError(
-            f"{where}: {exc}; fix the file, or drop --envpipe-profile to measure at start-up") from None
+        where = flag if name in str(exc) else f"{flag} {name}"  # it names the file (and line)
+        raise EnvPipeConfigError(f"{where}: {exc}; fix the file, or {fix}") from None
 
 
-def virtual_stages_of(args: Any) -> int:
-    """Model chunks per rank (1 without a virtual pipeline) from Megatron's flags, as Megatron derives it."""
-    given = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if _is_int(given):
-        return given
-    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    layers, pp = getattr(args, "num_layers", None), getattr(args, "pipeline_model_parallel_size", None)
-    if _is_int(per_stage) and per_stage >= 1:
-        if not (_is_int(layers) and _is_int(pp) and pp >= 1 and layers % (pp * per_stage) == 0):
-            raise EnvPipeConfigError(
-                f"--num-layers-per-virtual-pipeline-stage {per_stage}: --num-layers {layers} must split into "
-                f"--pipeline-model-parallel-size {pp} ranks of whole virtual stages of {per_stage} layers")
-        return layers // (pp * per_stage)
-    return ranks if _is_int(ranks := getattr(args, "num_virtual_stages_per_pipeline_rank", None)) and ranks >= 1 else 1
-
-
-def num_microbatches_of(args: Any, pipeline_size: int) -> int | None:
-    """Micro-batches per iteration from Megatron's flags, or None when they do not fix it.
-
-    ``num_microbatches`` if the namespace has it (the tiny GPT example), else
-    ``--global-batch-size / (--micro-batch-size x DP)`` with DP from
-    ``data_parallel_size`` or ``WORLD_SIZE / (TP x PP x CP)``; a batch-size
-    ramp-up changes it during training: None.
-    """
-    given = getattr(args, "num_microbatches", None)
-    if _is_int(given) and given >= 1:
-        return given
-    if getattr(args, "rampup_batch_size", None):
-        return None
-    mbs = getattr(args, "micro_batch_size", None)
-    gbs = getattr(args, "global_batch_size", None)
-    dp = getattr(args, "data_parallel_size", None)
-    if not _is_int(dp):
-        world = getattr(args, "world_size", None)
-        if not _is_int(world):
-            world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
-        tp = getattr(args, "tensor_model_parallel_size", None) or 1
-        cp = getattr(args, "context_parallel_size", None) or 1
-        per_replica = tp * pipeline_size * cp if _is_int(tp) and _is_int(cp) else 0
-        dp = world // per_replica if world and per_replica and world % per_replica == 0 else None
-    if not (_is_int(mbs) and mbs >= 1 and _is_int(dp) and dp >= 1):
-        return None
-    if gbs is None:
-        return 1  # Megatron's default: one micro-batch per data-parallel rank
-    if not _is_int(gbs) or gbs < 1 or gbs % (mbs * dp):
-        return None
-    return gbs // (mbs * dp)
+def _fit_profile(flag: str, profile: Profile, num_stages: int, virtual_stages: int) -> None:
+    """The profile serves this pipeline's stages and model chunks (the run-time would fail on every rank)."""
+    try:
+        profile.for_pipeline(num_stages).for_chunks(virtual_stages)
+    except ProfileError as exc:
+        raise EnvPipeConfigError(f"{flag}: {exc} (--pipeline-model-parallel-size {num_stages}, "
+                                 f"{virtual_stages} model chunk(s) per rank)") from None
 
 
 # argparse lists its choices with repr() in "invalid choice" errors: give it the plain names.
@@ -555,7 +517,7 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--envpipe-sim-jitter", dest="envpipe_sim_jitter", type=fraction, default=d.sim_jitter,
                    help="simulated GPU: unit-time noise as a fraction of the unit's time, e.g. 0.03 or 3%% "
                         "(normal, clipped at 3 sigma, seeded per stage; default 0)")
-    g.add_argument("--envpipe-timing-margin", dest="envpipe_timing_margin", type=fraction, default=d.timing_margin,
+    g.add_argument("--envpipe-timing-margin", dest="envpipe_timing_margin", type=fraction, default=None,
                    help="slack kept behind every unit planned below the maximum clock, as a fraction of its time, "
                         "so unit-time jitter does not slow the iteration (default 0.01 = 1%%; 0: none)")
     g.add_argument("--envpipe-reconfig-window", dest="envpipe_reconfig_window", type=int, default=d.reconfig_window,
@@ -571,7 +533,7 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--envpipe-target-time", dest="envpipe_target_time_s", type=float, default=None,
                    help="--envpipe-type optimal: plan for iterations lasting this many seconds anyway (e.g. a "
                         "straggler sets the pace); the GPUs block at P2P power until then")
-    g.add_argument("--envpipe-switch-cost-j", dest="envpipe_switch_cost_j", type=float, default=0.0, help="joules a "
+    g.add_argument("--envpipe-switch-cost-j", dest="envpipe_switch_cost_j", type=float, default=None, help="joules a "
                    f"clock change must save to be kept (default 0: off; envpipe plan's: {DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x P2P power)")
     g.add_argument("--envpipe-max-clock-changes", dest="envpipe_max_clock_changes", type=int, default=None,
                    help="at most this many clock changes per stage per iteration, where the deadline allows")

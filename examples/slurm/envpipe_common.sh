@@ -61,7 +61,7 @@ ENVPIPE_VERBOSE=${ENVPIPE_VERBOSE:-0}                    # 1: print each stage's
 # After torchrun, on every node: `envpipe reset-clocks` repairs GPUs whose clocks
 # the run left locked. force: also GPUs whose locking process still runs (a
 # straggler; right on exclusive nodes); yes: only those of dead processes; no: skip.
-# Runs record locked clocks in $ENVPIPE_STATE_DIR (default /var/tmp/megatron-envpipe/locked-clocks).
+# Runs record locked clocks in $ENVPIPE_STATE_DIR (default /var/lib/megatron-envpipe/locked-clocks).
 ENVPIPE_RESET_CLOCKS=${ENVPIPE_RESET_CLOCKS:-force}
 export PYTHON ENVPIPE_RESET_CLOCKS
 

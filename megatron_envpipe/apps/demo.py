@@ -7,13 +7,22 @@ on CPU with the simulated GPU driven by a shipped real A40 profile. It shows
 the schedule, the plan (EnvPipe's printout), a timeline picture of baseline vs
 EnvPipe, the energy and time measured on the (simulated) GPUs, the saving, and
 that the losses are bit-for-bit identical.
+
+Everything is checked before anything is created or started: the config
+(also through the very parser and :class:`~megatron_envpipe.config.EnvPipeConfig`
+checks the training processes will run), ``--gpu`` (a ``simulated:<csv>``
+profile is loaded and validated), the output folder. A training process that
+fails anyway is reported as one line, the failing rank's own error and its log.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,11 +30,12 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from megatron_envpipe.apps.plot import PlotUnavailableError, draw_timelines
-from megatron_envpipe.config import EnvPipeConfig
-from megatron_envpipe.core.atomic import check_writable
+from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
+from megatron_envpipe.core.atomic import check_writable, write_json_atomic
 from megatron_envpipe.core.gpu_specs import GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.jitter import MAX_JITTER
 from megatron_envpipe.core.plan import format_envpipe
@@ -41,12 +51,17 @@ from megatron_envpipe.core.vocabulary import (
     Scheduling,
 )
 from megatron_envpipe.errors import EnvPipeError, UsageError
+from megatron_envpipe.gpu import open_gpu
 from megatron_envpipe.megatron.localhost import free_port
 from megatron_envpipe.planning.planner import plan_envpipe
 
 
 class DemoError(EnvPipeError, RuntimeError):
     """The demo could not run; the message says why."""
+
+
+class DemoTrainingError(EnvPipeError, RuntimeError):
+    """A training process of the demo failed; the message is its rank, its error line and its log."""
 
 
 # The range of each number in configs/demo.toml: past these the demo would spawn hundreds of
@@ -64,6 +79,15 @@ _ABOVE_LOW = frozenset({"sim_time_scale"})  # must exceed its low bound; the oth
 # Steady-state figures: the median of at most this many iterations at the end of each run.
 STEADY_ITERATIONS = 20
 _NAMES = {"plan_type": PLAN_TYPES, "scheduling": SCHEDULINGS, "reconfig": RECONFIG_POLICIES}
+# The training flag each [demo] key becomes: a message of the training's own checks is shown with
+# the key, since the demo has no such flag.
+_TRAINING_FLAGS = {
+    "plan_type": "--envpipe-type", "scheduling": "--envpipe-scheduling", "reconfig": "--envpipe-reconfig",
+    "profile_step_mhz": "--envpipe-profile-step", "profile_iterations": "--envpipe-profile-iterations",
+    "sim_time_scale": "--envpipe-sim-time-scale", "sim_jitter": "--envpipe-sim-jitter",
+}
+# The tiny GPT's layers (train_tiny_gpt's default), for the training's pipeline checks.
+_NUM_LAYERS = 8
 
 
 @dataclass(frozen=True)
@@ -119,6 +143,8 @@ class DemoConfig:
         if cfg.microbatches < cfg.stages:
             raise DemoError(f"{path}: [demo] needs microbatches >= stages, got {cfg.microbatches} < {cfg.stages}")
         cfg._check_profile(path)
+        # As the demo's two training runs will see them (on the simulated GPUs of the config's profile).
+        check_training_flags(cfg, path, training_runs(cfg, f"simulated:{cfg.profile}", Path("out")), cfg.stages)
         return cfg
 
     def _check_profile(self, path: Path) -> None:
@@ -151,13 +177,69 @@ def _value_problem(key: str, value: Any) -> str | None:
             return f"needs {key} {'>' if above else '>='} {low:g} and <= {high:g}"
     if key in _NAMES and value not in _NAMES[key]:
         return f"choose one of {', '.join(_NAMES[key])}"
+    if key == "scheduling" and value == Scheduling.INTERLEAVED:
+        return ("the demo trains one model chunk per stage (no virtual pipeline): choose "
+                f"{', '.join(s for s in SCHEDULINGS if s != Scheduling.INTERLEAVED)}")
     if key == "profile" and not value:
         return "give a shipped profile name, e.g. a40/gpt3-175b"
     return None
 
 
-def _check_gpu(gpu: str | None) -> None:
-    """--gpu names a device backend the demo can measure energy with (before anything is created)."""
+class _FlagParser(argparse.ArgumentParser):
+    """The training's --envpipe-* flags, parsed as its processes will; an error raises instead of exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise DemoError(message)
+
+
+def training_runs(cfg: DemoConfig, gpu: str, out: Path) -> list[tuple[str, list[str], int]]:
+    """``(name, --envpipe-* flags, iterations)`` of the demo's two training runs: baseline, then EnvPipe.
+
+    The baseline is EnvPipe's executor in 1F1B order at f_max: EnvPipe measures its energy. Its
+    processes first train a fresh model with stock Megatron, before EnvPipe is installed
+    (--stock-reference-iters): the reference both runs' losses must equal, at no extra start-up
+    (a third torchrun would add ~15 s to a ~70 s demo on 2 cores).
+    """
+    simulated = gpu.startswith("simulated")
+    common = ["--envpipe-gpu", gpu, "--envpipe-sim-time-scale", str(cfg.sim_time_scale),
+              *(["--envpipe-sim-jitter", str(cfg.sim_jitter)] if simulated and cfg.sim_jitter else []),
+              "--envpipe-profile-cache", str(out / "profiles"), "--envpipe-on-no-permission", "monitor"]
+    clocks = len(range(855, 1741, cfg.profile_step_mhz)) if cfg.profile_step_mhz > 0 else 0  # else refused below
+    sweep_iters = 2 + clocks * cfg.profile_iterations
+    return [
+        ("baseline", ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b", *common], cfg.iterations + 2),
+        ("envpipe", ["--envpipe-type", cfg.plan_type, "--envpipe-scheduling", cfg.scheduling,
+                     "--envpipe-reconfig", cfg.reconfig, "--envpipe-profile-step", str(cfg.profile_step_mhz),
+                     "--envpipe-profile-iterations", str(cfg.profile_iterations), *common],
+         sweep_iters + cfg.iterations + 2),
+    ]
+
+
+def check_training_flags(cfg: DemoConfig, where: str | Path, runs: list[tuple[str, list[str], int]],
+                         nproc: int) -> None:
+    """Each run's --envpipe-* flags pass the training's own parser and its start-up checks
+    (``EnvPipeConfig.from_args(...).validate_with_megatron_args``) on the demo's pipeline, so a config
+    the training would refuse fails here, named by its [demo] keys, before anything starts."""
+    pipeline = SimpleNamespace(pipeline_model_parallel_size=nproc, num_microbatches=cfg.microbatches,
+                               num_layers=_NUM_LAYERS, virtual_pipeline_model_parallel_size=None)
+    for name, flags, _ in runs:
+        try:
+            args = add_envpipe_args(_FlagParser(add_help=False)).parse_args(flags)
+            EnvPipeConfig.from_args(args).validate_with_megatron_args(pipeline)
+        except (EnvPipeError, ValueError) as exc:
+            message, named = str(exc), []
+            for key, flag in _TRAINING_FLAGS.items():
+                message, count = re.subn(rf"{re.escape(flag)}(?![\w-])", f"[demo] {key}", message)
+                if count:
+                    named.append(f"{key} = {getattr(cfg, key)!r}")
+            given = ", ".join(named) or "the config"
+            raise DemoError(f"{where}: [demo] {given}: the demo's {name} training run would refuse it: "
+                            f"{message}") from None
+
+
+def _check_gpu(gpu: str | None, cfg: DemoConfig) -> None:
+    """--gpu names a device backend the demo can measure energy with (before anything is created);
+    ``simulated:<profile>`` is opened for every stage, as the training's ranks will open it."""
     if gpu is None or gpu in ("auto", "nvml"):
         return
     if gpu.startswith("simulated"):
@@ -165,6 +247,12 @@ def _check_gpu(gpu: str | None) -> None:
         if source not in shipped_profiles() and not Path(source).is_file():
             raise DemoError(f"--gpu {gpu}: no such profile: give simulated:<profile>, one of "
                             f"{', '.join(shipped_profiles())} or a Perseus-format CSV")
+        try:
+            for stage in range(cfg.stages):  # a simulated run has one CPU process per stage
+                open_gpu(gpu, stage=stage, num_stages=cfg.stages, time_scale=cfg.sim_time_scale, cuda=False,
+                         jitter=cfg.sim_jitter)
+        except (EnvPipeError, OSError, UnicodeDecodeError) as exc:
+            raise DemoError(f"--gpu {gpu}: {exc}") from None
         return
     if gpu == "none":
         raise DemoError("--gpu none measures no energy, which the demo compares: give auto, nvml, "
@@ -186,12 +274,15 @@ def _gpus() -> int:
 
 def _train(cfg: DemoConfig, out: Path, name: str, envpipe: list[str], iters: int, device: str,
            nproc: int) -> dict[str, Any]:
-    """One torchrun of the tiny GPT; returns its --losses-out summary."""
+    """One torchrun of the tiny GPT; returns its --losses-out summary. Each rank's output also goes to
+    ``<out>/<name>-ranks/.../<rank>/`` (torchrun's --log-dir/--tee), where a failure's cause is found."""
     result = out / f"{name}.json"
     log = out / f"{name}.log"
+    ranks = out / f"{name}-ranks"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "--log-dir", str(ranks), "--tee", "3",
         "-m", "megatron_envpipe.apps.train_tiny_gpt",
         "--pipeline-model-parallel-size", str(nproc), "--device", device,
         "--global-batch-size", str(cfg.microbatches * 2), "--micro-batch-size", "2",
@@ -201,14 +292,92 @@ def _train(cfg: DemoConfig, out: Path, name: str, envpipe: list[str], iters: int
     env = dict(os.environ, OMP_NUM_THREADS="1")
     started = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise DemoError(f"the {name} run failed (exit {proc.returncode}); log {log}:\n{tail}")
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        try:
+            code = proc.wait()
+        except BaseException:  # Ctrl-C: torchrun stops its ranks on SIGTERM; none is left running
+            _stop(proc)
+            raise
+    if code != 0:
+        raise training_failure(name, code, log, ranks)
     data = json.loads(result.read_text())
     data["wall_s"] = time.perf_counter() - started
     data["log"] = str(log)
     return data
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# The line a failing rank ends with: a Python exception ("ValueError: ...", "pkg.mod.SomeError: ...")
+# or an argparse / SystemExit message ("train_tiny_gpt.py: error: ..."); torch may prefix "[rank0]: ".
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)|[\w./-]+: error): \S.*)$")
+# What a rank reports when another one died first: never the cause while a rank has a cause of its own.
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|Broken pipe|"
+                        r"SIGTERM|Signal 15|DistNetworkError", re.IGNORECASE)
+_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")  # torchrun --tee's prefix on each rank's line
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)",
+                         re.DOTALL)
+_LOG_TAIL_BYTES = 1 << 20  # a rank's log can be long; its error is at its end
+
+
+def _tail_lines(path: Path) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - _LOG_TAIL_BYTES))
+            return fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+
+
+def _last_error(lines: list[str]) -> str | None:
+    found = [m.group(1) for m in map(_ERROR_LINE.match, (line.strip() for line in lines)) if m]
+    if not found:
+        return None
+    shown = "".join(ch if ch.isprintable() else " " for ch in found[-1]).strip()  # one line, whatever it held
+    return shown if len(shown) <= 400 else shown[:400] + "..."
+
+
+def _rank_errors(log_lines: list[str], ranks: Path) -> dict[int, tuple[str, str]]:
+    """``{rank: (its last error line, the log it is in)}``: from each rank's own log under ``ranks``
+    (torchrun --log-dir), else from its prefixed lines in the combined log."""
+    errors: dict[int, tuple[str, str]] = {}
+    for stderr in sorted(ranks.glob("*/attempt_*/*/stderr.log"), key=lambda p: p.stat().st_mtime):
+        if stderr.parent.name.isdigit():  # the latest attempt wins
+            cause = _last_error(_tail_lines(stderr)) or _last_error(_tail_lines(stderr.with_name("stdout.log")))
+            if cause:
+                errors[int(stderr.parent.name)] = (cause, str(stderr))
+    if not errors:
+        by_rank: dict[int, list[str]] = {}
+        for line in log_lines:
+            match = _RANK_PREFIX.match(line)
+            if match:
+                by_rank.setdefault(int(match.group(1)), []).append(match.group(2))
+        errors = {r: (cause, "") for r, lines in by_rank.items() if (cause := _last_error(lines))}
+    return errors
+
+
+def training_failure(name: str, code: int, log: Path, ranks: Path) -> DemoTrainingError:
+    """The one-line cause of a failed torchrun, instead of its multi-line summary: the rank whose own
+    error is the cause (torchrun's "first observed failure" is often a rank that lost its peer), that
+    error line, and that rank's log."""
+    lines = _tail_lines(log)
+    root = _ROOT_CAUSE.search("\n".join(lines))
+    errors = _rank_errors(lines, ranks)
+    # Ranks in order of blame: torchrun's root cause first, then the others; a lost-peer error last.
+    order = sorted(errors, key=lambda r: (bool(_PEER_GONE.search(errors[r][0])), not root or r != int(root.group(1)), r))
+    if order:
+        rank = order[0]
+        cause, where = errors[rank]
+        return DemoTrainingError(f"rank {rank}: {cause} (log: {where or log})")
+    exited = f"rank {root.group(1)} exited with code {root.group(2)}" if root else f"torchrun exited with code {code}"
+    return DemoTrainingError(f"the {name} run failed: {exited}, with no error message (log: {log})")
 
 
 def _steady(run: dict[str, Any]) -> tuple[float, float, int]:
@@ -235,20 +404,18 @@ def _stock_losses(run: dict[str, Any]) -> list[float]:
 
 
 def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu: str | None = None) -> int:
-    # Everything the user gave is checked before anything is created.
+    # Everything the user gave is checked before anything is created or started.
     cfg = DemoConfig.load(config)
-    _check_gpu(gpu)
+    _check_gpu(gpu, cfg)
     out = check_writable(out, "demo output directory", directory=True)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DemoError(f"cannot create the demo output directory {out}: {exc.strerror or exc}") from None
     gpus = _gpus()
     if gpu is None:
         gpu = "auto" if gpus >= 2 else f"simulated:{cfg.profile}"
     simulated = gpu.startswith("simulated")
     device = "cpu" if simulated or gpus < 2 else "cuda"
     nproc = cfg.stages if device == "cpu" else min(cfg.stages, gpus)
+    runs = training_runs(cfg, gpu, out)
+    check_training_flags(cfg, config or "the demo config", runs, nproc)  # on this machine's GPUs and --gpu
     label = "simulated A40 GPUs (CPU, gloo)" if simulated else f"{nproc} GPUs ({gpu}, NCCL)"
     print(f"EnvPipe demo: a tiny GPT as a {nproc}-stage Megatron-core pipeline x {cfg.microbatches} "
           f"micro-batches on {label}.\n")
@@ -258,6 +425,10 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     gpu_key = cfg.profile.split("/")[0]
     pcfg = cfg.envpipe_config().planner_config(get_gpu_spec(gpu_key))
     plan = plan_envpipe(profile, cfg.microbatches, pcfg)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoError(f"cannot create the demo output directory {out}: {exc.strerror or exc}") from None
     print("Schedule ('ours': extra warm-up forwards put the slack right after them):")
     print(plan.schedule)
     print(f"peak in-flight activations per stage {list(plan.schedule.peak_inflight())} "
@@ -274,26 +445,15 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     except PlotUnavailableError as exc:  # matplotlib missing: the rest still runs
         print(f"(no timeline picture: {exc})\n")
 
-    # 2. Train twice, measure. The baseline is EnvPipe's executor in 1F1B order at f_max: EnvPipe
-    # measures its energy. Its processes first train a fresh model with stock Megatron, before
-    # EnvPipe is installed (--stock-reference-iters): the reference both runs' losses must equal,
-    # at no extra start-up (a third torchrun would add ~15 s to a ~70 s demo on 2 cores).
-    common = ["--envpipe-gpu", gpu, "--envpipe-sim-time-scale", str(cfg.sim_time_scale),
-              *(["--envpipe-sim-jitter", str(cfg.sim_jitter)] if simulated and cfg.sim_jitter else []),
-              "--envpipe-profile-cache", str(out / "profiles"), "--envpipe-on-no-permission", "monitor"]
+    # 2. Train twice, measure (see training_runs).
+    (_, base_flags, base_iters), (_, env_flags, env_iters) = runs
     print("training in Megatron's 1F1B order at the maximum clock (after a stock-Megatron reference) ...",
           flush=True)
-    base = _train(cfg, out, "baseline", ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b",
-                                         "--stock-reference-iters", str(cfg.iterations + 2), *common],
-                  cfg.iterations + 2, device, nproc)
+    base = _train(cfg, out, "baseline", ["--stock-reference-iters", str(base_iters), *base_flags],
+                  base_iters, device, nproc)
     print(f"  done in {base['wall_s']:.0f} s (log {base['log']})")
     print("training with EnvPipe (start-up profiler on first run, then the plan) ...", flush=True)
-    sweep_iters = 2 + len(range(855, 1741, cfg.profile_step_mhz)) * cfg.profile_iterations
-    env = _train(cfg, out, "envpipe",
-                 ["--envpipe-type", cfg.plan_type, "--envpipe-scheduling", cfg.scheduling,
-                  "--envpipe-reconfig", cfg.reconfig, "--envpipe-profile-step", str(cfg.profile_step_mhz),
-                  "--envpipe-profile-iterations", str(cfg.profile_iterations), *common],
-                 sweep_iters + cfg.iterations + 2, device, nproc)
+    env = _train(cfg, out, "envpipe", env_flags, env_iters, device, nproc)
     print(f"  done in {env['wall_s']:.0f} s (log {env['log']})\n")
 
     # 3. Results.
@@ -318,6 +478,6 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
                "saving": 1 - ee / be, "slowdown": et / bt - 1, "losses_identical": same, "simulated": simulated,
                "planned_saving": planned, "planned_slowdown": planned_slowdown,
                "planned_saving_full_profile": plan.energy_saving, "sim_jitter": cfg.sim_jitter}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_json_atomic(out / "summary.json", summary)
     print(f"summary: {out / 'summary.json'}")
     return 0 if same else 1

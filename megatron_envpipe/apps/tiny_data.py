@@ -39,6 +39,7 @@ import torch
 
 from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.resources import data_dir
+from megatron_envpipe.core.textfile import read_bytes, read_text
 
 __all__ = [
     "CORPUS_FILE",
@@ -90,7 +91,7 @@ def corpus_path() -> Path:
 
 def read_documents(path: str | Path | None = None) -> list[str]:
     """Documents of a corpus file: blocks separated by blank lines, whitespace collapsed."""
-    text = Path(path or corpus_path()).read_text(encoding="utf-8")
+    text = read_text(Path(path or corpus_path()), "corpus", ValueError)  # bounded, regular files only
     documents = []
     for block in text.split("\n\n"):
         words = block.split()
@@ -103,7 +104,7 @@ def read_documents(path: str | Path | None = None) -> list[str]:
 
 def _training_sentences(path: Path) -> list[str]:
     """What the tokenizer is trained on: every non-empty line, stripped, in file order."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_text(path, "corpus", ValueError).splitlines()
     return [" ".join(line.split()) for line in lines if line.strip()]
 
 
@@ -133,7 +134,7 @@ def tokenizer_path(
 ) -> Path:
     """Where the tokenizer for this corpus and vocabulary size is (or will be) cached."""
     corpus = Path(corpus or corpus_path())
-    corpus_digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:16]
+    corpus_digest = hashlib.sha256(read_bytes(corpus, "corpus", ValueError)).hexdigest()[:16]
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     name = f"spm-{_TRAINER_OPTIONS['model_type']}-v{vocab_size}-{corpus_digest}-{_settings_digest(vocab_size)}.model"
     return directory / name

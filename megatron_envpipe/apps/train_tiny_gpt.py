@@ -56,7 +56,7 @@ import torch.distributed as dist
 import megatron_envpipe
 from megatron_envpipe.apps.tiny_data import DEFAULT_VOCAB_SIZE, Batch, build_dataset, ensure_tokenizer
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
-from megatron_envpipe.core.atomic import write_json_atomic
+from megatron_envpipe.core.atomic import same_file, write_json_atomic
 from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims, model_parallel_manual_seed
 from megatron_envpipe.megatron.localhost import free_port
 from megatron_envpipe.megatron.state import STATE
@@ -144,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad("--global-batch-size must be >= --micro-batch-size")
     if args.train_iters < 1 or args.log_interval < 1 or args.seq_length < 1:
         bad("--train-iters, --log-interval and --seq-length must be >= 1")
+    gpu_profile = (getattr(args, "envpipe_gpu", None) or "").partition("simulated:")[2]
+    for flag, source in (("--envpipe-profile", getattr(args, "envpipe_profile", None)), ("--envpipe-gpu", gpu_profile)):
+        if args.losses_out is not None and source and same_file(args.losses_out, source):
+            bad(f"--losses-out {args.losses_out} is the {flag} input {source}: give --losses-out another file name")
     args.num_microbatches = args.global_batch_size // args.micro_batch_size
     return args
 

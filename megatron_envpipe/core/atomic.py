@@ -2,17 +2,24 @@
 
 Readers (another rank, a later run, ``envpipe reset-clocks``) see the old file
 or the new one, never half of one, whatever interrupts the writer.
-:func:`write_all_atomic` writes several files all or none, and
-:func:`check_writable` tells before any work whether a path can be written.
+:func:`write_all_atomic` writes several files all or none, even when
+SIGINT/SIGTERM arrive mid-way (:func:`signals_deferred`);
+:func:`check_writable` tells before any work whether a path can be written,
+:func:`same_file` whether an output would overwrite an input. New files get
+``0o666 & ~umask``, as any program's; a replaced file keeps its mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import signal
 import stat
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,50 +72,178 @@ def _check_writable(path: Path, what: str, directory: bool) -> Path:
     return path
 
 
-def write_all_atomic(files: Sequence[tuple[str | os.PathLike[str], str | bytes]], mode: int = 0o644) -> list[Path]:
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once symlinks and ``..`` are resolved, or
+    (both existing) the same inode, as hard links are."""
+    try:
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    except (OSError, ValueError):  # one does not exist (or a NUL in a name): not the same file
+        return False
+
+
+# Held back while an output set is committed: the signals that stop a command (Ctrl-C, kill,
+# a closed terminal). SIGKILL cannot be held; a machine crash is what fsync is for.
+_DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP arriving inside the block are delivered when it ends, as usual.
+
+    So a Ctrl-C or a ``kill`` lands before or after an output set is committed,
+    never between its writes and renames: no temporary file left, no half set.
+    In the main thread the signals' handlers are swapped for ones that note them
+    (then the notes are re-raised with the old handlers back); in another thread,
+    where handlers cannot be set, the signals are blocked for that thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        return
+    caught: list[int] = []
+    previous: dict[int, Any] = {}
+    try:
+        for sig in _DEFERRED_SIGNALS:
+            handler = signal.getsignal(sig)
+            if handler is not signal.SIG_IGN and handler is not None:  # None: a handler set outside Python
+                previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(caught):  # once each, in arrival order; default actions end the process here
+            signal.raise_signal(sig)
+
+
+def write_all_atomic(files: Sequence[tuple[str | os.PathLike[str], str | bytes]],
+                     mode: int | None = None) -> list[Path]:
     """Write every ``(path, data)`` or none: each goes to a temporary file next to its target first, and
     only once all are written are they renamed into place (a rename in one directory does not fail for
-    want of space). On an error the temporary files and the folders made for them are removed."""
+    want of space). On an error the temporary files and the folders made for them are removed, and
+    targets already renamed are put back (an earlier version restored from a hard link made before the
+    first rename, a new file removed). SIGINT/SIGTERM/SIGHUP wait until the set is committed
+    (:func:`signals_deferred`). ``mode``: None gives a new file ``0o666 & ~umask`` and a replaced file
+    its old mode; an int sets it."""
+    targets = [Path(target) for target, _ in files]
+    for i, target in enumerate(targets):
+        if any(same_file(target, other) for other in targets[:i]):
+            raise ValueError(f"{target} is given twice: an output set names each file once")
     made: list[Path] = []  # folders created here, parents first
     staged: list[tuple[str, Path]] = []
-    try:
-        for target, data in files:
-            target = Path(target)
-            try:
-                missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
-                made += reversed(missing)  # before mkdir: it may fail half-way
-                target.parent.mkdir(parents=True, exist_ok=True)
-                staged.append((_write_temp(target, data, fsync=False, mode=mode), target))
-            except OSError as exc:
-                exc.filename = str(target)  # the file asked for, not a temporary name
-                raise
-        for tmp, target in staged:
-            os.replace(tmp, target)
-    except BaseException:
-        for tmp, _ in staged:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        for folder in reversed(made):
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
-        raise
+    backups: dict[Path, str | None] = {}  # target -> hard link to its old version (None: it was new)
+    done: list[Path] = []
+    with signals_deferred():
+        try:
+            for target, (_, data) in zip(targets, files):
+                try:
+                    missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+                    made += reversed(missing)  # before mkdir: it may fail half-way
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    staged.append((_write_temp(target, data, fsync=False, mode=mode), target))
+                except OSError as exc:
+                    exc.filename = str(target)  # the file asked for, not a temporary name
+                    raise
+            if len(staged) > 1:
+                for _, target in staged:
+                    backups[target] = _backup(target)
+            for tmp, target in staged:
+                os.replace(tmp, target)
+                done.append(target)
+        except BaseException:
+            _undo(staged, done, backups, made)
+            raise
+        finally:
+            for backup in backups.values():
+                if backup is not None:
+                    _unlink_quietly(backup)
     return [target for _, target in staged]
 
 
-def _write_temp(path: Path, data: str | bytes, *, fsync: bool, mode: int) -> str:
-    """``data`` in a new temporary file in ``path``'s directory; returns its name (removed on error)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _backup(target: Path) -> str | None:
+    """A hard link to ``target``'s current version (None when there is none to keep)."""
+    if not target.is_file():
+        return None
+    for _ in range(100):
+        name = str(target.parent / f".{_short(target.name)}.{secrets.token_hex(4)}.bak")
+        try:
+            os.link(target, name, follow_symlinks=False)
+            return name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{target}: no free backup name")
+
+
+def _undo(staged: list[tuple[str, Path]], done: list[Path], backups: dict[Path, str | None],
+          made: list[Path]) -> None:
+    """After a failed commit: every target as it was, no temporary file, no folder made for it."""
+    for target in done:
+        backup = backups.get(target)
+        try:
+            if backup is not None:
+                os.replace(backup, target)
+                backups[target] = None
+            else:
+                os.unlink(target)
+        except OSError:
+            pass
+    for tmp, target in staged:
+        if target not in done:
+            _unlink_quietly(tmp)
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _short(name: str) -> str:
+    """``name`` cut so that a dot, it and a 13-byte suffix still fit a 255-byte file name."""
+    return name if len(os.fsencode(name)) <= 200 else "envpipe"
+
+
+def _existing_mode(path: Path) -> int | None:
+    """The permission bits of the regular file at ``path`` (followed), or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else None
+
+
+def _write_temp(path: Path, data: str | bytes, *, fsync: bool, mode: int | None) -> str:
+    """``data`` in a new temporary file in ``path``'s directory; returns its name (removed on error).
+
+    Created 0o666 so that the kernel applies the umask, as for any new file; then
+    given ``mode``, or the mode of the file it will replace."""
+    keep = mode if mode is not None else _existing_mode(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = str(path.parent / f".{_short(path.name)}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"{path}: no free temporary name")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode() if isinstance(data, str) else data)
+            if keep is not None:
+                os.fchmod(fh.fileno(), keep)
             if fsync:
                 fh.flush()
                 os.fsync(fh.fileno())
-        os.chmod(tmp, mode)  # mkstemp creates 0600
     except BaseException:
         os.unlink(tmp)
         raise
@@ -116,24 +251,28 @@ def _write_temp(path: Path, data: str | bytes, *, fsync: bool, mode: int) -> str
 
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, fsync: bool = False,
-                 mode: int = 0o644) -> Path:
+                 mode: int | None = None) -> Path:
     """Write ``data`` (text is UTF-8) to ``path``, creating its directory; returns the path.
 
     ``fsync`` also flushes the data to disk before the rename (state that must
-    survive a machine crash, not just a process crash).
+    survive a machine crash, not just a process crash). ``mode`` as in
+    :func:`write_all_atomic`: None respects the umask and an existing file's mode.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _write_temp(path, data, fsync=fsync, mode=mode)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with signals_deferred():
+        tmp = _write_temp(path, data, fsync=fsync, mode=mode)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     return path
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any, *, fsync: bool = False,
-                      sort_keys: bool = False, indent: int | None = 1) -> Path:
-    """``data`` as JSON (with a final newline), atomically."""
-    return write_atomic(path, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n", fsync=fsync)
+                      sort_keys: bool = False, indent: int | None = 1, mode: int | None = None) -> Path:
+    """``data`` as standard JSON (with a final newline), atomically; ValueError before writing if it holds nan or
+    infinity, which JSON has no words for (Python's ``NaN``/``Infinity`` are refused by other readers)."""
+    text = json.dumps(data, indent=indent, sort_keys=sort_keys, allow_nan=False)
+    return write_atomic(path, text + "\n", fsync=fsync, mode=mode)

@@ -133,6 +133,7 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
     except tomllib.TOMLDecodeError as exc:
         raise GpuSpecError(f"{path}: not valid TOML: {exc}") from None
     specs = []
+    owners: dict[str, str] = {}  # NVML name -> the entry naming it: a device must match one entry only
     for key, entry in data.items():
         if not isinstance(entry, dict):
             raise GpuSpecError(f"{path}: [{key}] must be a table of clock settings")
@@ -153,6 +154,7 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
         unknown = set(entry) - set(_FIELDS)
         if unknown:
             raise GpuSpecError(f"{path}: [{key}] has unknown key(s) {sorted(unknown)}")
+        _check_nvml_names(path, key, entry["nvml_names"], owners)
         if not 0 < entry["min_clock_mhz"] < entry["max_clock_mhz"] <= MAX_CLOCK_MHZ:
             raise GpuSpecError(f"{path}: [{key}] needs 0 < min_clock_mhz < max_clock_mhz <= {MAX_CLOCK_MHZ}, got "
                                f"{entry['min_clock_mhz']} and {entry['max_clock_mhz']}")
@@ -191,6 +193,20 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
     if not specs:
         raise GpuSpecError(f"{path}: GPU table is empty")
     return tuple(specs)
+
+
+def _check_nvml_names(path: str, key: str, names: list[str], owners: dict[str, str]) -> None:
+    """Each of ``nvml_names`` a non-blank name given once in the whole table (``owners`` collects them): an empty
+    name prefix-matches every device, a duplicate makes the device's entry depend on table order. (An empty list
+    is fine: an entry only ``--gpu`` names.)"""
+    for name in names:
+        if not name.strip():
+            raise GpuSpecError(f"{path}: [{key}] nvml_names has an empty name {name!r}: give the name NVML reports")
+        if name in owners:
+            where = "twice in it" if owners[name] == key else f"also in [{owners[name]}]"
+            raise GpuSpecError(f"{path}: [{key}] nvml_names has {name!r} {where}: a device name must "
+                               "belong to one entry, once")
+        owners[name] = key
 
 
 def get_gpu_spec(key: str, path: str | os.PathLike[str] | None = None) -> GpuSpec:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numbers
 
+from megatron_envpipe.core.sizes import check_schedule_size
 from megatron_envpipe.core.units import B, F, Schedule, ScheduleError, Unit
 
 __all__ = [
@@ -138,6 +139,7 @@ def interleaved_schedule(
 ) -> Schedule:
     """Megatron-core's interleaved 1F1B for P ranks x V chunks, M micro-batches, group size N (default P)."""
     check_interleaved_sizes(num_stages, num_microbatches, num_chunks, microbatch_group_size)
+    check_schedule_size(num_stages, num_microbatches, num_chunks)  # before a unit is built
     orders = tuple(
         interleaved_order(s, num_stages, num_microbatches, num_chunks, microbatch_group_size)
         for s in range(num_stages)

@@ -18,9 +18,10 @@ Pure Python.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from megatron_envpipe.core.flag_ranges import RANGES
 
 AUTO = "auto"
 UNLIMITED_WORDS = ("none", "unlimited")
@@ -136,10 +137,12 @@ class MemoryModel:
         return model
 
     def problem(self) -> str | None:
-        if not (math.isfinite(self.free_gib) and self.free_gib >= 0):
-            return f"free memory must be a finite number >= 0 GiB, got {self.free_gib:g}"
-        if not (math.isfinite(self.mib_per_microbatch) and self.mib_per_microbatch > 0):
-            return f"activation memory per micro-batch must be a finite number > 0 MiB, got {self.mib_per_microbatch:g}"
+        # Bounded above too: 1e300 GiB overflows to inf bytes, and int(inf) would kill every rank.
+        for what, value, key in (("free memory", self.free_gib, "sim_free_gib"),
+                                 ("activation memory per micro-batch", self.mib_per_microbatch, "sim_mib_per_microbatch")):
+            problem = RANGES[key].problem(value)
+            if problem:
+                return f"{what} {problem}, got {value!r}"
         return None
 
     def stage_memory(self) -> StageMemory:

@@ -7,6 +7,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_envpipe.core.gpu_specs import MAX_CLOCK_MHZ
+from megatron_envpipe.core.profile import MAX_STAGES
 from megatron_envpipe.core.schedule import Schedule, ScheduleError, Unit, check_extra_warmup
 
 
@@ -46,6 +48,15 @@ class FrequencyPlan:
             tuple((int(freq_per_stage[s]),) * len(order) for s, order in enumerate(schedule.orders)),
         )
 
+    def check_clock_range(self, low_mhz: int, high_mhz: int, what: str) -> None:
+        """ScheduleError naming the first unit whose clock lies outside ``[low_mhz, high_mhz]``, ``what``
+        (e.g. "the a40's clock range")."""
+        for s, (order, freqs) in enumerate(zip(self.schedule.orders, self.freqs_mhz)):
+            for unit, f in zip(order, freqs):
+                if not low_mhz <= f <= high_mhz:
+                    raise ScheduleError(f"stage {s}, unit {unit}: clock {f} MHz is outside {what} "
+                                        f"{low_mhz}..{high_mhz} MHz")
+
     def flat(self) -> list[int]:
         return [f for row in self.freqs_mhz for f in row]
 
@@ -82,6 +93,9 @@ class FrequencyPlan:
         stages = data.get("stages")
         if not isinstance(stages, list) or not stages:
             raise ScheduleError('not a frequency plan: "stages" must be a non-empty list, one row per stage')
+        if len(stages) > MAX_STAGES:
+            raise ScheduleError(f"not a frequency plan: {len(stages)} stages, more than the {MAX_STAGES} a pipeline may have")
+        sizes = [0, 0]  # the micro-batch and chunk counts the unit ids imply
         for s, row in enumerate(stages):
             if not isinstance(row, list):
                 raise ScheduleError(f'stage {s}: expected a list of [unit, MHz] pairs like ["F0", 1740], got {row!r}')
@@ -89,20 +103,51 @@ class FrequencyPlan:
                 if not (isinstance(cell, list | tuple) and len(cell) == 2 and isinstance(cell[0], str)):
                     raise ScheduleError(f'stage {s}, unit {i}: expected a [unit, MHz] pair like ["F0", 1740], '
                                         f"got {cell!r}")
-                f = cell[1]
-                # JSON has no int type of its own: 1740.0 is fine, 1740.5, nan, "1740" or true are not.
-                if isinstance(f, bool) or not (isinstance(f, int) or (isinstance(f, float) and f.is_integer())):
-                    raise ScheduleError(f"stage {s}, unit {cell[0]}: clock {f!r} is not a whole number of MHz")
+                _check_unit_cell(s, len(row), cell, sizes)
+        # Every stage runs F and B of every (micro-batch, chunk): checked here, before anything is built
+        # from the ids, so a 57-byte plan naming micro-batch 99,999,999 cannot allocate gigabytes.
+        num_mb, num_chunks = sizes
+        for s, row in enumerate(stages):
+            if len(row) != 2 * num_mb * num_chunks:
+                chunks = f" x {num_chunks} chunks" if num_chunks > 1 else ""
+                raise ScheduleError(f"stage {s}: {len(row)} units, but the plan's ids (micro-batches 0..{num_mb - 1}"
+                                    f"{chunks}) need F and B of each: {2 * num_mb * num_chunks}")
         text = "\n".join(f"S{s}: " + " ".join(u for u, _ in row) for s, row in enumerate(stages))
         try:
             schedule = Schedule.parse(text, name=str(data.get("schedule", "custom")))
         except ScheduleError as exc:  # "line k" of the text built above is stage k-1 of the plan
             raise ScheduleError(re.sub(r"^line (\d+):", lambda m: f"stage {int(m.group(1)) - 1}:", str(exc))) from None
         warmup = data.get("extra_warmup")
+        if isinstance(warmup, list) and any(isinstance(r, int | float) and r > num_mb * num_chunks for r in warmup):
+            raise ScheduleError(f"extra warm-up {warmup} has values above the plan's {num_mb * num_chunks} micro-batches")
         if warmup:
             schedule = Schedule(schedule.num_microbatches, schedule.orders, schedule.name,
                                 check_extra_warmup(schedule.num_stages, warmup), num_chunks=schedule.num_chunks)
         return cls(schedule, tuple(tuple(int(f) for _, f in row) for row in stages))
+
+
+_UNIT = re.compile(r"([FB])(\d{1,9})(?:v(\d{1,9}))?")
+
+
+def _check_unit_cell(stage: int, units: int, cell: Sequence[Any], sizes: list[int]) -> None:
+    """One ``[unit, MHz]`` cell of a plan file: a unit whose ids fit the stage's ``units`` and a clock within
+    1..MAX_CLOCK_MHZ; ``sizes`` grows to the micro-batch and chunk counts seen so far."""
+    name, f = cell
+    match = _UNIT.fullmatch(name.strip())
+    if not match:
+        raise ScheduleError(f"stage {stage}: cannot parse unit {name[:40]!r}: expected F<id> or B<id>, "
+                            "optionally v<chunk>, e.g. F3 or B3v1")
+    mb, chunk = int(match.group(2)), int(match.group(3) or 0)
+    # A stage of n units runs n/2 (micro-batch, chunk) pairs: no id can reach n/2.
+    if 2 * max(mb, chunk) >= units:
+        raise ScheduleError(f"stage {stage}: {name} names {'micro-batch' if mb >= chunk else 'chunk'} "
+                            f"{max(mb, chunk)}, but the stage has only {units} units (F and B of each micro-batch)")
+    sizes[0], sizes[1] = max(sizes[0], mb + 1), max(sizes[1], chunk + 1)
+    # JSON has no int type of its own: 1740.0 is fine, 1740.5, nan, "1740" or true are not.
+    if isinstance(f, bool) or not (isinstance(f, int) or (isinstance(f, float) and f.is_integer())):
+        raise ScheduleError(f"stage {stage}, unit {name}: clock {f!r} is not a whole number of MHz")
+    if not 0 < f <= MAX_CLOCK_MHZ:
+        raise ScheduleError(f"stage {stage}, unit {name}: clock {f:g} MHz is not a clock (1..{MAX_CLOCK_MHZ} MHz)")
 
 
 def format_envpipe(

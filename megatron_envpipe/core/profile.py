@@ -18,7 +18,9 @@ have exactly V chunks per stage. Written back, the column appears only for V > 1
 
 from __future__ import annotations
 
+import collections
 import csv
+import difflib
 import io
 import itertools
 import math
@@ -43,6 +45,10 @@ MAX_CHUNKS = 1_000
 MAX_FREQUENCY_MHZ = 100_000
 MAX_TIME_S = 86_400.0  # one micro-batch's forward or backward: a day
 MAX_ENERGY_J = 1e9  # a 1 kW GPU for ten days
+# Below these a value is a unit mistake too, and the planners' arithmetic (sums of times over
+# an iteration, the LP's tolerances) loses it: 1e-300 s made the LP bound -inf. Energy 0 stays allowed.
+MIN_TIME_S = 1e-9
+MIN_ENERGY_J = 1e-9
 
 
 class ProfileError(UsageError, ValueError):
@@ -108,7 +114,8 @@ class Profile:
         reader = csv.reader(io.StringIO(text))
         header: list[str] | None = None
         header_line = 0
-        rows: dict[tuple[int, str, int, int], list[tuple[float, float, int, tuple[str, ...]]]] = {}
+        rows: dict[tuple[int, int, str, int], list[tuple[float, float]]] = {}
+        first_lines: dict[tuple[int, int, str, int, tuple[str, ...]], int] = {}
         for lineno, raw in _csv_rows(reader, source):
             if not raw or all(not c.strip() for c in raw):
                 continue
@@ -122,9 +129,7 @@ class Profile:
                         f"needs the header {','.join(REQUIRED_COLUMNS)} (optionally after "
                         f"{','.join(RANK_COLUMNS)})"
                     )
-                dupes = {c for c in header if header.count(c) > 1}
-                if dupes:
-                    raise ProfileError(f"{source}:{lineno}: column(s) {sorted(dupes)} appear twice")
+                _check_header(header, source, lineno)
                 continue
             if len(raw) != len(header):
                 raise ProfileError(
@@ -158,21 +163,26 @@ class Profile:
                 raise ProfileError(f"{source}:{lineno}: time must be > 0 seconds, got {row['time']}")
             if energy_j < 0:
                 raise ProfileError(f"{source}:{lineno}: energy must be >= 0 joules, got {row['energy']}")
+            if time_s < MIN_TIME_S or 0 < energy_j < MIN_ENERGY_J:
+                raise ProfileError(
+                    f"{source}:{lineno}: time {row['time']} s / energy {row['energy']} J is below any micro-batch "
+                    f"(limits {MIN_TIME_S:g} s, {MIN_ENERGY_J:g} J or 0 J): give seconds and joules per micro-batch"
+                )
             if time_s > MAX_TIME_S or energy_j > MAX_ENERGY_J:
                 raise ProfileError(
                     f"{source}:{lineno}: time {row['time']} s / energy {row['energy']} J is beyond any micro-batch "
                     f"(limits {MAX_TIME_S:g} s, {MAX_ENERGY_J:g} J): give seconds and joules per micro-batch"
                 )
             ranks = tuple(row.get(c, "") for c in RANK_COLUMNS)
-            entries = rows.setdefault((stage, chunk, instruction, freq), [])
-            for _, _, first_line, other_ranks in entries:
-                if other_ranks == ranks:
-                    where = f"stage {stage}" + (f" chunk {chunk}" if CHUNK_COLUMN in row else "")
-                    raise ProfileError(
-                        f"{source}:{lineno}: duplicate row for {where} {instruction} at "
-                        f"{freq} MHz (first at line {first_line}); remove one of them"
-                    )
-            entries.append((time_s, energy_j, lineno, ranks))
+            # One dict look-up per row: a scan of the rows seen so far made a 50 MB profile quadratic.
+            first_line = first_lines.setdefault((stage, chunk, instruction, freq, ranks), lineno)
+            if first_line != lineno:
+                where = f"stage {stage}" + (f" chunk {chunk}" if CHUNK_COLUMN in row else "")
+                raise ProfileError(
+                    f"{source}:{lineno}: duplicate row for {where} {instruction} at "
+                    f"{freq} MHz (first at line {first_line}); remove one of them"
+                )
+            rows.setdefault((stage, chunk, instruction, freq), []).append((time_s, energy_j))
         if header is None:
             raise ProfileError(f"{source}: empty profile (no header, no rows)")
         if not rows:
@@ -268,10 +278,29 @@ class Profile:
         best = min(self.points(stage, instruction, chunk), key=lambda p: (p.energy_j, -p.freq_mhz))
         return best.freq_mhz
 
-    def scaled(self, time_scale: float = 1.0, energy_scale: float = 1.0) -> "Profile":
-        """A copy with every time and energy multiplied (e.g. Perseus's emulation x10/x80)."""
+    def scaled(
+        self, time_scale: float = 1.0, energy_scale: float = 1.0, names: tuple[str, str] = ("time scale", "energy scale")
+    ) -> "Profile":
+        """A copy with every time and energy multiplied (e.g. Perseus's emulation x10/x80).
+
+        Every scaled value must stay within the limits a profile row has (:data:`MIN_TIME_S`..
+        :data:`MAX_TIME_S`, :data:`MIN_ENERGY_J`..:data:`MAX_ENERGY_J`); ``names`` name the two
+        scales in the error (the CLI's flags).
+        """
         if not (0 < time_scale < math.inf and 0 < energy_scale < math.inf):
             raise ProfileError(f"scales must be positive and finite, got time x{time_scale}, energy x{energy_scale}")
+        points = [p for pts in self._sorted.values() for p in pts]
+        energies = [p.energy_j for p in points if p.energy_j > 0]
+        for name, scale, values, low, high, unit in (
+            (names[0], time_scale, [p.time_s for p in points], MIN_TIME_S, MAX_TIME_S, "s"),
+            (names[1], energy_scale, energies, MIN_ENERGY_J, MAX_ENERGY_J, "J"),
+        ):
+            if values and not (low <= min(values) * scale and max(values) * scale <= high):
+                raise ProfileError(
+                    f"{name} {scale:g} makes the profile's {min(values):.4g}..{max(values):.4g} {unit} "
+                    f"{min(values) * scale:.4g}..{max(values) * scale:.4g} {unit}, outside the {low:g}..{high:g} {unit} "
+                    f"a micro-batch can be computed with: give a scale that keeps the values in it"
+                )
         return Profile(
             {
                 key: [ProfilePoint(p.freq_mhz, p.time_s * time_scale, p.energy_j * energy_scale) for p in pts]
@@ -391,6 +420,7 @@ class Profile:
                         every = f" (every stage needs chunks 0..{chunks[-1]})" if chunks[-1] else ""
                         raise ProfileError(f"{self.source}: {where} has no {instruction} rows{every}")
         # Whatever built the table (a CSV, scaled(), a measurement): nan or inf poisons every score.
+        # Too small or too large values (a split into chunks, a scale) break the planners' arithmetic alike.
         for (stage, instruction, chunk), pts in self._table.items():
             for p in pts.values():
                 if not (math.isfinite(p.time_s) and math.isfinite(p.energy_j)):
@@ -398,6 +428,14 @@ class Profile:
                     raise ProfileError(
                         f"{self.source}: {where} {instruction} at {p.freq_mhz} MHz has time {p.time_s} s, "
                         f"energy {p.energy_j} J: both must be finite numbers"
+                    )
+                if not (MIN_TIME_S <= p.time_s <= MAX_TIME_S and (p.energy_j == 0 or
+                                                                  MIN_ENERGY_J <= p.energy_j <= MAX_ENERGY_J)):
+                    where = f"stage {stage}" + (f" chunk {chunk}" if chunk else "")
+                    raise ProfileError(
+                        f"{self.source}: {where} {instruction} at {p.freq_mhz} MHz has time {p.time_s:g} s, "
+                        f"energy {p.energy_j:g} J: a micro-batch needs {MIN_TIME_S:g}..{MAX_TIME_S:g} s and "
+                        f"0 or {MIN_ENERGY_J:g}..{MAX_ENERGY_J:g} J"
                     )
 
     def __repr__(self) -> str:
@@ -431,6 +469,31 @@ def pareto_filter(
             kept.append(item)
             best = c
     return kept
+
+
+KNOWN_COLUMNS = (*RANK_COLUMNS, *REQUIRED_COLUMNS, CHUNK_COLUMN)
+
+
+def _check_header(header: list[str], source: str, lineno: int) -> None:
+    """Every column known and given once: a misspelled ``Chunk`` would otherwise be ignored, and its
+    rows then reported as duplicates."""
+    counts = collections.Counter(header)
+    dupes = sorted(c for c, n in counts.items() if n > 1)
+    if dupes:
+        raise ProfileError(f"{source}:{lineno}: column(s) {dupes} appear twice")
+    unknown = [c for c in header if c not in KNOWN_COLUMNS]
+    if unknown:
+        lower = {c.lower(): c for c in KNOWN_COLUMNS}
+        hints = []
+        for c in unknown[:5]:
+            close = [lower[c.lower()]] if c.lower() in lower else [
+                lower[m] for m in difflib.get_close_matches(c.lower(), lower, n=1, cutoff=0.6)]
+            hints.append(f"{c!r} (did you mean {close[0]!r}?)" if close else repr(c))
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ProfileError(
+            f"{source}:{lineno}: unknown column(s) {', '.join(hints)}{more}; a profile has the columns "
+            f"{','.join(REQUIRED_COLUMNS)}, optionally {CHUNK_COLUMN} and Merak's {','.join(RANK_COLUMNS)}"
+        )
 
 
 def _csv_rows(reader: Any, source: str) -> Iterable[tuple[int, list[str]]]:

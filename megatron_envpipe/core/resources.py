@@ -47,7 +47,7 @@ def shipped_profile(name: str) -> Path:
     if name in profiles:
         return profiles[name]
     path = Path(name)
-    if path.is_file():
+    if path.exists():  # not just is_file(): a FIFO or device is named as such when read (core.textfile)
         return path
     raise FileNotFoundError(
         f"no profile {name!r}: give a CSV path or one of {', '.join(profiles)}"

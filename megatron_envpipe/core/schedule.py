@@ -19,6 +19,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 
 from megatron_envpipe.core.interleaved import interleaved_schedule
+from megatron_envpipe.core.sizes import check_schedule_size
 from megatron_envpipe.core.units import (
     BACKWARD,
     FORWARD,
@@ -104,6 +105,7 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ScheduleError(f"need at least 1 pipeline stage, got {num_stages}")
     if num_microbatches < 1:
         raise ScheduleError(f"need at least 1 micro-batch, got {num_microbatches}")
+    check_schedule_size(num_stages, num_microbatches)  # before a unit is built: MemoryError otherwise
 
 
 def check_extra_warmup(num_stages: int, extra_warmup: Sequence[int]) -> tuple[int, ...]:

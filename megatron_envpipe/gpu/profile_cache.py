@@ -23,6 +23,7 @@ from typing import Any
 
 from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.profile import Profile, ProfileError
+from megatron_envpipe.core.textfile import read_text
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -168,11 +169,11 @@ class ProfileCache:
 
     @staticmethod
     def _read_sidecar(path: Path) -> dict[str, Any] | None:
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
+        if not path.exists():
             return None
-        except (OSError, ValueError) as exc:
+        try:  # bounded, regular files only: a FIFO or /dev/zero planted in the cache must not hang a run
+            data = json.loads(read_text(path, "profile cache sidecar", ProfileError))
+        except (ProfileError, ValueError, RecursionError) as exc:
             log.warning("ignoring unreadable profile cache sidecar %s: %s", path, exc)
             return None
         return data if isinstance(data, dict) else None

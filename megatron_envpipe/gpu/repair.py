@@ -3,7 +3,9 @@
 :class:`~megatron_envpipe.gpu.safety.ClockGuard` writes a state file per GPU
 before it locks its clocks; ``envpipe reset-clocks`` (:func:`reset_clocks_from_state`)
 reads them back and resets those GPUs through NVML, and ``--all``
-(:func:`reset_all_gpus`) resets every GPU of the node. Both return a
+(:func:`reset_all_gpus`) resets every GPU of the node. Both go through
+:class:`~megatron_envpipe.gpu.state_store.ClockStateStore` (a folder another user
+could tamper with is refused; a bad file is named and skipped) and return a
 :class:`RepairReport` whose ``problems`` name every recorded GPU left locked,
 so the command can fail loudly (a SLURM epilog trusts its exit status). Pure
 Python; NVML is reached through :mod:`megatron_envpipe.gpu.nvml`.
@@ -11,24 +13,21 @@ Python; NVML is reached through :mod:`megatron_envpipe.gpu.nvml`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuNotSupportedError, GpuPermissionError
 from megatron_envpipe.gpu.nvml import NvmlGpu, open_nvml_devices
 from megatron_envpipe.gpu.safety import (
-    DEFAULT_STATE_DIR,
     REPAIR_COMMAND,
-    STATE_DIR_ENV,
     device_label,
     hostname,
     pid_alive,
     resolve_state_dir,
 )
+from megatron_envpipe.gpu.state_store import ClockStateStore, StateEntry, StateStoreError, printable
 
 __all__ = ["RepairReport", "reset_all_gpus", "reset_clocks_from_state"]
 
@@ -63,36 +62,22 @@ def _default_factory(uuid: str) -> GpuDevice:
     return NvmlGpu.for_uuid(uuid, refuse_mig=False)
 
 
-def _state_files(directory: Path, report: RepairReport) -> list[Path] | None:
-    """This state directory's ``*.json`` files, or None when there is nothing to go through
-    (the report says why: no directory, a note; not a directory or unlistable, a problem)."""
-    if not directory.exists():
-        report.note(f"{directory}: no such directory: no GPU was left locked by megatron-envpipe here")
-        return None
-    if not directory.is_dir():
-        report.problem(f"{directory}: not a directory, so no state file could be read: pass --state-dir "
-                       f"the directory runs record locked clocks in (default {DEFAULT_STATE_DIR}, or "
-                       f"${STATE_DIR_ENV}), or `sudo {REPAIR_COMMAND} --all` to reset every GPU here")
-        return None
-    try:
-        files = sorted(p for p in directory.iterdir() if p.suffix == ".json")
-    except OSError as exc:
-        report.problem(f"{directory}: cannot list the state files ({exc.strerror or exc}): run `sudo "
-                       f"{REPAIR_COMMAND}`", permission=isinstance(exc, PermissionError))
-        return None
-    if not files:
-        report.note(f"{directory}: no state files: no GPU was left locked by megatron-envpipe here")
-        return None
-    return files
+def _open_store(directory: Path, report: RepairReport) -> ClockStateStore | None:
+    """The verified store, or None when there is nothing to go through (the report says why: no
+    folder, a note; a folder that is not one, or that cannot be trusted, raises StateStoreError)."""
+    store = ClockStateStore.open(directory, create=False)
+    if store is None:
+        report.note(f"{printable(directory)}: no such directory: no GPU was left locked by megatron-envpipe here")
+    return store
 
 
-def _read_state(path: Path) -> dict[str, Any]:
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-    data["uuid"] = str(data["uuid"])
-    data["pid"] = int(data["pid"])
-    return data
+def _bad_file(report: RepairReport, directory: Path, entry: StateEntry) -> None:
+    report.problem(
+        f"{printable(directory)}/{entry.shown_name}: unreadable state file ({printable(entry.problem)}): skipped; "
+        f"its GPU may still be locked: `sudo {REPAIR_COMMAND} --all` resets every GPU of this node, then remove "
+        "the file",
+        permission=entry.denied,
+    )
 
 
 def reset_clocks_from_state(
@@ -105,71 +90,80 @@ def reset_clocks_from_state(
     For each state file of this host: reset that GPU's locked clocks (found by
     UUID) and delete the file. Files of other hosts are skipped with a note (not
     a problem: that host's repair handles them). A problem, with why and what to
-    do, for every recorded GPU left locked: a state file that cannot be read
-    (or a state directory that is not one), a GPU that cannot be opened (no
+    do, for every recorded GPU left locked: a state file that cannot be used
+    (named, skipped, the others still repaired), a GPU that cannot be opened (no
     driver, gone), a failed or forbidden reset, an owner process still running
     (unless ``force``). Problems keep their state file, so the repair can be
-    run again.
+    run again. Raises :class:`StateStoreError` (nothing read) when the state
+    folder could be tampered with by another user or is not a folder.
     """
     report = RepairReport()
     directory = resolve_state_dir(state_dir)
-    files = _state_files(directory, report)
-    if files is None:
+    store = _open_store(directory, report)
+    if store is None:
         return report
-    factory = device_factory or _default_factory
-    me = hostname()
-    for path in files:
+    with store:
         try:
-            data = _read_state(path)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
-            report.problem(
-                f"{path}: unreadable state file ({why}): its GPU may still be locked; run `sudo {REPAIR_COMMAND} "
-                "--all` to reset every GPU of this node (or `sudo nvidia-smi -rgc`), then remove the file",
-                permission=isinstance(exc, PermissionError),
-            )
-            continue
-        uuid, pid = data["uuid"], data["pid"]
-        host = data.get("hostname")
-        what = f"{uuid} ({data.get('name', '?')}, PCI {data.get('pci_bus_id', '?')})"
-        if host != me:
-            report.note(f"{what}: locked on host {host}, not this one ({me}): skipped; run {REPAIR_COMMAND} there")
-            continue
-        since = data.get("time", "?")
-        alive = pid == os.getpid() or pid_alive(pid, data.get("pid_start_ticks"), data.get("boot_id"))
-        if alive and not force:
-            report.problem(f"{what}: its owner pid {pid} (since {since}) is still running: left locked; stop it, "
-                           f"or `{REPAIR_COMMAND} --force` resets it anyway (state file {path})")
-            continue
-        try:
-            device = factory(uuid)
-        except GpuError as exc:
-            report.problem(f"{what}: cannot open it ({exc}): not reset, state file {path} kept; fix the driver "
-                           "and run the repair again, or `sudo nvidia-smi -rgc` once it works",
-                           permission=isinstance(exc, GpuPermissionError))
-            continue
-        try:
-            device.reset_locked_clocks()
-        except GpuPermissionError as exc:
-            report.problem(f"{what}: not reset, no permission ({exc}); state file {path} kept",
-                           permission=True)
-            continue
-        except GpuError as exc:
-            report.problem(f"{what}: reset failed ({exc}): state file {path} kept; run the repair again, "
-                           "or `sudo nvidia-smi -rgc`")
-            continue
-        finally:
-            device.close()
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # reset done; a stale file only makes the next repair reset it again
-            report.note(f"{what}: could not remove the state file {path} ({exc.strerror or exc})")
-        owner = "still running, reset forced" if alive else "no longer running"
-        report.note(f"{what}: locked clocks reset (locked at {data.get('locked_mhz', '?')} MHz since {since} "
-                    f"by pid {pid}, {owner})")
+            entries = store.entries()
+        except OSError as exc:
+            report.problem(f"{printable(directory)}: cannot list the state files ({exc.strerror or exc}): run "
+                           f"`sudo {REPAIR_COMMAND}`", permission=isinstance(exc, PermissionError))
+            return report
+        if not entries:
+            report.note(f"{printable(directory)}: no state files: no GPU was left locked by megatron-envpipe here")
+        factory = device_factory or _default_factory
+        for entry in entries:
+            _repair_one(store, entry, factory, force, report)
     return report
+
+
+def _repair_one(store: ClockStateStore, entry: StateEntry, factory: Callable[[str], GpuDevice], force: bool,
+                report: RepairReport) -> None:
+    directory = store.path
+    data = entry.record
+    if data is None:
+        _bad_file(report, directory, entry)
+        return
+    path = f"{printable(directory)}/{entry.shown_name}"
+    me = hostname()
+    what = data.label
+    if data.hostname != me:
+        report.note(f"{what}: locked on host {printable(data.hostname, 80)}, not this one ({printable(me, 80)}): "
+                    f"skipped; run {REPAIR_COMMAND} there")
+        return
+    since = printable(data.time, 40)
+    pid = data.pid
+    alive = pid == os.getpid() or pid_alive(pid, data.pid_start_ticks, data.boot_id)
+    if alive and not force:
+        report.problem(f"{what}: its owner pid {pid} (since {since}) is still running: left locked; stop it, "
+                       f"or `{REPAIR_COMMAND} --force` resets it anyway (state file {path})")
+        return
+    try:
+        device = factory(data.uuid)
+    except GpuError as exc:
+        report.problem(f"{what}: cannot open it ({exc}): not reset, state file {path} kept; fix the driver "
+                       "and run the repair again, or `sudo nvidia-smi -rgc` once it works",
+                       permission=isinstance(exc, GpuPermissionError))
+        return
+    try:
+        device.reset_locked_clocks()
+    except GpuPermissionError as exc:
+        report.problem(f"{what}: not reset, no permission ({exc}); state file {path} kept", permission=True)
+        return
+    except GpuError as exc:
+        report.problem(f"{what}: reset failed ({exc}): state file {path} kept; run the repair again, "
+                       "or `sudo nvidia-smi -rgc`")
+        return
+    finally:
+        device.close()
+    try:
+        if not store.remove(entry):
+            report.note(f"{what}: the state file {path} changed while the GPU was reset: left in place")
+    except OSError as exc:  # reset done; a stale file only makes the next repair reset it again
+        report.note(f"{what}: could not remove the state file {path} ({exc.strerror or exc})")
+    owner = "still running, reset forced" if alive else "no longer running"
+    report.note(f"{what}: locked clocks reset (locked at {data.locked_mhz} MHz since {since} "
+                f"by pid {pid}, {owner})")
 
 
 def reset_all_gpus(
@@ -209,19 +203,29 @@ def reset_all_gpus(
     finally:
         for device in opened:
             device.close()
-    directory = resolve_state_dir(state_dir)
-    me = hostname()
-    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
-        try:
-            data = _read_state(path)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # every GPU was just reset; a file naming none of them is not ours to judge
-        if data.get("hostname") == me and data["uuid"] in reset_uuids:
-            try:
-                path.unlink()
-                report.note(f"removed state file {path}")
-            except OSError:
-                pass
+    _forget_reset(resolve_state_dir(state_dir), reset_uuids, report)
     if not opened:
         report.note("NVML sees no GPU on this node")
     return report
+
+
+def _forget_reset(directory: Path, reset_uuids: set[str], report: RepairReport) -> None:
+    """Remove this host's records of the GPUs ``--all`` just reset; leave everything else alone."""
+    try:
+        store = ClockStateStore.open(directory, create=False)
+    except StateStoreError as exc:
+        report.note(f"state files not removed: {exc}")
+        return
+    if store is None:
+        return
+    me = hostname()
+    with store:
+        for entry in store.entries():
+            record = entry.record  # a file naming no GPU just reset is not ours to judge
+            if record is None or record.hostname != me or record.uuid not in reset_uuids:
+                continue
+            try:
+                if store.remove(entry):
+                    report.note(f"removed state file {printable(directory)}/{entry.shown_name}")
+            except OSError:
+                pass

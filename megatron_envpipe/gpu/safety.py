@@ -18,18 +18,19 @@ guard is *released*: it never locks again in this process (a worker thread with
 queued clock changes cannot re-lock a GPU behind the reset); ``rearm()`` undoes
 that for interactive use.
 
-The default state directory is ``/var/tmp/megatron-envpipe/locked-clocks``
-(survives reboots of the job, is node-local); override with ``ENVPIPE_STATE_DIR``
-or the ``state_dir`` argument. Only the ``nvml`` backend writes state files.
+The default state directory is ``/var/lib/megatron-envpipe/locked-clocks``
+(node-local, root's, like any daemon's state); override with
+``ENVPIPE_STATE_DIR`` or the ``state_dir`` argument. Only the ``nvml`` backend
+writes state files, through :class:`~megatron_envpipe.gpu.state_store.ClockStateStore`,
+which refuses a folder another user could tamper with and never lets a bad
+file it finds there stop the run.
 Pure Python: the guard drives whatever :class:`~megatron_envpipe.gpu.base.GpuDevice` it is given.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import re
 import signal
 import socket
 import sys
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.gpu.base import GpuDevice, GpuError
+from megatron_envpipe.gpu.state_store import ClockStateStore, LockRecord, StateStoreError, printable, state_file_name
 
 __all__ = [
     "ClockGuard",
@@ -56,9 +57,8 @@ __all__ = [
     "resolve_state_dir",
 ]
 
-DEFAULT_STATE_DIR = "/var/tmp/megatron-envpipe/locked-clocks"
+DEFAULT_STATE_DIR = "/var/lib/megatron-envpipe/locked-clocks"
 STATE_DIR_ENV = "ENVPIPE_STATE_DIR"
-STATE_VERSION = 1
 REPAIR_COMMAND = "envpipe reset-clocks"
 REPAIR_HINT = (
     "resetting GPU clocks needs root or CAP_SYS_ADMIN: run `sudo envpipe reset-clocks` "
@@ -121,31 +121,6 @@ def pid_alive(pid: int, start_ticks: int | None = None, boot_id: str | None = No
     return True
 
 
-def _safe_name(uuid: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", uuid) or "unknown"
-
-
-def _make_state_dir(path: Path) -> None:
-    """Create ``path``; directories we create are world-writable and sticky (like /tmp), so
-    jobs of every user on a shared node can leave their state files next to each other."""
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    for p in reversed(missing):
-        try:
-            p.mkdir()
-        except FileExistsError:
-            continue
-        try:
-            os.chmod(p, 0o1777)
-        except OSError:
-            pass
-
-
 def _say(text: str) -> None:
     try:
         print(f"envpipe: {text}", file=sys.stderr, flush=True)
@@ -161,7 +136,7 @@ def _say(text: str) -> None:
 @dataclass
 class _Entry:
     device: GpuDevice
-    state_path: Path | None
+    state_file: str | None  # its record in the guard's store (nvml devices only)
     first_mhz: int
 
 
@@ -183,6 +158,7 @@ class ClockGuard:
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None, *, install_handlers: bool = True) -> None:
         self.state_dir = resolve_state_dir(state_dir)
+        self._store: ClockStateStore | None = None  # opened (verified, created) at the first nvml lock
         self._lock = threading.RLock()
         self._entries: dict[int, _Entry] = {}
         self._pid = os.getpid()
@@ -222,7 +198,7 @@ class ClockGuard:
 
     def state_path(self, device: GpuDevice) -> Path | None:
         entry = self._entries.get(id(device))
-        return entry.state_path if entry else None
+        return self.state_dir / entry.state_file if entry and entry.state_file else None
 
     @property
     def released(self) -> str | None:
@@ -247,8 +223,8 @@ class ClockGuard:
             entry = self._entries.get(key)
             first = entry is None
             if entry is None:
-                path = self._write_state(device, int(freq_mhz)) if device.backend == "nvml" else None
-                entry = _Entry(device, path, int(freq_mhz))
+                name = self._write_state(device, int(freq_mhz)) if device.backend == "nvml" else None
+                entry = _Entry(device, name, int(freq_mhz))
                 self._entries[key] = entry
             try:
                 device.set_locked_clocks(freq_mhz)
@@ -282,7 +258,7 @@ class ClockGuard:
                 try:
                     entry.device.reset_locked_clocks()
                 except Exception as exc:  # keep going: the other GPUs must be reset too
-                    where = f" (state file {entry.state_path})" if entry.state_path else ""
+                    where = f" (state file {self.state_dir / entry.state_file})" if entry.state_file else ""
                     problems.append(f"{device_label(entry.device)}: {exc}{where}")
                     continue
                 self._forget(entry)
@@ -310,6 +286,10 @@ class ClockGuard:
         with _REGISTRY_LOCK:
             if self in _GUARDS and not self._entries:
                 _GUARDS.remove(self)
+        with self._lock:
+            if self._store is not None and not self._entries:
+                self._store.close()
+                self._store = None
         if problems:
             raise GpuError(
                 "could not reset GPU clocks: " + "; ".join(problems) + f"; repair with: {REPAIR_COMMAND}"
@@ -317,50 +297,48 @@ class ClockGuard:
 
     # -- state files --------------------------------------------------------------
 
-    def _write_state(self, device: GpuDevice, freq_mhz: int) -> Path:
+    def _write_state(self, device: GpuDevice, freq_mhz: int) -> str:
+        """Record ``device`` in the store before its clock is locked; returns the file name."""
         info = device.info()
-        path = self.state_dir / f"{_safe_name(info.uuid)}.json"
         pid = os.getpid()
         now = time.time()
-        data = {
-            "version": STATE_VERSION,
-            "uuid": info.uuid,
-            "pci_bus_id": info.pci_bus_id,
-            "name": info.name,
-            "backend": info.backend,
-            "pid": pid,
-            "pid_start_ticks": _proc_start_ticks(pid),
-            "hostname": hostname(),
-            "boot_id": _boot_id(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
-            "unix_time": now,
-            "locked_mhz": freq_mhz,
-            "command": " ".join(sys.argv)[:300],
-            "repair": REPAIR_COMMAND + ("" if self.state_dir == Path(DEFAULT_STATE_DIR)
-                                        else f" --state-dir {self.state_dir}"),
-        }
+        record = LockRecord(
+            uuid=info.uuid,
+            pid=pid,
+            hostname=hostname(),
+            locked_mhz=freq_mhz,
+            pci_bus_id=info.pci_bus_id,
+            name=info.name,
+            backend=info.backend,
+            pid_start_ticks=_proc_start_ticks(pid),
+            boot_id=_boot_id(),
+            time=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+            unix_time=now,
+            command=" ".join(sys.argv)[:300],
+            repair=REPAIR_COMMAND + ("" if self.state_dir == Path(DEFAULT_STATE_DIR)
+                                     else f" --state-dir {self.state_dir}"),
+        )
+        path = self.state_dir / state_file_name(info.uuid)
+        tail = (f"it lets `{REPAIR_COMMAND}` repair the GPU after a crash: set {STATE_DIR_ENV} to a folder of "
+                "this node that only root (or you) can write")
         try:
-            _make_state_dir(self.state_dir)
-            if path.exists():
-                _note_stale(path)
-            write_json_atomic(path, data, fsync=True, sort_keys=True)
+            if self._store is None:
+                self._store = ClockStateStore.open(self.state_dir, create=True)
+            assert self._store is not None  # create=True never gives None
+            _note_previous(self._store, state_file_name(info.uuid))
+            return self._store.write(record)
+        except StateStoreError as exc:
+            raise GpuError(f"cannot write the locked-clock state file {path}: {exc}; {tail}") from exc
         except OSError as exc:
-            raise GpuError(
-                f"cannot write the locked-clock state file {path} ({exc.strerror or exc}); it lets "
-                f"`{REPAIR_COMMAND}` repair the GPU after a crash: set {STATE_DIR_ENV} to a writable "
-                "directory on this node"
-            ) from exc
-        return path
+            raise GpuError(f"cannot write the locked-clock state file {path} ({exc.strerror or exc}); {tail}") from exc
 
     def _forget(self, entry: _Entry) -> None:
         self._entries.pop(id(entry.device), None)
-        if entry.state_path is not None:
+        if entry.state_file is not None and self._store is not None:
             try:
-                entry.state_path.unlink()
-            except FileNotFoundError:
-                pass
+                self._store.remove_name(entry.state_file)
             except OSError as exc:
-                _say(f"could not remove {entry.state_path}: {exc}")
+                _say(f"could not remove {self.state_dir / entry.state_file}: {exc}")
 
 
 def device_label(device: GpuDevice) -> str:
@@ -370,16 +348,22 @@ def device_label(device: GpuDevice) -> str:
         return repr(device)
 
 
-def _note_stale(path: Path) -> None:
-    try:
-        old = json.loads(path.read_text())
-        pid = int(old.get("pid"))
-    except (OSError, ValueError, TypeError):
+def _note_previous(store: ClockStateStore, file_name: str) -> None:
+    """Say what an earlier record of this GPU was: another live run's lock, or an unusable file.
+
+    Whatever the file holds, this only prints (sanitised): a planted or broken record is replaced,
+    never trusted, and never stops the lock.
+    """
+    entry = store.read(file_name)
+    if entry.problem == "gone":
         return
-    if pid != os.getpid() and old.get("hostname") == hostname() and pid_alive(
-        pid, old.get("pid_start_ticks"), old.get("boot_id")
-    ):
-        _say(f"{path}: pid {pid} ({old.get('command', '?')}) also holds this GPU's clocks locked; taking over")
+    if entry.record is None:
+        _say(f"{store.path / entry.shown_name}: replacing an unusable state file ({printable(entry.problem)})")
+        return
+    old = entry.record
+    if old.pid != os.getpid() and old.hostname == hostname() and pid_alive(old.pid, old.pid_start_ticks, old.boot_id):
+        _say(f"{store.path / entry.shown_name}: pid {old.pid} ({printable(old.command or '?', 120)}) also holds "
+             "this GPU's clocks locked; taking over")
 
 
 # ---------------------------------------------------------------------------

@@ -131,6 +131,10 @@ class PlannerConfig:
         if self.plan_type != PlanType.OPTIMAL and (self.max_slowdown or self.target_time_s is not None):
             raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
         check_switching(self.switch_cost_j, self.max_clock_changes)
+        if self.scheduling == Scheduling.ONE_F_ONE_B and self.max_inflight is not None:
+            # 1F1B's own order holds at most P - s activations on stage s: a budget would silently do nothing.
+            raise PlannerError("--max-inflight (an activation budget) applies to --scheduling ours, whose extra "
+                               "warm-up it limits; 1f1b keeps Megatron's order and memory: drop --max-inflight")
         if not 0 <= self.timing_margin <= MAX_TIMING_MARGIN:
             raise PlannerError(f"timing margin must be a fraction between 0 and {MAX_TIMING_MARGIN:g} of a unit's "
                                f"time (0.02 = 2 %), got {self.timing_margin}")

@@ -31,6 +31,7 @@ from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile, pareto_filter
 from megatron_envpipe.core.schedule import Schedule
+from megatron_envpipe.core.sizes import check_frontier_size
 from megatron_envpipe.core.timeline import PlanScore
 from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError, planning_profile
@@ -115,6 +116,8 @@ def compute_frontier(
     """
     if points < 2:
         raise PlannerError(f"a frontier needs at least 2 points, got {points}")
+    check_frontier_size(profile.num_stages if num_stages is None else num_stages, num_microbatches,
+                        config.virtual_stages, points)
     t0 = time.perf_counter()
     config = dataclasses.replace(config, plan_type=PlanType.OPTIMAL, max_slowdown=0.0, target_time_s=None)
     profile = planning_profile(profile, config)

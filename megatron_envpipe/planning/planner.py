@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
@@ -30,6 +31,9 @@ def plan_envpipe(
 ) -> PlanResult:
     """Plan one pipeline iteration on the simulated timeline of ``profile``."""
     config.validate()
+    # Before any schedule, chunked profile or simulation: the limit and the reason, not minutes or MemoryError.
+    check_plan_size(config.plan_type, profile.num_stages if num_stages is None else num_stages, num_microbatches,
+                    config.virtual_stages)
     profile = planning_profile(profile, config)
     planned_on = profile
     if config.timing_margin > 0:

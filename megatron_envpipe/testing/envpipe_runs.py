@@ -197,7 +197,7 @@ def _bench(config: EnvPipeConfig, iterations: int, out_path: str, **kwargs: Any)
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
     if torch.distributed.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(times))
+        Path(out_path).write_text(json.dumps(times, allow_nan=False))
     return store
 
 

@@ -294,7 +294,7 @@ def test_state_dir_from_the_environment(tmp_path, monkeypatch):
     assert resolve_state_dir() == tmp_path / "elsewhere"
     assert resolve_state_dir(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("ENVPIPE_STATE_DIR")
-    assert str(resolve_state_dir()) == "/var/tmp/megatron-envpipe/locked-clocks"
+    assert str(resolve_state_dir()) == "/var/lib/megatron-envpipe/locked-clocks"
 
 
 def test_only_the_nvml_backend_writes_state_files(guard):

@@ -60,7 +60,7 @@ CONFIG_ERRORS = [
     (["--envpipe-p2p-power", "nan"], None, ["--envpipe-p2p-power nan", "finite"]),
     (["--envpipe-p2p-power", "inf"], None, ["--envpipe-p2p-power inf", "finite"]),
     (["--envpipe-p2p-power", "-1"], None, ["--envpipe-p2p-power -1", ">= 0 W"]),
-    (["--envpipe-p2p-power", "70000"], None, ["--envpipe-p2p-power 70000", "at most 5000 W"]),
+    (["--envpipe-p2p-power", "70000"], None, ["--envpipe-p2p-power 70000", "at most 10000 W"]),
     (["--envpipe-threshold-scale", "nan"], None, ["--envpipe-threshold-scale nan", "finite"]),
     (["--envpipe-threshold-scale=-inf"], None, ["--envpipe-threshold-scale -inf", "finite"]),
     (["--envpipe-threshold-scale", "0"], None, ["--envpipe-threshold-scale 0", "> 0"]),
@@ -69,7 +69,7 @@ CONFIG_ERRORS = [
     (["--envpipe-comm-timeout", "-5"], None, ["--envpipe-comm-timeout -5", "> 0 seconds"]),
     (OPTIMAL + ["--envpipe-target-time", "nan"], None, ["--envpipe-target-time nan", "finite"]),
     (OPTIMAL + ["--envpipe-target-time", "inf"], None, ["--envpipe-target-time inf", "finite"]),
-    (OPTIMAL + ["--envpipe-target-time", "0"], None, ["--envpipe-target-time 0", "> 0 seconds"]),
+    (OPTIMAL + ["--envpipe-target-time", "0"], None, ["--envpipe-target-time 0", "> 0 s"]),
     (["--envpipe-sim-time-scale", "nan"], None, ["--envpipe-sim-time-scale nan", "finite"]),
     (["--envpipe-sim-time-scale", "0"], None, ["--envpipe-sim-time-scale 0", "> 0"]),
     (["--envpipe-sim-time-scale", "11"], None, ["--envpipe-sim-time-scale 11", "at most 10"]),
@@ -255,14 +255,15 @@ def test_reset_clocks_state_dir_is_a_file(tmp_path, nvml, capsys):
     f = tmp_path / "state"
     f.write_text("")
     code, out, err = reset_clocks(capsys, "--state-dir", str(f))
-    assert code == 2
-    assert f"{f}: not a directory" in err and "--state-dir" in err and "not reset" in err
+    assert code == 4  # the state folder is refused, nothing read
+    assert f"clock state folder {f}: is a regular file, not a folder" in err and "--state-dir" in err
+    assert "--all" in err
 
 
 @pytest.mark.parametrize(
     "content,why",
-    [(b"{not json", "JSONDecodeError"), (b"\xff\xfe\x00garbage", "UnicodeDecodeError"),
-     (b'["a", "list"]', "expected a JSON object"), (b'{"pid": 1}', "KeyError")],
+    [(b"{not json", "not JSON"), (b"\xff\xfe\x00garbage", "not UTF-8"),
+     (b'["a", "list"]', "expected a JSON object"), (b'{"pid": 1}', "no 'uuid'")],
 )
 def test_reset_clocks_unreadable_state_file(tmp_path, nvml, capsys, content, why):
     d = tmp_path / "state"
@@ -278,17 +279,19 @@ def test_reset_clocks_unreadable_state_file(tmp_path, nvml, capsys, content, why
 def test_reset_clocks_state_file_without_read_permission(tmp_path, nvml, capsys, monkeypatch):
     d = tmp_path / "state"
     path = _state(d, nvml.gpus[0].uuid)
-    real = Path.read_text
+    from megatron_envpipe.gpu import state_store
 
-    def read_text(self, *args, **kwargs):  # root reads any file: fake the EACCES a user gets
-        if self == path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self, *args, **kwargs)
+    real = os.open
 
-    monkeypatch.setattr(Path, "read_text", read_text)
+    def fake_open(name, flags, *args, **kwargs):  # root opens any file: fake the EACCES a user gets
+        if name == path.name:
+            raise PermissionError(13, "Permission denied", name)
+        return real(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(state_store.os, "open", fake_open)
     code, out, err = reset_clocks(capsys, "--state-dir", str(d))
     assert code == 3
-    assert f"{path}: unreadable state file (Permission denied)" in err and "sudo" in err
+    assert f"{path}: unreadable state file (cannot open it: Permission denied)" in err and "sudo" in err
 
 
 def test_reset_clocks_without_a_driver(tmp_path, monkeypatch, capsys):

@@ -50,8 +50,8 @@ def test_impossible_combinations_fail_at_start_up(argv, needle):
 
 
 def test_robustness_flags():
-    cfg = parse(["--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-jitter", "3%",
-                 "--envpipe-timing-margin", "0", "--envpipe-reconfig-window", "5"])
+    cfg = parse(["--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-jitter", "3%", "--envpipe-type", "envelope",
+                 "--envpipe-reconfig", "balanced", "--envpipe-timing-margin", "0", "--envpipe-reconfig-window", "5"])
     assert (cfg.sim_jitter, cfg.timing_margin, cfg.reconfig_window) == (0.03, 0.0, 5)
     assert parse([]).timing_margin == 0.01 and parse([]).reconfig_window == 3 and parse([]).sim_jitter == 0.0
     with pytest.raises(SystemExit):  # nan is refused by the flag's type already
@@ -133,13 +133,14 @@ def test_planner_config_accepts_strings():
             PlannerConfig("optimal", "1f1b", "default", gpu=get_gpu_spec("a40"), target_time_s=8.5),
         ),
         (
-            ["--envpipe-type", "uniform", "--envpipe-finish-limit", "3", "--envpipe-prefetch", "4",
-             "--envpipe-threshold-scale", "2"],  # run-time-only flags do not reach the planner
-            PlannerConfig("uniform", "1f1b", "default", gpu=get_gpu_spec("a40")),
+            ["--envpipe-type", "uniform", "--envpipe-reconfig", "balanced", "--envpipe-finish-limit", "3",
+             "--envpipe-prefetch", "4", "--envpipe-threshold-scale", "2"],  # run-time-only flags do not reach the planner
+            PlannerConfig("uniform", "1f1b", "balanced", gpu=get_gpu_spec("a40")),
         ),
         (
-            ["--envpipe-type", "envelope", "--envpipe-timing-margin", "2.5%", "--envpipe-reconfig-window", "5"],
-            PlannerConfig("envelope", "1f1b", "default", gpu=get_gpu_spec("a40"), timing_margin=0.025),
+            ["--envpipe-type", "envelope", "--envpipe-reconfig", "balanced", "--envpipe-timing-margin", "2.5%",
+             "--envpipe-reconfig-window", "5"],
+            PlannerConfig("envelope", "1f1b", "balanced", gpu=get_gpu_spec("a40"), timing_margin=0.025),
         ),
     ],
 )

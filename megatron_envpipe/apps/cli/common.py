@@ -8,7 +8,8 @@ import math
 from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
-from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec
+from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
+from megatron_envpipe.core.memory import show_budget
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
@@ -47,7 +48,7 @@ def load_profile(name: str, time_scale: float = 1.0, energy_scale: float = 1.0) 
         raise CliError(str(exc)) from None
     profile = Profile.from_csv(path)
     if time_scale != 1.0 or energy_scale != 1.0:
-        profile = profile.scaled(time_scale, energy_scale)
+        profile = profile.scaled(time_scale, energy_scale, names=("--time-scale", "--energy-scale"))
     return profile
 
 
@@ -70,6 +71,31 @@ def check_extra_warmup_flag(args: argparse.Namespace, num_stages: int, schedulin
         check_extra_warmup(num_stages, args.extra_warmup)
     except ScheduleError as exc:
         raise CliError(f"--extra-warmup {text}: {exc}") from None
+
+
+def check_flags_apply(args: argparse.Namespace) -> None:
+    """A flag that would do nothing next to the others is refused (one line), never silently ignored.
+
+    Reads only the flags the command has (getattr): 'plan', 'frontier' and 'schedule' share it.
+    Flags with no default (None) count only when the user gave them.
+    """
+    budget = getattr(args, "max_inflight", None)
+    if budget is not None and args.scheduling != Scheduling.OURS:
+        raise CliError(f"--max-inflight {show_budget(budget)} budgets the extra warm-up of --scheduling ours, and "
+                       f"--scheduling {args.scheduling} has none, so it would be ignored: add --scheduling ours or drop it")
+    plan_type = getattr(args, "type", None)
+    if plan_type == PlanType.BASELINE:
+        for flag in ("--switch-cost-j", "--max-clock-changes", "--timing-margin"):
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                raise CliError(f"{flag} {value:g} does nothing with --type baseline, which runs every unit at the "
+                               "maximum clock (no clock to slow, merge or change): drop it or choose another --type")
+    step = getattr(args, "reconfig_step", None)
+    if step is not None and (plan_type == PlanType.OPTIMAL or args.reconfig == ReconfigPolicy.DEFAULT):
+        why = ("--type optimal plans without reconfiguration" if plan_type == PlanType.OPTIMAL
+               else "--reconfig default turns reconfiguration off")
+        raise CliError(f"--reconfig-step {step} sets the step of offline reconfiguration, and {why}, so it would "
+                       "be ignored: drop it (or use --type envelope/uniform with --reconfig balanced or greedy)")
 
 
 def plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:
@@ -105,7 +131,22 @@ def plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:
     except ScheduleError as exc:
         raise CliError(f"{path}: not a valid plan: {exc}") from None
     _check_plan_summary(path, data, plan)
+    _check_plan_clocks(path, data, plan)
     return data, plan
+
+
+def _check_plan_clocks(path: str, data: dict[str, Any], plan: FrequencyPlan) -> None:
+    """The plan's clocks lie in the range of the GPU it names (``"gpu": "a40"``): 5000 MHz on an A40 is no plan."""
+    gpu = data.get("gpu")
+    if gpu is None:
+        return  # planned without a GPU table entry: only the 1..MAX_CLOCK_MHZ of every plan applies
+    if not isinstance(gpu, str):
+        raise CliError(f"{path}: gpu {gpu!r} is not a GPU name: write the plan again with 'envpipe plan --out'")
+    try:
+        spec = get_gpu_spec(gpu)
+        plan.check_clock_range(spec.min_clock_mhz, spec.max_clock_mhz, f"the clock range of its GPU {spec.key}")
+    except (GpuSpecError, ScheduleError) as exc:
+        raise CliError(f"{path}: not a valid plan: {exc}") from None
 
 
 # What 'envpipe show' prints of a plan file's summary: (section, key), None = top level.

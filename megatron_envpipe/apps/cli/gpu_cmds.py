@@ -9,9 +9,11 @@ from megatron_envpipe.core.gpu_specs import load_gpu_table
 from megatron_envpipe.gpu.base import GpuError, GpuPermissionError
 from megatron_envpipe.gpu.repair import reset_all_gpus, reset_clocks_from_state
 from megatron_envpipe.gpu.safety import REPAIR_HINT
+from megatron_envpipe.gpu.state_store import StateStoreError
 
 EXIT_GPU_ERROR = 2
 EXIT_NO_PERMISSION = 3
+EXIT_UNSAFE_STATE_DIR = 4
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
@@ -33,14 +35,20 @@ def cmd_reset_clocks(args: argparse.Namespace) -> int:
     Exit statuses, which scripts (a SLURM epilog) rely on: 0 when every GPU
     recorded on this host was reset, or nothing was recorded; 3 when something
     recorded was not reset for lack of permission; 2 when it was not reset for
-    any other reason (no driver, unreadable state file, ``--state-dir`` not a
-    directory, failed reset, owner still running without ``--force``).
+    any other reason (no driver, an unusable state file (named, the others are
+    still repaired), failed reset, owner still running without ``--force``);
+    4 when the state folder itself is refused, nothing in it read: not a
+    folder, a symbolic link, owned by another user or writable by others, or
+    inside a folder another user could swap it in (docs/clock-state-store.md).
     """
     try:
         if args.all:
             report = reset_all_gpus(args.state_dir)
         else:
             report = reset_clocks_from_state(args.state_dir, force=args.force)
+    except StateStoreError as exc:
+        print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
+        return EXIT_NO_PERMISSION if exc.permission else EXIT_UNSAFE_STATE_DIR
     except GpuPermissionError as exc:
         print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
         return EXIT_NO_PERMISSION

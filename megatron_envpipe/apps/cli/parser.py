@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 
 from megatron_envpipe.apps.cli.demo_cmd import cmd_demo
@@ -12,7 +11,7 @@ from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, 
 from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
 from megatron_envpipe.config import fraction as parse_fraction
 from megatron_envpipe.config import int_list, max_inflight_arg
-from megatron_envpipe.core.gpu_specs import MAX_CLOCK_MHZ, MAX_P2P_POWER_W
+from megatron_envpipe.core.flag_ranges import RANGES, FlagRange
 from megatron_envpipe.core.memory import AUTO, Budget
 from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.vocabulary import (
@@ -25,63 +24,37 @@ from megatron_envpipe.core.vocabulary import (
     ReconfigPolicy,
     Scheduling,
 )
-from megatron_envpipe.planning.basis import MAX_TIMING_MARGIN, MAX_VIRTUAL_STAGES
-from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S, MAX_SWITCH_COST_J
+from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S
+
 
 # -- flag types -----------------------------------------------------------------------
-# Upper bounds: beyond them a value is a typo or a unit mistake, and sizes this large would
-# only exhaust memory or time (the shipped profiles and Megatron runs sit far below).
-MAX_MICROBATCHES = 10_000
-MAX_STAGES = 1_000
-MAX_POINTS = 1_000
-MAX_SCALE = 1e6
-MAX_SECONDS = 1e6
-MAX_LATENCY_S = 3_600.0
-MAX_SLOWDOWN = 10.0  # 1000 %
-MAX_CLOCK_CHANGES = 10**6
+# Every range comes from core.flag_ranges, the table the --envpipe-* training flags read too.
+def ranged(key: str) -> Callable[[str], int | float]:
+    """argparse type: a number of the kind and range of ``RANGES[key]`` (nan and inf never pass)."""
+    limits: FlagRange = RANGES[key]
 
-
-def bounded_int(low: int, high: int) -> Callable[[str], int]:
-    """argparse type: a whole number in [low, high]."""
-
-    def parse(text: str) -> int:
+    def parse(text: str) -> int | float:
         try:
-            value = int(text)
+            value = int(text) if limits.kind == "int" else float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {text}")
-        return value
-
-    return parse
-
-
-positive_int = bounded_int(1, 10**9)
-
-
-def bounded_float(low: float, high: float, unit: str = "", low_open: bool = False) -> Callable[[str], float]:
-    """argparse type: a finite number in [low, high] (``(low, high]`` with ``low_open``); nan and inf never pass."""
-    lower = f"> {low:g}" if low_open else f">= {low:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
-            raise argparse.ArgumentTypeError(f"must be a finite number {lower} and <= {high:g}{unit}, got {text}")
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole number' if limits.kind == 'int' else 'number'}, got {text!r}") from None
+        if not limits.holds(value):
+            if limits.kind == "int":
+                raise argparse.ArgumentTypeError(f"must be between {limits.low:g} and {limits.high:g}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a finite number {limits.describe()}, got {text}")
         return value
 
     return parse
 
 
 def fraction(text: str) -> float:
-    """``0.05`` or ``5%`` -> 0.05: the training flags' parser (finite, >= 0), capped at MAX_SLOWDOWN."""
+    """``0.05`` or ``5%`` -> 0.05, at most 1 (100 %): the parser of --envpipe-max-slowdown, and its range."""
     value = parse_fraction(text)
-    if value > MAX_SLOWDOWN:
+    most = RANGES["max_slowdown"].high
+    if value > most:
         raise argparse.ArgumentTypeError(
-            f"must be a fraction between 0 and {MAX_SLOWDOWN:g} (0.05 or 5%: 5 % slower), got {text}"
-        )
+            f"must be a fraction between 0 and {most:g} ({100 * most:g} %): 0.05 or 5% is 5 % slower, got {text}")
     return value
 
 
@@ -106,10 +79,11 @@ def budget_arg(text: str) -> Budget:
         raise argparse.ArgumentTypeError(
             "auto derives the budget from memory measured while training (--envpipe-max-inflight auto); "
             "here give N for every stage, one per stage (e.g. 8,7,6,5,4,3,2,1), or none")
+    limits = RANGES["max_inflight"]
     for b in value if isinstance(value, tuple) else (value,):
-        if b is not None and not 1 <= b <= 10**9:
-            raise argparse.ArgumentTypeError(f"each budget must be between 1 and 1000000000 micro-batch "
-                                             f"activations, got {text}")
+        if b is not None and not limits.holds(b):
+            raise argparse.ArgumentTypeError(f"each budget must be between {limits.low:g} and {limits.high:g} "
+                                             f"micro-batch activations, got {text}")
     return value
 
 
@@ -140,13 +114,13 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
         help="GPU table entry (configs/gpus.toml): clock range, steps, P2P power "
         "(default for a shipped profile: the GPU it was measured on)",
     )
-    p.add_argument("--p2p-power", type=bounded_float(0.0, MAX_P2P_POWER_W, " W"),
+    p.add_argument("--p2p-power", type=ranged("p2p_power_w"),
                    help="P2P blocking power in W (default: the GPU table's)")
-    p.add_argument("--p2p-latency", type=bounded_float(0.0, MAX_LATENCY_S, " s"), default=0.0,
+    p.add_argument("--p2p-latency", type=ranged("p2p_latency_s"), default=0.0,
                    help="latency of each P2P message in s (default 0)")
-    p.add_argument("--time-scale", type=bounded_float(0.0, MAX_SCALE, low_open=True), default=1.0,
+    p.add_argument("--time-scale", type=ranged("profile_scale"), default=1.0,
                    help="multiply profile times (Perseus emulation: 10)")
-    p.add_argument("--energy-scale", type=bounded_float(0.0, MAX_SCALE, low_open=True), default=1.0,
+    p.add_argument("--energy-scale", type=ranged("profile_scale"), default=1.0,
                    help="multiply profile energies (emulation: 80)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration (.png, .pdf, .svg, ...)")
@@ -154,9 +128,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """The pipeline and schedule flags of 'plan' and 'frontier' (read by ``common.planner_config``)."""
-    p.add_argument("--microbatches", "-m", type=bounded_int(1, MAX_MICROBATCHES), required=True,
+    p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True,
                    help="micro-batches per iteration")
-    p.add_argument("--stages", type=bounded_int(1, MAX_STAGES), help="pipeline stages (checked against the profile)")
+    p.add_argument("--stages", type=ranged("stages"), help="pipeline stages (checked against the profile)")
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.OURS.value,
                    help="unit order (default ours); interleaved: Megatron's virtual pipeline, with --virtual-stages")
     _add_virtual_stages(p)
@@ -171,15 +145,15 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_virtual_stages(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--virtual-stages", type=bounded_int(1, MAX_VIRTUAL_STAGES), metavar="V",
+    p.add_argument("--virtual-stages", type=ranged("virtual_stages"), metavar="V",
                    help="model chunks per rank of --scheduling interleaved (Megatron's "
                         "--virtual-pipeline-model-parallel-size), V >= 2")
 
 
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     """The sizes and unit order of 'schedule' and 'programs'."""
-    p.add_argument("--stages", type=bounded_int(1, MAX_STAGES), required=True)
-    p.add_argument("--microbatches", "-m", type=bounded_int(1, MAX_MICROBATCHES), required=True)
+    p.add_argument("--stages", type=ranged("stages"), required=True)
+    p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True)
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.ONE_F_ONE_B.value)
     _add_virtual_stages(p)
     p.add_argument("--extra-warmup", type=warmup_list, help="r_s for ours, one per stage, e.g. 4,3,1,0 (clamped)")
@@ -201,21 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="initial plan (default envelope)")
     p.add_argument("--reconfig", choices=RECONFIG_NAMES, default=ReconfigPolicy.BALANCED.value,
                    help="policy (default balanced)")
-    p.add_argument("--reconfig-step", type=bounded_int(1, MAX_CLOCK_MHZ),
+    p.add_argument("--reconfig-step", type=ranged("clock_mhz"),
                    help="MHz per reconfiguration step (default: GPU table)")
     p.add_argument("--max-slowdown", type=fraction,
                    help="--type optimal: allowed iteration-time increase over the baseline, e.g. 0.05 or 5%% (default 0)")
-    p.add_argument("--target-time", type=bounded_float(0.0, MAX_SECONDS, " s", low_open=True), metavar="S",
+    p.add_argument("--target-time", type=ranged("target_time_s"), metavar="S",
                    help="--type optimal: plan for iterations lasting S seconds anyway (e.g. a straggler's pace); "
                         "energy is counted until then")
-    p.add_argument("--switch-cost-j", type=bounded_float(0.0, MAX_SWITCH_COST_J, " J"), metavar="J",
+    p.add_argument("--switch-cost-j", type=ranged("switch_cost_j"), metavar="J",
                    help="energy a clock change must save to be kept: neighbouring units' clocks are merged while "
                         "that gives up less than J per change removed (0: off; default for --type optimal: "
                         f"{DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x the P2P power, off for the other types)")
-    p.add_argument("--max-clock-changes", type=bounded_int(1, MAX_CLOCK_CHANGES), metavar="N",
+    p.add_argument("--max-clock-changes", type=ranged("max_clock_changes"), metavar="N",
                    help="at most N clock changes per rank per iteration (the first lock counts), where the "
                         "deadline allows")
-    p.add_argument("--timing-margin", type=bounded_float(0.0, MAX_TIMING_MARGIN), metavar="FRACTION",
+    p.add_argument("--timing-margin", type=ranged("timing_margin"), metavar="FRACTION",
                    help="keep this fraction of every slowed unit's time as slack against unit-time jitter, e.g. "
                         "0.01 (default 0 here; training's --envpipe-timing-margin defaults to 0.01)")
     p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
@@ -225,10 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("frontier", help="the iteration-time vs energy Pareto frontier of optimal plans")
     add_profile_args(p)
     add_pipeline_args(p)
-    p.add_argument("--points", type=bounded_int(2, MAX_POINTS), default=20,
+    p.add_argument("--points", type=ranged("points"), default=20,
                    help="deadlines from fastest to valley (default 20)")
     p.add_argument("--csv", metavar="OUT.csv", help="write time_s,energy_j,saving,slowdown")
-    p.add_argument("--target-time", type=bounded_float(0.0, MAX_SECONDS, " s", low_open=True), metavar="S",
+    p.add_argument("--target-time", type=ranged("target_time_s"), metavar="S",
                    help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")
     p.set_defaults(func=cmd_frontier)
 
@@ -240,12 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate one iteration of a plan or schedule on a profile")
     add_profile_args(p)
     p.add_argument("--plan", metavar="PLAN.json", help="a plan from 'envpipe plan --out'")
-    p.add_argument("--microbatches", "-m", type=bounded_int(1, MAX_MICROBATCHES), help="micro-batches (without --plan)")
+    p.add_argument("--microbatches", "-m", type=ranged("microbatches"), help="micro-batches (without --plan)")
     # No default: given with --plan it would be ignored, which is reported instead (see cmd_simulate).
     p.add_argument("--scheduling", choices=SCHEDULING_NAMES, help="unit order (without --plan; default 1f1b)")
     _add_virtual_stages(p)
     p.add_argument("--extra-warmup", type=warmup_list, help="r_s for --scheduling ours, one per stage, e.g. 4,3,1,0")
-    p.add_argument("--freq", type=bounded_int(1, MAX_CLOCK_MHZ),
+    p.add_argument("--freq", type=ranged("clock_mhz"),
                    help="one clock for every unit (default: the profile's max)")
     p.set_defaults(func=cmd_simulate)
 
@@ -257,14 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("programs", help="print each stage's instruction program and prove it deadlock-free")
     _add_schedule_args(p)
-    p.add_argument("--prefetch", type=positive_int, default=2, help="receives posted ahead per channel")
+    p.add_argument("--prefetch", type=ranged("prefetch"), default=2, help="receives posted ahead per channel")
     p.add_argument("--shared-stream", action="store_true",
                    help="check against one shared stream per stage pair instead (shows why we avoid it)")
     p.set_defaults(func=cmd_programs)
 
     p = sub.add_parser("reset-clocks", help="reset GPU clocks a crashed run left locked (needs root or CAP_SYS_ADMIN)")
     p.add_argument("--state-dir", metavar="DIR",
-                   help="where runs record locked clocks (default $ENVPIPE_STATE_DIR or /var/tmp/megatron-envpipe/locked-clocks)")
+                   help="where runs record locked clocks (default $ENVPIPE_STATE_DIR or /var/lib/megatron-envpipe/locked-clocks)")
     p.add_argument("--force", action="store_true", help="also reset GPUs whose locking process is still running")
     p.add_argument("--all", action="store_true", help="reset every GPU on this node through NVML, state files or not")
     p.set_defaults(func=cmd_reset_clocks)

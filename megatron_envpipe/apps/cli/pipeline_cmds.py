@@ -8,6 +8,7 @@ from typing import Any
 from megatron_envpipe.apps.cli.common import (
     CliError,
     check_extra_warmup_flag,
+    check_flags_apply,
     gpu_for,
     load_profile,
     p2p_power,
@@ -20,6 +21,7 @@ from megatron_envpipe.core.instructions import DeadlockError, build_programs, ch
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
 from megatron_envpipe.core.profile import ProfileError
 from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup
+from megatron_envpipe.core.sizes import MAX_SIMULATED_SIZE, check_schedule_size
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import Scheduling
 
@@ -61,6 +63,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if not args.extra_warmup:
                 raise CliError("--scheduling ours needs --extra-warmup r0,r1,...")
             r = clamp_extra_warmup(p, args.microbatches, args.extra_warmup)
+        check_schedule_size(p, args.microbatches, args.virtual_stages or 1, MAX_SIMULATED_SIZE, "a simulation")
         schedule = _build(scheduling, p, args.microbatches, r, args.virtual_stages)
         profile = _chunk_profile(profile, schedule.num_chunks)
         freq = args.freq or profile.max_frequency()
@@ -131,6 +134,7 @@ def _chunk_profile(profile, num_chunks: int):
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
+    check_flags_apply(args)
     schedule = _schedule_from_flags(args, args.max_inflight)
     print(str(schedule))
     print(f"# peak in-flight activations per stage: {list(schedule.peak_inflight())}")

@@ -8,6 +8,7 @@ from typing import Any
 from megatron_envpipe.apps.cli.common import (
     CliError,
     check_extra_warmup_flag,
+    check_flags_apply,
     check_stages,
     gpu_for,
     load_profile,
@@ -20,6 +21,7 @@ from megatron_envpipe.apps.cli.render import print_json, print_result, result_to
 from megatron_envpipe.apps.plot import frontier_image, image_format, timelines_image
 from megatron_envpipe.core.plan import format_envpipe
 from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.vocabulary import CommModel, PlanType, ReconfigPolicy, Scheduling
 from megatron_envpipe.planning.basis import PlanResult
 from megatron_envpipe.planning.compat_perseus import plan_envpipe_perseus
@@ -49,13 +51,16 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
             ("--max-clock-changes", args.max_clock_changes is not None),
             ("--timing-margin", args.timing_margin is not None),
             ("--p2p-latency", args.p2p_latency != 0.0), ("--comm paired", args.comm != CommModel.PER_DIRECTION),
+            ("--virtual-stages", args.virtual_stages is not None),
         ) if given]
         if ignored:
             raise CliError(f"--compat perseus has no {', '.join(ignored)}: drop it")
+    check_flags_apply(args)
 
 
 def _plan_perseus(args: argparse.Namespace, profile: Profile, gpu, extra: dict[str, Any]) -> PlanResult:
     """--compat perseus: Perseus's EnvPipe re-implementation; what it reports goes into ``extra``."""
+    check_plan_size(PlanType.ENVELOPE, profile.num_stages, args.microbatches)  # it reconfigures as EnvPipe does
     compat = plan_envpipe_perseus(
         profile,
         args.microbatches,
@@ -166,6 +171,7 @@ def _print_frontier(fr: Frontier, profile: Profile, target_time: float | None, p
 
 def cmd_frontier(args: argparse.Namespace) -> int:
     check_outputs(args, "--csv", "--plot")
+    check_flags_apply(args)
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
     check_extra_warmup_flag(args, check_stages(args, profile))
     gpu = gpu_for(args)

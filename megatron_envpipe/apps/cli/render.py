@@ -6,6 +6,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from megatron_envpipe.apps.cli.common import CliError
 from megatron_envpipe.core.memory import show_budget
 from megatron_envpipe.core.plan import format_envpipe
 from megatron_envpipe.core.profile import Profile
@@ -14,10 +15,19 @@ from megatron_envpipe.core.vocabulary import Scheduling
 from megatron_envpipe.planning.basis import PlanResult
 
 
+def strict_json(data: Any) -> str:
+    """``data`` as standard JSON, indent 1: a nan or infinity (which Python would write as ``NaN``/``Infinity``,
+    JSON no reader but Python's accepts, 'envpipe show' included) is one CliError line, and nothing is written."""
+    try:
+        return json.dumps(data, indent=1, allow_nan=False)
+    except ValueError:
+        raise CliError("the result holds a number that is not finite (nan or infinity), which JSON cannot hold: "
+                       "no output written; check the profile and the scale flags") from None
+
+
 def print_json(data: dict[str, Any]) -> None:
-    """One JSON object on stdout (``--json``)."""
-    json.dump(data, sys.stdout, indent=1)
-    print()
+    """One JSON object on stdout (``--json``), all checked before the first byte is printed."""
+    print(strict_json(data))
 
 
 def score_dict(score: PlanScore) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup, raw_extra_warmup
+from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.vocabulary import Scheduling
 from megatron_envpipe.planning.basis import (
     SLOWDOWN_WARNING,
@@ -80,6 +81,8 @@ def optimal_setup(
 ) -> OptimalSetup:
     """Validate ``config``, build the planning basis and the candidate schedules (``ours``: a few extra warm-ups)."""
     config.validate()
+    check_plan_size("optimal", profile.num_stages if num_stages is None else num_stages, num_microbatches,
+                    config.virtual_stages)
     basis = planning_basis(profile, num_microbatches, config, num_stages)
     p = basis.num_stages
     if config.scheduling == Scheduling.OURS:
