@@ -10,8 +10,10 @@ Steps (see docs/gpu-probe.md):
 
 1. GPU, driver, CUDA, torch and date; the supported SM clocks (NVML, at the
    highest memory clock).
-2. Lock check: lock a low and the maximum clock under load, read back the SM
-   clock NVML reports, reset.
+2. Lock check: first one trial lock (megatron-envpipe's start-up check): a refused
+   lock exits with status 3, a lock accepted but not reached with status 4, in the
+   first seconds, instead of profiling the default clock for minutes. Then lock a
+   low and the maximum clock under load, read back the SM clock NVML reports, reset.
 3. Clock-change latency as the kernels see it: a steady stream of fixed-size
    matmuls (or ``torch.cuda._sleep`` spin kernels), each timed with CUDA events;
    NVML is asked to change the clock while the stream runs; the latency is the
@@ -48,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works
 from megatron_envpipe.core.gpu_specs import spec_for_nvml_name  # noqa: E402
 from megatron_envpipe.core.profile import Profile, ProfileError  # noqa: E402
 from megatron_envpipe.gpu.base import PERMISSION_HINT, GpuError  # noqa: E402
-from megatron_envpipe.gpu.nvml import NvmlGpu, clock_permission, nvml_acquire, nvml_release  # noqa: E402
+from megatron_envpipe.gpu.clock_proof import ProofOutcome, cuda_spin_load, prove_clock_control  # noqa: E402
+from megatron_envpipe.gpu.nvml import NvmlGpu, nvml_acquire, nvml_release  # noqa: E402
 from megatron_envpipe.gpu.safety import ClockGuard  # noqa: E402
 
 
@@ -146,7 +149,7 @@ class ProbeKernel:
         return s.elapsed_time(e) / reps
 
 
-def busy_clock(torch, gpu: NvmlGpu, kernel: ProbeKernel, ms: float = 200.0) -> int:
+def busy_clock(torch, gpu: NvmlGpu, kernel: ProbeKernel, ms: float = 200.0) -> int | None:
     """SM clock NVML reports while the GPU is busy."""
     per = max(kernel.time_ms(3), 1e-3)
     for _ in range(int(ms / per) + 1):
@@ -162,16 +165,30 @@ def busy_clock(torch, gpu: NvmlGpu, kernel: ProbeKernel, ms: float = 200.0) -> i
 # ---------------------------------------------------------------------------
 
 
+def prove_or_fail(gpu, guard, load) -> None:
+    """One trial lock, read back, reset; exits (3 refused, 4 not reached) with one line."""
+    try:
+        proof = prove_clock_control(gpu, guard, load=load)
+    except GpuError as exc:  # not a refusal: e.g. the state folder cannot be written
+        fail(f"the trial lock failed: {exc}")
+    if proof.outcome == ProofOutcome.REFUSED:
+        fail(f"cannot lock clocks: {proof.message}; {PERMISSION_HINT}", status=3)
+    if proof.outcome == ProofOutcome.NOT_REACHED:
+        fail(f"clock lock not reached, so a profile would not measure the clocks it names: {proof.message}",
+             status=4)
+    print(f"lock    {proof.message}", flush=True)
+
+
 def lock_check(torch, gpu, guard, clocks, kernel) -> None:
     low = min(clocks, key=lambda c: abs(c - clocks[0] * 0.6))
     print("\n== lock check (SM clock NVML reports under load)")
     for f in (low, clocks[0]):
         guard.lock(gpu, f)
         seen = busy_clock(torch, gpu, kernel)
-        flag = "ok" if abs(seen - f) <= 30 else "DIFFERS (power/thermal capping? another tool?)"
-        print(f"  locked {f:5d} MHz -> running at {seen:5d} MHz   {flag}")
+        flag = "ok" if seen is not None and abs(seen - f) <= 30 else "DIFFERS (power/thermal capping? another tool?)"
+        print(f"  locked {f:5d} MHz -> running at {seen} MHz   {flag}")
     guard.reset(gpu)
-    print(f"  reset            -> running at {busy_clock(torch, gpu, kernel):5d} MHz (driver default)")
+    print(f"  reset            -> running at {busy_clock(torch, gpu, kernel)} MHz (driver default)")
 
 
 def one_switch(torch, gpu, guard, kernel, f_from: int, f_to: int, n: int, settle_ms: float = 500.0) -> dict:
@@ -302,13 +319,13 @@ def profile(torch, gpu, guard, clocks, args, dtype):
             f_e.append(ef)
             b_t.append(statistics.fmean(tb))
             b_e.append(efb - ef)
-            seen += [c1, c2]
+            seen += [c for c in (c1, c2) if c is not None]
         row = {"frequency": f, "forward_time": statistics.fmean(f_t), "forward_energy": statistics.fmean(f_e),
                "backward_time": statistics.fmean(b_t), "backward_energy": statistics.fmean(b_e)}
         rows.append(row)
         busy = row["forward_time"] + row["backward_time"]
         power = (row["forward_energy"] + row["backward_energy"]) / busy if busy > 0 else float("nan")
-        print(f"  {f:5d} {int(statistics.median(seen)):5d} {1e3 * row['forward_time']:8.3f} {row['forward_energy']:8.3f} "
+        print(f"  {f:5d} {int(statistics.median(seen)) if seen else 0:5d} {1e3 * row['forward_time']:8.3f} {row['forward_energy']:8.3f} "
               f"{1e3 * row['backward_time']:8.3f} {row['backward_energy']:8.3f} {power:7.1f}  {k_f}F/{k_fb}FB x{args.reps}",
               flush=True)
     guard.reset(gpu)
@@ -361,11 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         gpu.close()
         return 0
 
-    ok, why = clock_permission()
-    if not ok:
-        gpu.close()
-        fail(f"cannot lock clocks ({why}): {PERMISSION_HINT}", status=3)
-
     floor = args.min_mhz
     if floor is None:
         try:
@@ -376,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = pick_clocks(clocks, args.step, floor)
     guard = ClockGuard(args.state_dir)
     try:
+        prove_or_fail(gpu, guard, cuda_spin_load())  # seconds, before minutes of profiling
         kernel = ProbeKernel(torch, args.kernel, args.kernel_ms, clocks[0], dtype)
         lock_check(torch, gpu, guard, clocks, kernel)
         if not args.skip_latency:

@@ -17,9 +17,13 @@
    timing sees, and the counter period; ``--out`` writes them as JSON (atomically).
 
 On the CPU the device is the simulated GPU (``--gpu simulated:<profile>``: stage 0 of
-that profile, time scaled so a forward at f_max lasts ``--sim-unit-ms``): prediction and
-measurement must then agree within ``--tolerance``. Exit status: 0 all replays within
-tolerance, 1 some not, 2 no usable device, 3 no permission to lock clocks.
+that profile, time scaled so a forward at f_max lasts ``--sim-unit-ms``), run on simulated
+time: the kernels run for real but take no simulated time, so a busy host cannot bias
+the result, and prediction and measurement must agree within ``--tolerance``. Before any of it, one trial lock is
+read back and reset (megatron-envpipe's start-up check), so a lock that is refused or not
+reached ends the run in its first seconds. Exit status: 0 all replays within tolerance,
+1 some not, 2 no usable device, 3 the lock refused (no permission), 4 the lock accepted
+but not reached.
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ from megatron_envpipe.core.atomic import check_writable, write_json_atomic  # no
 from megatron_envpipe.core.gpu_specs import spec_for_profile_source  # noqa: E402
 from megatron_envpipe.core.profile import Profile  # noqa: E402
 from megatron_envpipe.core.resources import shipped_profile  # noqa: E402
+from megatron_envpipe.core.virtual_clock import VirtualClock  # noqa: E402
 from megatron_envpipe.errors import UsageError  # noqa: E402
-from megatron_envpipe.gpu import PERMISSION_HINT, GpuError, open_gpu  # noqa: E402
+from megatron_envpipe.gpu import PERMISSION_HINT, GpuError, GpuPermissionError, open_gpu  # noqa: E402
+from megatron_envpipe.gpu.clock_proof import ProofOutcome, cuda_spin_load, prove_clock_control  # noqa: E402
 from megatron_envpipe.gpu.hooks import GpuHooks  # noqa: E402
 from megatron_envpipe.gpu.replay import PlanReplay, measure_idle, profile_stage, replay_plan  # noqa: E402
+from megatron_envpipe.gpu.safety import default_guard  # noqa: E402
 from megatron_envpipe.gpu.simulated import SimulatedGpu  # noqa: E402
 from megatron_envpipe.gpu.sweep_clocks import sweep_candidates  # noqa: E402
 from megatron_envpipe.megatron.stage_model import StageSpec, open_stage, parameter_count  # noqa: E402
@@ -49,6 +56,10 @@ from megatron_envpipe.planning.planner import plan_envpipe  # noqa: E402
 
 PLANS = ("envelope:1f1b", "envelope:ours", "optimal:1f1b", "optimal:ours")
 REPLAY_CLOCKS = ("planned", "max", "min")
+
+
+class ClockNotReachedError(GpuError):
+    """The trial lock was accepted but the SMs ran at another clock (exit status 4)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="replays of each stage's iteration, back to back (a GPU: enough for >= 1 s per stage)")
     p.add_argument("--idle-s", type=float, default=0.5, help="idle window for power and counter period (default 0.5)")
     p.add_argument("--sim-unit-ms", type=float, default=10.0,
-                   help="simulated GPU: wall ms of a forward at f_max (default 10; must exceed the CPU kernel)")
+                   help="simulated GPU: simulated ms of a forward at f_max (default 10; the replay runs on "
+                        "simulated time, so the host's speed does not matter)")
     p.add_argument("--replay-clocks", choices=REPLAY_CLOCKS, default="planned",
                    help="'max'/'min' replay every unit at that clock instead of the planned one: a deliberately "
                         "wrong replay, which the comparison must report as a mismatch")
@@ -111,8 +123,11 @@ def open_device(args: argparse.Namespace) -> tuple[Any, bool, float]:
         f_max = profile.max_frequency()
         scale = args.sim_unit_ms / 1000.0 / profile.time_s(0, "forward", f_max)
         table = spec_for_profile_source(source)
+        # Simulated time: a unit lasts its modelled time whatever the host's load (the kernels
+        # still run for real), so prediction and measurement agree by construction, not by luck.
+        sim_time = VirtualClock()
         device = SimulatedGpu(profile, 0, time_scale=scale, p2p_power_w=table.p2p_power_w if table else 0.0,
-                              name=f"Simulated GPU ({source})", clock=time.perf_counter)
+                              name=f"Simulated GPU ({source})", clock=sim_time.now, sleep=sim_time.sleep)
         return device, False, scale
     if args.gpu != "nvml":
         raise UsageError(f"--gpu must be 'nvml' or 'simulated:<profile>', got {args.gpu!r}")
@@ -146,22 +161,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plans = check_args(args)
     spec = StageSpec(args.hidden, args.heads, args.layers, args.seq, args.micro_batch).validate()
     device, cuda, scale = open_device(args)
-    if not device.can_set_clocks():
+    try:  # seconds, before minutes of profiling at a clock that is not the one named
+        proof = prove_clock_control(device, default_guard(), load=cuda_spin_load() if cuda else None)
+    except BaseException:
         device.close()
-        raise GpuError(f"{device.info().label()}: {PERMISSION_HINT}")
+        raise
+    if not proof.control:
+        device.close()
+        if proof.outcome == ProofOutcome.REFUSED:
+            raise GpuPermissionError(f"{device.info().label()}: {proof.message}; {PERMISSION_HINT}")
+        raise ClockNotReachedError(f"{device.info().label()}: {proof.message}")
+    print(f"clock check: {proof.message}", flush=True)
     hooks = GpuHooks(device, control=True, cuda=cuda, time_scale=scale)
+    clock, sleep = device.timebase if isinstance(device, SimulatedGpu) else (time.perf_counter, time.sleep)
     results: list[dict[str, Any]] = []
     try:
         with open_stage(spec, "cuda" if cuda else "cpu") as stage:
             print(f"device: {device.info().label()}  stage: {spec} ({parameter_count(stage):,} parameters)")
-            idle = measure_idle(hooks, stage, args.idle_s)
+            idle = measure_idle(hooks, stage, args.idle_s, clock, sleep)
             print(f"idle power {idle.power_w:.1f} W; energy counter period {1000 * idle.counter_period_s:.3f} ms "
                   f"({idle.counter_updates} updates seen{', simulated' if device.simulated else ''})")
             supported = device.supported_clocks_mhz()
             clocks = sweep_candidates(supported, args.clock_step, args.min_mhz)
             t0 = time.perf_counter()
             profile = profile_stage(hooks, stage, clocks, args.stages, idle.power_w, args.reps,
-                                    source=f"stage replay ({device.info().name})")
+                                    source=f"stage replay ({device.info().name})", clock=clock)
             print(f"profiled {len(clocks)} clocks ({clocks[0]}..{clocks[-1]} MHz) in {time.perf_counter() - t0:.1f} s")
             wrong = {"planned": int, "max": lambda f: clocks[0], "min": lambda f: clocks[-1]}[args.replay_clocks]
             baselines: dict[str, PlanReplay] = {}
@@ -171,9 +195,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 key = repr(res.baseline_plan.freqs_mhz) + repr(res.baseline_plan.schedule.orders)
                 if key not in baselines:
                     baselines[key] = replay_plan(hooks, stage, res.baseline_plan, res.baseline_timeline,
-                                                 res.baseline.energy_j, profile, args.iterations)
+                                                 res.baseline.energy_j, profile, args.iterations,
+                                                 clock=clock, sleep=sleep)
                 rep = replay_plan(hooks, stage, res.plan, res.timeline, res.score.energy_j, profile,
-                                  args.iterations, clocks=wrong)
+                                  args.iterations, clocks=wrong, clock=clock, sleep=sleep)
                 row = summary(f"{plan_type}:{scheduling}", rep, baselines[key], args.tolerance)
                 row["baseline_error"] = baselines[key].error
                 row["ok"] = row["ok"] and abs(baselines[key].error) <= args.tolerance
@@ -201,6 +226,9 @@ def cli(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"gpu_stage_replay: {exc}", file=sys.stderr)
         return 2
+    except ClockNotReachedError as exc:
+        print(f"gpu_stage_replay: {exc}", file=sys.stderr)
+        return 4
     except GpuError as exc:
         print(f"gpu_stage_replay: {exc}", file=sys.stderr)
         return 3

@@ -82,6 +82,16 @@ class GpuDevice(ABC):
     def locked_clock_mhz(self) -> int | None:
         """The clock this object last locked, or None when unlocked."""
 
+    def current_sm_clock_mhz(self) -> int | None:
+        """The clock the SMs run at now (NVML's ``NVML_CLOCK_SM``), which a lock may not reach
+        (power or thermal capping, a driver that ignores it); None when the backend cannot tell."""
+        return None
+
+    def clock_event_reasons(self) -> tuple[str, ...] | None:
+        """Why the SM clock is held where it is now (NVML's clock-event, formerly throttle,
+        reasons, e.g. ``sw_power_cap``); ``()`` for none, None when the backend cannot tell."""
+        return None
+
     @abstractmethod
     def energy_mj(self) -> float:
         """Cumulative energy counter in millijoules (monotonic; NVML updates it every ~10 ms)."""

@@ -75,14 +75,19 @@ class EnergyStatus:
 
 class GpuHooks(ExecutionHooks):
     def __init__(self, device: GpuDevice, *, control: bool, cuda: bool, time_scale: float = 1.0,
-                 guard: Any = None, poll_interval_s: float = 0.002) -> None:
+                 guard: Any = None, poll_interval_s: float = 0.002, lost: str | None = None) -> None:
+        """``lost``: why clock control is off from the start (a start-up lock accepted but not
+        reached): the controller falls back to monitor-only at once, logged and reported as
+        a loss mid-run would be."""
         self.device = device
         self.cuda = cuda
         self.time_scale = time_scale
         self.clock = time.perf_counter  # the executor's host clock: windows and monitor agree
         self.controller: ClockController | None = None
-        if control:
+        if control or lost is not None:
             self.controller = ClockController(device, guard, on_error="monitor")
+            if lost is not None:
+                self.controller.fall_back(lost)
         self.monitor: EnergyMonitor | None = None
         if device.backend != "none":
             self.monitor = EnergyMonitor(device, poll_interval_s=poll_interval_s, clock=self.clock).start()

@@ -41,6 +41,8 @@ __all__ = [
     "NvmlGpu",
     "MIG_REFUSAL",
     "clock_permission",
+    "CLOCK_EVENT_REASONS",
+    "decode_clock_event_reasons",
     "normalize_pci_bus_id",
     "parse_cuda_visible_devices",
     "nvml_module",
@@ -135,6 +137,31 @@ def _nvml_call(m: ModuleType, call: str, label: str, *args: Any) -> Any:
         return getattr(m, call)(*args)
     except m.NVMLError as exc:
         raise _map_nvml_error(m, exc, call, label) from exc
+
+
+# NVML's clock-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*), stable across drivers.
+CLOCK_EVENT_REASONS = (
+    (0x1, "gpu_idle"),
+    (0x2, "user_defined_clocks"),  # formerly "applications clocks setting": a lock of ours sets it
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+    (0x200, "board_limit"),
+    (0x400, "reliability"),
+)
+
+
+def decode_clock_event_reasons(mask: int) -> tuple[str, ...]:
+    """Names of the bits set in an NVML clock-event reason mask; unknown bits as ``bit 0x...``."""
+    names = [name for bit, name in CLOCK_EVENT_REASONS if mask & bit]
+    known = sum(bit for bit, _ in CLOCK_EVENT_REASONS)
+    rest = mask & ~known
+    names += [f"bit {1 << i:#x}" for i in range(rest.bit_length()) if rest >> i & 1]
+    return tuple(names)
 
 
 # ---------------------------------------------------------------------------
@@ -525,9 +552,23 @@ class NvmlGpu(GpuDevice):
     def power_w(self) -> float:
         return self._call("nvmlDeviceGetPowerUsage") / 1000.0
 
-    def current_sm_clock_mhz(self) -> int:
-        """The SM clock the GPU runs at right now (NVML_CLOCK_SM)."""
-        return int(self._call("nvmlDeviceGetClockInfo", self._m.NVML_CLOCK_SM))
+    def current_sm_clock_mhz(self) -> int | None:
+        """The SM clock the GPU runs at right now (NVML_CLOCK_SM); None where NVML does not report it."""
+        try:
+            return int(self._call("nvmlDeviceGetClockInfo", self._m.NVML_CLOCK_SM))
+        except GpuNotSupportedError:
+            return None
+
+    def clock_event_reasons(self) -> tuple[str, ...] | None:
+        """The active clock-event (throttle) reasons by name; None where NVML does not report them."""
+        # nvidia-ml-py >= 12.535 names it ...ClocksEventReasons; older bindings only ...ThrottleReasons.
+        for call in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+            if hasattr(self._m, call):
+                try:
+                    return decode_clock_event_reasons(int(self._call(call)))
+                except GpuNotSupportedError:
+                    return None
+        return None
 
     def close(self) -> None:
         if self._open:

@@ -10,9 +10,13 @@ the end of the iteration, up to the planned iteration time). The energy
 counter over the stage's replay is what the plan charges that stage: its
 units' energy plus blocking power times its idle time.
 
-On the simulated GPU, time is scaled (``time_scale`` wall seconds per
-simulated second) and the idle power is the device's P2P power. Pure Python:
-the kernels come in through :class:`StageKernels`.
+On the simulated GPU, time is scaled (``time_scale`` device seconds per
+simulated second) and the idle power is the device's P2P power. Every function
+takes the device's ``clock`` and ``sleep``: a simulated GPU on a
+:class:`~megatron_envpipe.core.virtual_clock.VirtualClock` replays in simulated
+time, so the host's speed and load cannot bias what is measured (a real GPU
+replays on ``time.perf_counter``/``time.sleep``). Pure Python: the kernels come
+in through :class:`StageKernels`.
 """
 
 from __future__ import annotations
@@ -99,7 +103,8 @@ class PlanReplay:
 
 
 def measure_idle(hooks: GpuHooks, kernels: StageKernels, duration_s: float = 1.0,
-                 clock: Callable[[], float] = time.perf_counter) -> IdleMeasurement:
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> IdleMeasurement:
     """Idle power and the energy counter's update period, polling the counter for ``duration_s``
     device seconds while nothing runs."""
     if not 0 < duration_s < math.inf:
@@ -115,7 +120,7 @@ def measure_idle(hooks: GpuHooks, kernels: StageKernels, duration_s: float = 1.0
         if e != last:
             changes.append(clock())
             last = e
-        time.sleep(min(0.0005, duration_s * scale / 1000))
+        sleep(min(0.0005, duration_s * scale / 1000))
     t1, e1 = clock(), device.energy_mj()
     if e1 <= e0 or len(changes) < 2:
         raise ReplayError(f"{device.info().label()}: the energy counter did not move during {duration_s} s of idle "
@@ -189,8 +194,11 @@ def profile_stage(hooks: GpuHooks, kernels: StageKernels, clocks_mhz: Sequence[i
     return Profile(points, source=source)
 
 
-def _sleep_until(target_s: float, clock: Callable[[], float]) -> None:
+def _sleep_until(target_s: float, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
     remaining = target_s - clock()
+    if sleep is not time.sleep:
+        sleep(max(0.0, remaining))  # an injected (virtual) sleep is exact: once is enough
+        return
     while remaining > 0:
         time.sleep(remaining if remaining > 0.002 else 0)
         remaining = target_s - clock()
@@ -198,7 +206,7 @@ def _sleep_until(target_s: float, clock: Callable[[], float]) -> None:
 
 def _replay_stage(hooks: GpuHooks, kernels: StageKernels, plan: FrequencyPlan, timeline: Timeline,
                   profile: Profile, stage: int, iterations: int, clocks: Callable[[int], int],
-                  clock: Callable[[], float]) -> StageReplay:
+                  clock: Callable[[], float], sleep: Callable[[float], None]) -> StageReplay:
     device, scale = hooks.device, hooks.time_scale
     graph = timeline.graph
     order = plan.schedule.orders[stage]
@@ -216,7 +224,7 @@ def _replay_stage(hooks: GpuHooks, kernels: StageKernels, plan: FrequencyPlan, t
         for unit, f, v in zip(order, freqs, nodes):
             hooks.set_frequency(f)  # before the wait: the worker switches during it, as in training
             kernels.sync()  # idle means idle: no queued kernels during the wait
-            _sleep_until(base + timeline.start_s[v] * scale, clock)
+            _sleep_until(base + timeline.start_s[v] * scale, clock, sleep)
             begin = clock()
             hooks.unit_begin(unit)
             kernels.run(unit)
@@ -231,7 +239,7 @@ def _replay_stage(hooks: GpuHooks, kernels: StageKernels, plan: FrequencyPlan, t
             (switch if previous is not None and previous != f else steady).append(excess)
             previous = f
         kernels.sync()
-        _sleep_until(base + period_s * scale, clock)
+        _sleep_until(base + period_s * scale, clock, sleep)
     t1 = clock()
     e1 = device.energy_mj()
     kernels.reset()
@@ -242,11 +250,12 @@ def _replay_stage(hooks: GpuHooks, kernels: StageKernels, plan: FrequencyPlan, t
 
 def replay_plan(hooks: GpuHooks, kernels: StageKernels, plan: FrequencyPlan, timeline: Timeline,
                 predicted_j: float, profile: Profile, iterations: int = 1,
-                clocks: Callable[[int], int] = int, clock: Callable[[], float] = time.perf_counter) -> PlanReplay:
+                clocks: Callable[[int], int] = int, clock: Callable[[], float] = time.perf_counter,
+                sleep: Callable[[float], None] = time.sleep) -> PlanReplay:
     """Replay every stage of ``plan`` in turn (its planned clocks mapped through ``clocks``; a
     different mapping is a deliberately wrong replay) and sum the measured energy."""
     if iterations < 1:
         raise ReplayError(f"replay: need at least one iteration, got {iterations}")
-    stages = tuple(_replay_stage(hooks, kernels, plan, timeline, profile, s, iterations, clocks, clock)
+    stages = tuple(_replay_stage(hooks, kernels, plan, timeline, profile, s, iterations, clocks, clock, sleep)
                    for s in range(plan.schedule.num_stages))
     return PlanReplay(predicted_j, sum(s.energy_j for s in stages), timeline.iteration_time_s, stages)

@@ -12,6 +12,15 @@ CPU run *experiences* the clock (waits, critical paths and wall-clock timings
 reflect it). Energy is integrated in simulated seconds (wall / ``time_scale``),
 so a unit's measured energy comes out in the profile's joules. Every number it
 reports is labelled simulated.
+
+Clock control is exact by default: every lock is accepted and the SMs run at the
+locked clock. Two settings make it behave as real GPUs sometimes do (see
+docs/gpu-probe.md, "Clock control proven by trying"): ``lock_refusal`` refuses
+every lock with :class:`GpuPermissionError` although :meth:`can_set_clocks` says
+yes (a VM or cloud image, even for root), and ``sm_clock_range_mhz`` accepts a
+lock but holds the SMs inside that range (power or thermal capping above; a
+minimum the driver does not enforce below, open-gpu-kernel-modules #1314), which
+:meth:`current_sm_clock_mhz` shows and the units run at.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from dataclasses import dataclass
 
 from megatron_envpipe.core.jitter import JitterError, UnitJitter
 from megatron_envpipe.core.profile import Profile, ProfileError, instruction_of
-from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo
+from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError
 
 # Below _SPIN_S of remaining wall time, unit_end stops sleeping (OS sleeps
 # overshoot by ~0.1 ms, several percent of a unit at small time scales) and
@@ -59,6 +68,8 @@ class SimulatedGpu(GpuDevice):
         sleep: Callable[[float], None] = time.sleep,
         jitter: float = 0.0,
         seed: int | str = 0,
+        lock_refusal: str | None = None,
+        sm_clock_range_mhz: tuple[int, int] | None = None,
     ) -> None:
         if not 0 <= stage < profile.num_stages:
             raise GpuError(f"simulated GPU: stage {stage} is not in the profile (stages 0..{profile.num_stages - 1})")
@@ -92,9 +103,11 @@ class SimulatedGpu(GpuDevice):
                 f"simulated GPU: stage {stage} of {profile.source} has no clock with both forward and backward rows"
             )
         self._clocks = clocks
+        self.lock_refusal = lock_refusal
+        self.sm_clock_range_mhz = self._check_range(sm_clock_range_mhz)
         self._lock = threading.Lock()
         self._locked: int | None = None
-        self._model_clock = clocks[0]  # unlocked: the driver boosts to the maximum
+        self._model_clock = self._running_clock(clocks[0])  # unlocked: the driver boosts to the maximum
         self._energy_mj = 0.0  # integrated up to _ref_wall_s
         self._ref_wall_s = clock()
         self._unit: _OpenUnit | None = None
@@ -127,18 +140,29 @@ class SimulatedGpu(GpuDevice):
                 f"{self._name}: {freq_mhz} MHz is not a profiled clock of stage {self.stage} "
                 f"({len(self._clocks)} clocks, {self._clocks[-1]}..{self._clocks[0]} MHz)"
             )
+        if self.lock_refusal is not None:
+            raise GpuPermissionError(f"{self._name}: clock lock refused ({self.lock_refusal})")
         with self._lock:
             # A unit already running keeps the clock it started with.
             self._locked = freq_mhz
-            self._model_clock = freq_mhz
+            self._model_clock = self._running_clock(freq_mhz)
 
     def reset_locked_clocks(self) -> None:
         with self._lock:
             self._locked = None
-            self._model_clock = self._clocks[0]
+            self._model_clock = self._running_clock(self._clocks[0])
 
     def locked_clock_mhz(self) -> int | None:
         return self._locked
+
+    def current_sm_clock_mhz(self) -> int | None:
+        return self._model_clock
+
+    def clock_event_reasons(self) -> tuple[str, ...] | None:
+        wanted = self._locked if self._locked is not None else self._clocks[0]
+        reasons = ("user_defined_clocks",) if self._locked is not None else ()
+        # Only a cap is reported: a minimum the driver does not hold leaves no reason (#1314).
+        return reasons + (("sw_power_cap",) if self._model_clock < wanted else ())
 
     def energy_mj(self) -> float:
         with self._lock:
@@ -193,8 +217,16 @@ class SimulatedGpu(GpuDevice):
         return self._last_window
 
     @property
+    def timebase(self) -> tuple[Callable[[], float], Callable[[float], None]]:
+        """``(clock, sleep)`` the device runs on: a caller timing or waiting for its units uses
+        the same (a :class:`~megatron_envpipe.core.virtual_clock.VirtualClock`'s keeps a replay
+        in simulated time, out of reach of host load)."""
+        return self._clock, self._sleep
+
+    @property
     def model_clock_mhz(self) -> int:
-        """The clock the next unit runs at (locked clock, or the maximum when unlocked)."""
+        """The clock the next unit runs at (the locked clock, or the maximum when unlocked,
+        held inside ``sm_clock_range_mhz`` when one is set)."""
         return self._model_clock
 
     def unit_time_s(self, kind: str) -> float:
@@ -238,6 +270,24 @@ class SimulatedGpu(GpuDevice):
                 self._sleep(0)  # yields the GIL to the energy poller
             # else: busy-wait the last few microseconds (sleep(0) alone costs ~50 us)
             remaining = target_wall_s - self._clock()
+
+    def _check_range(self, limits: tuple[int, int] | None) -> tuple[int, int] | None:
+        if limits is None:
+            return None
+        lo, hi = (int(x) for x in limits)
+        inside = [c for c in self._clocks if lo <= c <= hi]
+        if not 0 < lo <= hi or not inside:
+            raise GpuError(f"simulated GPU: sm_clock_range_mhz must be (low, high) MHz with 0 < low <= high around "
+                           f"a profiled clock ({self._clocks[-1]}..{self._clocks[0]} MHz), got {limits}")
+        return lo, hi
+
+    def _running_clock(self, wanted_mhz: int) -> int:
+        """The profiled clock the SMs run at when ``wanted_mhz`` is asked for (exact without a range)."""
+        if self.sm_clock_range_mhz is None:
+            return wanted_mhz
+        lo, hi = self.sm_clock_range_mhz
+        held = min(max(wanted_mhz, lo), hi)
+        return min((c for c in self._clocks if lo <= c <= hi), key=lambda c: (abs(c - held), -c))
 
     def _check_stage(self, stage: int) -> None:
         if stage != self.stage:

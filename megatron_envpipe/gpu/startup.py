@@ -1,5 +1,10 @@
 """A rank's GPU at the first iteration: may it lock clocks, and what the pipeline agrees on.
 
+Whether a rank may lock clocks is proven by trying (:func:`clock_control`, with
+:func:`~megatron_envpipe.gpu.clock_proof.prove_clock_control`): a refused lock takes
+the no-permission path (``--envpipe-on-no-permission``: stop, or measure only); a
+lock accepted but not reached makes the rank monitor-only, with the reason logged once.
+
 Every rank of a pipeline opens its own device, describes it as a
 :class:`StageDevice`, and the executor gathers those over the pipeline;
 :func:`combine_stage_devices` turns them into the :class:`DeviceFacts` every
@@ -10,39 +15,56 @@ list). Pure Python: the gathering itself is the executor's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.gpu.base import PERMISSION_HINT, GpuDevice, GpuPermissionError
+from megatron_envpipe.gpu.clock_proof import ClockProof, ProofOutcome, prove_clock_control
+from megatron_envpipe.gpu.safety import ClockGuard, default_guard
 
-__all__ = ["DeviceFacts", "StageDevice", "clock_control", "combine_stage_devices"]
+__all__ = ["ClockDecision", "DeviceFacts", "StageDevice", "clock_control", "combine_stage_devices"]
 
 log = logging.getLogger("megatron_envpipe")
 
 
-def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int) -> bool:
-    """Whether this rank will lock clocks; fails fast without permission (unless monitoring).
+@dataclass(frozen=True)
+class ClockDecision:
+    """Whether this rank locks clocks, and why not where it was tried and not reached."""
+
+    control: bool  # this rank will lock clocks
+    lost: str | None = None  # accepted but not reached: why this rank is monitor-only
+    proof: ClockProof | None = None  # the trial lock (None: none was tried)
+
+
+def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int, guard: ClockGuard | None = None, *,
+                  load: Callable[[float], None] | None = None) -> ClockDecision:
+    """Whether this rank will lock clocks, proven by one trial lock (see the module docstring);
+    fails fast when the lock is refused (unless ``--envpipe-on-no-permission monitor``).
 
     Only plans that lower clocks need control: ``baseline`` runs at the driver's
-    default clocks and needs no privilege.
+    default clocks, needs no privilege and tries nothing.
     """
     info = device.info()
     if cfg.plan_type == PlanType.BASELINE:
-        return False
+        return ClockDecision(False)
     if device.backend == "none":
         log.warning("EnvPipe: no GPU clock control (%s): the schedule is EnvPipe's, clocks stay as they are",
                     info.name)
-        return False
-    if device.can_set_clocks():
-        return True
-    reason = device.permission_reason()
+        return ClockDecision(False)
+    proof = prove_clock_control(device, guard if guard is not None else default_guard(), load=load)
+    if proof.outcome == ProofOutcome.NOT_REACHED:
+        # Logged once, by the hooks' clock controller falling back (GpuHooks(lost=...)).
+        return ClockDecision(False, lost=f"clock check at start-up: {proof.message}", proof=proof)
+    if proof.control:
+        log.info("EnvPipe stage %d: clock control on %s: %s", stage, info.label(), proof.message)
+        return ClockDecision(True, proof=proof)
     if cfg.on_no_permission == "fail":
-        raise GpuPermissionError(f"EnvPipe stage {stage}: {info.label()}: {reason} {PERMISSION_HINT}".strip())
+        raise GpuPermissionError(f"EnvPipe stage {stage}: {info.label()}: {proof.message}; {PERMISSION_HINT}")
     log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only "
-                "(--envpipe-on-no-permission monitor)", stage, info.label(), reason)
-    return False
+                "(--envpipe-on-no-permission monitor)", stage, info.label(), proof.message)
+    return ClockDecision(False, proof=proof)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megatron_envpipe.gpu import open_gpu
+from megatron_envpipe.gpu.clock_proof import cuda_spin_load
 from megatron_envpipe.gpu.hooks import GpuHooks
 from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control, combine_stage_devices
 from megatron_envpipe.megatron.groups import StageGroups
@@ -62,10 +63,12 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
         device = open_gpu(cfg.gpu or "auto", torch.cuda.current_device() if cuda else None,
                           stage=groups.stage, num_stages=groups.num_stages, time_scale=cfg.sim_time_scale,
                           p2p_power_w=cfg.p2p_power_w, cuda=cuda, num_chunks=num_chunks, jitter=cfg.sim_jitter)
-        control = clock_control(device, cfg, groups.stage)
-        state.use_hooks(GpuHooks(device, control=control, cuda=cuda,
+        # A real GPU idle during the trial lock may park its clock: keep it busy meanwhile.
+        load = cuda_spin_load() if cuda and device.backend == "nvml" else None
+        decision = clock_control(device, cfg, groups.stage, load=load)
+        state.use_hooks(GpuHooks(device, control=decision.control, cuda=cuda, lost=decision.lost,
                                  time_scale=cfg.sim_time_scale if device.simulated else 1.0))
-        mine = StageDevice.of(device, control)
+        mine = StageDevice.of(device, decision.control)
     facts = combine_stage_devices(groups.agree(groups.gather_stages(mine)))
     runtime.attach_device(facts, _profile_cache_key(layout_key, facts))
     runtime.attach_memory(memory_source(groups, torch_device, cfg))

@@ -12,14 +12,16 @@ poller by the per-iteration regression, and record. Nothing is fed exact values.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from megatron_envpipe.core.gpu_specs import GpuSpec
-from megatron_envpipe.core.profile import Profile, ProfilePoint
+from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.timeline import PlanEvaluator
+from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu.energy import EnergyMonitor
 from megatron_envpipe.gpu.simulated import SimulatedGpu
 from megatron_envpipe.gpu.sweep import ClockSweep, ProfileRow, stage_samples, sweep_candidates
@@ -27,24 +29,45 @@ from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 
 __all__ = ["PlanCheck", "a40_three_stages", "low_valley_profile", "plan_check", "profile_on_simulated_gpus", "relative_errors",
-           "restrict_profile"]
+           "host_lost_time_s", "restrict_profile"]
 
 INSTRUCTIONS = ("forward", "backward")
 
 
 def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w: float, time_scale: float = 0.01,
-                              microbatches: int = 4, poll_interval_s: float = 0.002, timing: str = "device") -> float:
-    """Run ``sweep`` to the end on one simulated GPU per stage of ``truth``; returns the wall seconds.
+                              microbatches: int = 4, poll_interval_s: float = 0.002, timing: str = "device",
+                              virtual_time: bool = False,
+                              host_delays: dict[tuple[int, str, int], list[float]] | None = None,
+                              host_load: list[float] | None = None) -> float:
+    """Run ``sweep`` to the end on one simulated GPU per stage of ``truth``; returns the seconds it took.
 
     What the runtime does per profiling iteration, in real time: lock the sweep's clock on every
     stage, run each stage's units (stages one after another; a stage waits 2, 4, 6, ... ms for each
     gradient: the P2P blocking windows), attribute energy from each stage's poller, record.
     ``timing="device"``: unit windows as the device ran them (the simulated GPU's counterpart of
     CUDA events); ``"host"``: the host clock read around unit_begin/unit_end.
+    ``virtual_time``: the same on a :class:`VirtualClock` (returns simulated seconds): every wait
+    and unit lasts exactly its modelled time and each poller reads the counter at exact poll
+    ticks, so what is measured cannot depend on the host's speed or load.
+    ``host_delays``: filled with ``(stage, instruction, MHz) -> [seconds, windows]``: how much longer
+    the host windows were than the device's own (modelled) unit windows inside them: the host's
+    overhead plus every delay the host suffered (run queue, GIL, hypervisor steal), summed.
+    ``host_load``: gets ``[lost seconds, wall seconds]`` of the run, the lost time as the kernel
+    reports it (:func:`host_lost_time_s`), independent of the code measured; empty where unknown.
     """
-    gpus = [SimulatedGpu(truth, s, time_scale=time_scale, p2p_power_w=p2p_power_w) for s in range(truth.num_stages)]
-    monitors = [EnergyMonitor(g, poll_interval_s=poll_interval_s).start() for g in gpus]
-    t0 = time.monotonic()
+    vc = VirtualClock() if virtual_time else None
+    clock, sleep = (vc.now, vc.sleep) if vc is not None else (time.monotonic, time.sleep)
+    gpus = [SimulatedGpu(truth, s, time_scale=time_scale, p2p_power_w=p2p_power_w, clock=clock, sleep=sleep)
+            for s in range(truth.num_stages)]
+    if vc is None:
+        monitors = [EnergyMonitor(g, poll_interval_s=poll_interval_s).start() for g in gpus]
+    else:
+        monitors = [EnergyMonitor(g, poll_interval_s=poll_interval_s, clock=clock) for g in gpus]
+        for mon in monitors:
+            mon.sample()  # the trace starts now, as start() does
+            vc.every(poll_interval_s, mon.sample)
+    lost0 = host_lost_time_s() if host_load is not None else None
+    t0 = clock()
     try:
         while not sweep.done:
             freq = sweep.next_clock()
@@ -56,21 +79,50 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
                 for m in range(microbatches):
                     for kind in "FB":
                         if kind == "B":
-                            w0 = time.monotonic()
-                            time.sleep(0.002 * (m + 1))
-                            blocking.append((w0, time.monotonic()))
-                        t0_s = time.monotonic()
+                            w0 = clock()
+                            sleep(0.002 * (m + 1))
+                            blocking.append((w0, clock()))
+                        t0_s = clock()
                         g.unit_begin(s, kind)
                         g.unit_end(s, kind)
-                        units.append((kind, t0_s, time.monotonic()) if timing == "host" else g.last_unit_window())
+                        units.append((kind, t0_s, clock()) if timing == "host" else g.last_unit_window())
+                        if host_delays is not None:
+                            _, begin_s, end_s = g.last_unit_window()
+                            row = host_delays.setdefault((s, instruction_of(kind), freq), [0.0, 0])
+                            row[0] += (units[-1][2] - units[-1][1]) - (end_s - begin_s)
+                            row[1] += 1
+                if vc is not None:
+                    vc.sleep(poll_interval_s)  # the poller's next read covers the last window (wait_covered)
                 per_stage.append(stage_samples(monitors[s], units, blocking, time_scale=time_scale))
             sweep.record(freq, per_stage)
+        lost1 = host_lost_time_s() if lost0 is not None else None  # before the pollers' threads end
+        if lost0 is not None and lost1 is not None:
+            host_load[:] = [lost1 - lost0, clock() - t0]
     finally:
         for mon in monitors:
             mon.stop()
         for g in gpus:
             g.reset_locked_clocks()
-    return time.monotonic() - t0
+    return clock() - t0
+
+
+def host_lost_time_s() -> float | None:
+    """CPU time this process was denied so far, as the kernel reports it (Linux): the run-queue wait
+    of its live threads (runnable, no CPU; a poller preempted while holding the GIL stalls the main
+    thread too) plus the hypervisor's steal time per CPU. None where /proc does not say."""
+    try:
+        wait_ns = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    wait_ns += int(f.read().split()[1])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+        with open("/proc/stat") as f:
+            steal_ticks = int(f.readline().split()[8])  # "cpu user nice system idle iowait irq softirq steal"
+    except (OSError, ValueError, IndexError):
+        return None
+    return wait_ns / 1e9 + steal_ticks / os.sysconf("SC_CLK_TCK") / (os.cpu_count() or 1)
 
 
 def relative_errors(truth: Profile, rows: Iterable[ProfileRow]) -> tuple[float, float]:

@@ -102,6 +102,12 @@ class FaultyGpu(GpuDevice):
     def locked_clock_mhz(self) -> int | None:
         return self.inner.locked_clock_mhz()
 
+    def current_sm_clock_mhz(self) -> int | None:
+        return self.inner.current_sm_clock_mhz()
+
+    def clock_event_reasons(self) -> tuple[str, ...] | None:
+        return self.inner.clock_event_reasons()
+
     def energy_mj(self) -> float:
         now = self._clock()
         with self._lock:

@@ -1,7 +1,11 @@
 """A test double of the ``pynvml`` module (nvidia-ml-py), for CPU tests only.
 
 It models a node's GPUs (name, UUID, PCI bus id, MIG mode, supported clocks,
-locked clocks, energy counter, power) and whether this process may set clocks,
+locked clocks, the SM clock they run at and why, energy counter, power) and
+whether this process may set clocks (``permission=False``: every lock is refused
+with NO_PERMISSION; ``lock_supported=False``: NOT_SUPPORTED; ``sm_clock_range``:
+locks are accepted but the SMs are held in that range, as power capping or an
+unenforced minimum does),
 and raises the *real* ``pynvml.NVMLError`` subclasses (from the installed
 nvidia-ml-py) with the real codes. It is a stand-in for the driver only: it is
 used to test our own error handling, device mapping and clock bookkeeping; the
@@ -59,6 +63,9 @@ class FakeGpu:
     lock_supported: bool = True
     lock_count: int = 0  # successful nvmlDeviceSetGpuLockedClocks calls
     reset_count: int = 0
+    sm_clock_range: list[int] | None = None  # [low, high]: the SMs stay inside it whatever is locked
+    event_reasons: int = 0  # clock-event reason bits reported besides those the double derives
+    event_reasons_supported: bool = True
 
 
 class _Handle:
@@ -93,6 +100,7 @@ class NvmlDouble:
         self.state_file = Path(state_file) if state_file is not None else None
         self.init_count = 0
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.legacy_binding = False  # module() without the ...ClocksEventReasons name (nvidia-ml-py < 12.535)
         if self.state_file is not None:
             self._save()
 
@@ -104,6 +112,7 @@ class NvmlDouble:
         obj.state_file = Path(path)
         obj.init_count = 0
         obj.calls = []
+        obj.legacy_binding = False
         obj._load()
         return obj
 
@@ -310,12 +319,38 @@ class NvmlDouble:
             raise self._err(_real.NVML_ERROR_NOT_SUPPORTED)
         return g.power_mw
 
+    @staticmethod
+    def _wanted(g: FakeGpu) -> int:
+        return g.locked[1] if g.locked else max(g.graphics_clocks)
+
+    @classmethod
+    def _running(cls, g: FakeGpu) -> int:
+        """The SM clock: the lock (or the maximum), held inside ``sm_clock_range``."""
+        f = cls._wanted(g)
+        if g.sm_clock_range is not None:
+            f = min(max(f, g.sm_clock_range[0]), g.sm_clock_range[1])
+        return f
+
     def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:
         self._enter("nvmlDeviceGetClockInfo", handle, clock_type)
         g = self._find(handle)
         if clock_type == _real.NVML_CLOCK_MEM:
             return max(g.memory_clocks)
-        return g.locked[1] if g.locked else max(g.graphics_clocks)
+        return self._running(g)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
+        self._enter("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        g = self._find(handle)
+        if handle.mig or not g.event_reasons_supported:
+            raise self._err(_real.NVML_ERROR_NOT_SUPPORTED)
+        mask = g.event_reasons | (0x2 if g.locked else 0)  # user-defined clocks
+        if self._running(g) < self._wanted(g):
+            mask |= 0x4  # held down: software power cap (a raised minimum reports nothing, #1314)
+        return mask
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: _Handle) -> int:
+        """The older binding's name of the same call."""
+        return self.nvmlDeviceGetCurrentClocksEventReasons(handle)
 
     # -- the module -------------------------------------------------------------------
 
@@ -329,6 +364,8 @@ class NvmlDouble:
         for name in dir(self):
             if name.startswith("nvml"):
                 setattr(mod, name, getattr(self, name))
+        if self.legacy_binding:
+            del mod.nvmlDeviceGetCurrentClocksEventReasons
         mod.__nvml_double__ = self
         mod._real = _real
         return mod

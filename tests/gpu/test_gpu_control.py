@@ -18,7 +18,11 @@ from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control
 
 
 class _Unprivileged(SimulatedGpu):
-    """A device that reports no permission (tests our own error handling only)."""
+    """A device without permission: its capability bits say no and its locks are refused
+    (tests our own error handling only)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, lock_refusal="NVML_ERROR_NO_PERMISSION", **kwargs)
 
     def can_set_clocks(self) -> bool:
         return False
@@ -41,14 +45,14 @@ def test_missing_permission_fails_fast_with_the_fix(profile):
 def test_monitor_mode_continues_without_control(profile, caplog):
     gpu = _Unprivileged(profile, 0)
     cfg = EnvPipeConfig(plan_type="envelope", on_no_permission="monitor")
-    assert clock_control(gpu, cfg, stage=0) is False
+    assert clock_control(gpu, cfg, stage=0).control is False
     assert "measuring energy only" in caplog.text
 
 
 def test_baseline_and_no_gpu_need_no_control(profile):
-    assert clock_control(_Unprivileged(profile, 0), EnvPipeConfig(), stage=0) is False
-    assert clock_control(NoGpu(), EnvPipeConfig(plan_type="envelope"), stage=0) is False
-    assert clock_control(SimulatedGpu(profile, 0), EnvPipeConfig(plan_type="envelope"), stage=0) is True
+    assert clock_control(_Unprivileged(profile, 0), EnvPipeConfig(), stage=0).control is False
+    assert clock_control(NoGpu(), EnvPipeConfig(plan_type="envelope"), stage=0).control is False
+    assert clock_control(SimulatedGpu(profile, 0), EnvPipeConfig(plan_type="envelope"), stage=0).control is True
 
 
 def test_device_capabilities_have_base_defaults(profile):
