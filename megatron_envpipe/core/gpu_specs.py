@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY, MAX_CLOCK_LATENCY_S, ClockLatency
 from megatron_envpipe.core.resources import configs_dir, shipped_profiles
 from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.errors import UsageError
@@ -45,6 +46,8 @@ class GpuSpec:
     reconfig_step_mhz: int
     p2p_power_w: float | None  # None: "unknown" in the table
     sources: tuple[str, ...]
+    # The table's clock_call_ms / clock_settle_ms / clock_latency_source, else DEFAULT_CLOCK_LATENCY.
+    clock_latency: ClockLatency = DEFAULT_CLOCK_LATENCY
 
     def known_p2p_power_w(self) -> float:
         """P2P blocking power from the table; P2PPowerUnknownError where it is unknown.
@@ -96,6 +99,8 @@ _FIELDS = {
     "p2p_power_w": (int, float, str),  # a string only as P2P_UNKNOWN
     "sources": list,
 }
+# Optional: a GPU's own clock-change latency (core/clock_latency.py), all three or none.
+_LATENCY_FIELDS = ("clock_call_ms", "clock_settle_ms", "clock_latency_source")
 
 
 # Beyond these a number is a unit mistake or garbage; a clock step this fine would also make
@@ -151,7 +156,7 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
                 raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} must be a finite number")
             if types is list and not all(isinstance(item, str) for item in value):
                 raise GpuSpecError(f"{path}: [{key}] {name} must be a list of strings")
-        unknown = set(entry) - set(_FIELDS)
+        unknown = set(entry) - set(_FIELDS) - set(_LATENCY_FIELDS)
         if unknown:
             raise GpuSpecError(f"{path}: [{key}] has unknown key(s) {sorted(unknown)}")
         _check_nvml_names(path, key, entry["nvml_names"], owners)
@@ -187,12 +192,35 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
                     reconfig_step_mhz=entry["reconfig_step_mhz"],
                     p2p_power_w=float(p2p) if p2p is not None else None,
                     sources=tuple(entry["sources"]),
+                    clock_latency=_clock_latency(path, key, entry),
                 ),
             )
         )
     if not specs:
         raise GpuSpecError(f"{path}: GPU table is empty")
     return tuple(specs)
+
+
+def _clock_latency(path: str, key: str, entry: dict) -> ClockLatency:
+    """The entry's clock-change latency: its three optional keys (all or none), else the default."""
+    given = [name for name in _LATENCY_FIELDS if name in entry]
+    if not given:
+        return DEFAULT_CLOCK_LATENCY
+    if len(given) != len(_LATENCY_FIELDS):
+        missing = [name for name in _LATENCY_FIELDS if name not in entry]
+        raise GpuSpecError(f"{path}: [{key}] gives {', '.join(given)} but not {', '.join(missing)}: a clock "
+                           f"latency needs all of {', '.join(_LATENCY_FIELDS)} (or none: the default)")
+    limit_ms = 1000 * MAX_CLOCK_LATENCY_S
+    for name in ("clock_call_ms", "clock_settle_ms"):
+        value = entry[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= limit_ms:
+            raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} must be a number of milliseconds between 0 "
+                               f"and {limit_ms:g}")
+    source = entry["clock_latency_source"]
+    if not isinstance(source, str) or not source.strip():
+        raise GpuSpecError(f'{path}: [{key}] clock_latency_source must say where the figures come from (or '
+                           f'"assumed"), got {source!r}')
+    return ClockLatency(entry["clock_call_ms"] / 1000, entry["clock_settle_ms"] / 1000, source)
 
 
 def _check_nvml_names(path: str, key: str, names: list[str], owners: dict[str, str]) -> None:

@@ -260,7 +260,7 @@ class EnvPipeRuntime:
         time_s = max(e.time_s for e in stage_energy) / scale
         energy = sum(e.energy_j for e in stage_energy)
         power = tuple(e.energy_j / (e.time_s / scale) if e.time_s > 0 else 0.0 for e in stage_energy)
-        predicted = self.last_result.baseline.energy_j if self.last_result is not None else None
+        predicted = self.last_result.baseline_energy_j if self.last_result is not None else None
         report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated)
         self.energy_log.append(report)
         return report
@@ -416,10 +416,10 @@ class EnvPipeRuntime:
         self.planned_at = self.iteration
         log.info(
             "EnvPipe plan %s/%s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, "
-            "peak in-flight activations %s, predicted energy saving %.2f%%, iteration time %+.2f%% (%s)",
+            "peak in-flight activations %s, %s, iteration time %+.2f%% (%s)",
             cfg.plan_type, cfg.scheduling, cfg.reconfig, num_stages, num_microbatches, profile.source,
             list(result.schedule.extra_warmup), list(result.schedule.peak_inflight()),
-            100 * result.energy_saving, 100 * result.slowdown, result.stop_reason,
+            result.saving_text(), 100 * result.slowdown, result.stop_reason,
         )
         log.info("EnvPipe plan:\n%s", format_envpipe(result.plan))
         rc = None

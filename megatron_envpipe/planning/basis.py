@@ -31,7 +31,12 @@ from megatron_envpipe.core.vocabulary import (
     coerce_enum,
 )
 from megatron_envpipe.errors import UsageError
-from megatron_envpipe.planning.switching import check_switching, default_switch_cost_j
+from megatron_envpipe.planning.switching import (
+    check_switching,
+    default_switch_cost_j,
+    steady_clock_changes,
+    switch_energy_j,
+)
 
 DEFAULT_RECONFIG_STEP_MHZ = 30
 MAX_VIRTUAL_STAGES = 64  # model chunks per rank; Megatron needs at least one layer per chunk
@@ -182,11 +187,16 @@ class PlannerConfig:
 
     @property
     def effective_switch_cost_j(self) -> float:
-        """Joules a clock change is worth avoiding: the given cost, or (None) the derived default for
-        'optimal' plans (clock-switch latency x P2P power) and 0 for EnvPipe's plan types."""
+        """Joules a clock change costs, what plans are charged per change: the given cost, or (None) the
+        derived default for 'optimal' plans (the GPU's clock latency model: settle time x P2P power) and 0
+        for EnvPipe's plan types."""
         if self.switch_cost_j is not None:
             return float(self.switch_cost_j)
-        return default_switch_cost_j(self.effective_p2p_power_w) if self.plan_type == PlanType.OPTIMAL else 0.0
+        if self.plan_type != PlanType.OPTIMAL:
+            return 0.0
+        if self.gpu is not None:
+            return default_switch_cost_j(self.effective_p2p_power_w, self.gpu.clock_latency)
+        return default_switch_cost_j(self.effective_p2p_power_w)
 
     @property
     def effective_reconfig_step_mhz(self) -> int:
@@ -204,7 +214,16 @@ class PlannerConfig:
 
 @dataclass
 class PlanResult:
-    """A plan, how it was found, and how it scores against 1F1B at f_max."""
+    """A plan, how it was found, and how it scores against 1F1B at f_max.
+
+    **Energy with clock changes.** ``score`` is the simulated iteration (units at their clocks, idle
+    time at P2P power). What the plan is worth, :attr:`energy_j`, adds ``switch_cost_j`` (the config's
+    effective switch cost: 0 unless a cost is given or the type is 'optimal') for every clock change
+    it makes when iterations repeat (:func:`~megatron_envpipe.planning.switching.steady_clock_changes`).
+    The baseline is charged the same way (every unit at f_max: no change). :attr:`energy_saving`
+    compares the two; the LP gap, the energies at a target time, the frontier and the training log
+    use the same numbers.
+    """
 
     config: PlannerConfig
     plan: FrequencyPlan
@@ -230,16 +249,51 @@ class PlanResult:
         return self.plan.schedule
 
     @property
+    def switch_cost_j(self) -> float:
+        """Joules charged per clock change (the config's effective switch cost)."""
+        return self.config.effective_switch_cost_j
+
+    @property
+    def charged_clock_changes(self) -> tuple[int, ...]:
+        """Per rank, the clock changes one repeating iteration makes (what is charged)."""
+        return steady_clock_changes(self.plan)
+
+    @property
+    def switch_energy_j(self) -> float:
+        return switch_energy_j(self.plan, self.switch_cost_j)
+
+    @property
+    def baseline_switch_energy_j(self) -> float:
+        return switch_energy_j(self.baseline_plan, self.switch_cost_j)
+
+    @property
+    def energy_j(self) -> float:
+        """What the plan is worth: simulated energy + its clock changes' cost (class docstring)."""
+        return self.score.energy_j + self.switch_energy_j
+
+    @property
+    def baseline_energy_j(self) -> float:
+        return self.baseline.energy_j + self.baseline_switch_energy_j
+
+    @property
     def energy_saving(self) -> float:
-        """Fraction of the baseline's energy saved (0 when the profile has no energy data)."""
+        """Fraction of the baseline's energy saved, clock changes counted (0 when the profile has no energy data)."""
         if self.baseline.energy_j <= 0:
             return 0.0
-        return 1.0 - self.score.energy_j / self.baseline.energy_j
+        return 1.0 - self.energy_j / self.baseline_energy_j
 
     @property
     def slowdown(self) -> float:
         return self.score.iteration_time_s / self.baseline.iteration_time_s - 1.0
 
+    def saving_text(self) -> str:
+        """``predicted energy saving X% (N clock changes per iteration x C J counted)``: the saving a run is
+        measured against, as the training log and ``envpipe plan`` say it."""
+        text = f"predicted energy saving {100 * self.energy_saving:.2f}%"
+        if self.switch_cost_j:
+            text += (f" ({sum(self.charged_clock_changes)} clock changes per iteration x {self.switch_cost_j:.3g} J "
+                     f"= {self.switch_energy_j:.1f} J counted)")
+        return text
 
 
 def stage_valley_clocks(

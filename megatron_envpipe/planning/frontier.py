@@ -14,8 +14,15 @@ and a faster plan blocks at P2P power until then (Perseus's accounting):
 plan is then the slowest one not slower than the target. (At run time,
 ``--envpipe-target-time`` plans directly for the target instead.)
 
-CSV columns: ``time_s,energy_j,saving,slowdown`` (saving and slowdown against
-1F1B at the maximum clock, as fractions).
+**Clock changes.** With a switch cost (``config.effective_switch_cost_j``: ``--switch-cost-j``, or
+the derived default of ``envpipe frontier``, as for ``envpipe plan --type optimal``) or a clock-change
+budget, every point goes through the same switching pass as a plan
+(:mod:`megatron_envpipe.planning.switching`), and its energy counts the clock changes it keeps
+(``switch_cost_j`` x :func:`~megatron_envpipe.planning.switching.steady_clock_changes`), as
+``PlanResult.energy_j`` does; the baseline (every unit at f_max) makes none.
+
+CSV columns: ``time_s,energy_j,saving,slowdown`` (energy with clock changes; saving and slowdown
+against 1F1B at the maximum clock, as fractions).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from megatron_envpipe.planning.basis import PlannerConfig, PlannerError, plannin
 from megatron_envpipe.planning.optimal.deadline import InfeasibleDeadline
 from megatron_envpipe.planning.optimal.entry import optimal_setup, rank_schedules
 from megatron_envpipe.planning.optimal.search import DEFAULT_SEARCH_WORK
+from megatron_envpipe.planning.switching import reduce_clock_changes, steady_clock_changes
 
 DEFAULT_POINTS = 20
 CSV_COLUMNS = ("time_s", "energy_j", "saving", "slowdown")
@@ -51,6 +59,7 @@ class FrontierPoint:
     slowdown: float  # time / baseline time - 1
     plan: FrequencyPlan
     deadline_s: float  # the deadline this plan was computed for (time_s <= deadline_s)
+    switch_energy_j: float = 0.0  # part of energy_j: switch cost x the clock changes the plan keeps
 
     def energy_at(self, target_time_s: float, p2p_power_w: float, num_stages: int) -> float:
         """Energy of an iteration stretched to ``target_time_s`` (blocking until then)."""
@@ -137,11 +146,17 @@ def compute_frontier(
     _, valley_lp, _ = model.solve_lp(max(slowest, fastest), weight)
     valley_lp = max(valley_lp, fastest)
     deadlines = [fastest + (valley_lp - fastest) * i / (points - 1) for i in range(points)]
+    cost = config.effective_switch_cost_j
     raw = []
     for d in deadlines:
         sol = model.solve(d, padded=False, search_work=search_work)
-        raw.append((sol.score.iteration_time_s, sol.score.energy_j, d, sol.freqs_mhz))
-    # Pareto filter: keep a plan only if it uses less energy than every faster one.
+        plan, score = FrequencyPlan.from_flat(schedule, sol.freqs_mhz), sol.score
+        if cost > 0 or config.max_clock_changes is not None:  # as plan_envpipe: never slower than the plan
+            sw = reduce_clock_changes(plan, model.evaluator, None, cost, config.max_clock_changes)
+            plan, score = sw.plan, sw.score
+        switches = cost * sum(steady_clock_changes(plan))
+        raw.append((score.iteration_time_s, score.energy_j + switches, d, plan, switches))
+    # Pareto filter: keep a plan only if it uses less energy (clock changes counted) than every faster one.
     kept = pareto_filter(raw, key=lambda x: (x[0], x[1]), cost=lambda x: x[1], rtol=1e-12)
     pts = [
         FrontierPoint(
@@ -149,10 +164,11 @@ def compute_frontier(
             energy_j=e,
             saving=1.0 - e / base.energy_j if base.energy_j > 0 else 0.0,
             slowdown=t / base.iteration_time_s - 1.0,
-            plan=FrequencyPlan.from_flat(schedule, freqs),
+            plan=plan,
             deadline_s=d,
+            switch_energy_j=switches,
         )
-        for t, e, d, freqs in kept
+        for t, e, d, plan, switches in kept
     ]
     return Frontier(
         schedule=schedule,

@@ -6,7 +6,9 @@ reconfiguration, :mod:`megatron_envpipe.planning.envpipe`) and for
 ``optimal`` (minimum energy per unit under a deadline,
 :mod:`megatron_envpipe.planning.optimal`), then, when the config asks for it,
 merges clocks that are not worth a clock change
-(:mod:`megatron_envpipe.planning.switching`).
+(:mod:`megatron_envpipe.planning.switching`). The result's energy and saving count the clock
+changes the plan keeps (``PlanResult.energy_j``); an optimal plan's LP gap and stop reason are
+settled once, after that pass (:func:`~megatron_envpipe.planning.optimal.entry.account_optimal`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
 from megatron_envpipe.planning.envpipe import plan_reconfigured
 from megatron_envpipe.planning.optimal import plan_optimal
+from megatron_envpipe.planning.optimal.entry import account_optimal
 from megatron_envpipe.planning.switching import reduce_clock_changes
 
 
@@ -45,8 +48,14 @@ def plan_envpipe(
     else:
         result = plan_reconfigured(planned_on, num_microbatches, config, num_stages)
     result = with_fewer_clock_changes(result, planned_on)
+    if result.deadline_s is not None:
+        # Gap, stop reason and energies at the target from the plan the pass left (planned on the margin's
+        # profile when there is one: the LP bound is that problem's).
+        account_optimal(result)
     if planned_on is not profile:
         rescore_without_margin(result, profile)
+        if result.deadline_s is not None:  # energies at the target: the nominal prediction, as energy_saving
+            account_optimal(result, lp_gap=False)
     return result
 
 
@@ -79,16 +88,7 @@ def with_fewer_clock_changes(result: PlanResult, profile: Profile) -> PlanResult
     sw = reduce_clock_changes(result.plan, evaluator, result.deadline_s if padded else None, cost,
                               cfg.max_clock_changes)
     result.plan, result.score, result.timeline = sw.plan, sw.score, sw.timeline
-    details = result.details
-    details["clock_switching"] = sw.summary()
-    energy = sw.score.energy_j
-    if padded:  # energy counted until the target, as plan_optimal reports it
-        energy += p2p * result.schedule.num_stages * (result.deadline_s - sw.score.iteration_time_s)
-        base = details["baseline_energy_at_deadline_j"]
-        details["energy_at_deadline_j"] = energy
-        details["energy_saving_at_deadline"] = 1.0 - energy / base if base > 0 else 0.0
-    if result.lower_bound_j:
-        details["gap_to_lp_bound"] = energy / result.lower_bound_j - 1.0
+    result.details["clock_switching"] = sw.summary()
     if sw.budget_unmet:
         result.warnings.append(
             f"ranks {list(sw.budget_unmet)} keep more than {cfg.max_clock_changes} clock changes per iteration "

@@ -15,7 +15,9 @@ put and an upper bound when a faster clock shortens it.
 
 * **Switch cost** ``switch_cost_j``: merges are taken greedily, best first, while the energy
   given up is below ``switch_cost_j`` per change removed (so energy + switch_cost x changes
-  only falls).
+  only falls). The changes counted are those a repeating iteration makes
+  (:func:`steady_clock_changes`: the wrap from an iteration's last unit to the next one's first
+  included), the same count the plan's energy is charged for.
 * **Budget** ``max_clock_changes``: then, on every rank still above the budget, the merges that
   give up the least energy per change removed, until the rank is within it. A higher clock is
   not always a shorter unit (profiles are measured: Bloom's stage 0 forward takes longer at
@@ -28,11 +30,17 @@ simulated timeline exact incrementally (a merge recomputes only the units downst
 the simulator's own recurrence), so each check costs what the change touches, not a whole
 simulation. The result is simulated and scored again by the evaluator.
 
-**Default switch cost.** ``DEFAULT_SWITCH_LATENCY_S`` x the P2P blocking power: a GPU whose clock
-is being changed is assumed to spend that long doing nothing useful at blocking power. 10 ms is
-an assumption, not a measurement of ours (EnvPipe's code neither measures nor states a latency;
-Velicka et al., arXiv 2502.20075, show it differs markedly between GPUs): measure it with
-``bench/gpu_probe.py`` and pass ``--switch-cost-j`` (latency x power) for your GPU.
+**Default switch cost.** The GPU's clock-change latency model
+(:class:`~megatron_envpipe.core.clock_latency.ClockLatency`, ``configs/gpus.toml`` or the default):
+settle time x the P2P blocking power, a GPU whose clock is being changed being assumed to spend its
+settle time doing nothing useful at blocking power. The default settle time (10 ms,
+``DEFAULT_SWITCH_LATENCY_S``) is an assumption, not a measurement of ours (EnvPipe's code neither
+measures nor states a latency; Velicka et al., arXiv 2502.20075, show it differs markedly between
+GPUs): measure it with ``bench/gpu_probe.py`` and pass ``--switch-cost-j`` (latency x power) for your GPU.
+
+**What a plan is worth.** A plan's energy is its simulated energy plus ``switch_cost_j`` x its
+:func:`steady_clock_changes`; its baseline (every unit at f_max) makes none. See
+``PlanResult.energy_j`` (planning/basis.py).
 """
 
 from __future__ import annotations
@@ -42,13 +50,14 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY, ClockLatency
 from megatron_envpipe.core.graph import latest_times, successors
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import ProfileError
 from megatron_envpipe.core.timeline import PlanEvaluator, PlanScore, Timeline
 from megatron_envpipe.errors import UsageError
 
-DEFAULT_SWITCH_LATENCY_S = 0.010  # assumed time lost per clock change (see the module docstring)
+DEFAULT_SWITCH_LATENCY_S = DEFAULT_CLOCK_LATENCY.settle_s  # time lost per clock change (module docstring)
 MAX_SWITCH_COST_J = 1e6
 _RTOL = 1e-12  # a plan meets its deadline when its makespan is at most deadline x (1 + _RTOL)
 
@@ -57,9 +66,21 @@ class SwitchingError(UsageError, ValueError):
     """A switch cost or clock-change budget that cannot be used."""
 
 
-def default_switch_cost_j(p2p_power_w: float) -> float:
-    """The switch cost used when none is given: ``DEFAULT_SWITCH_LATENCY_S`` x the P2P blocking power."""
-    return DEFAULT_SWITCH_LATENCY_S * p2p_power_w
+def default_switch_cost_j(p2p_power_w: float, latency: ClockLatency = DEFAULT_CLOCK_LATENCY) -> float:
+    """The switch cost used when none is given: the latency model's, ``latency.settle_s`` x the P2P blocking power."""
+    return latency.switch_cost_j(p2p_power_w)
+
+
+def steady_clock_changes(plan: FrequencyPlan) -> tuple[int, ...]:
+    """Per rank, the clock changes one iteration makes when iterations repeat: between consecutive units,
+    and from the iteration's last unit to the next one's first (the clock controller skips a request for
+    the clock already locked, so a plan at one clock makes none). What a plan's switch energy counts."""
+    return tuple(sum(1 for a, b in zip(row, (*row[1:], *row[:1])) if a != b) for row in plan.freqs_mhz)
+
+
+def switch_energy_j(plan: FrequencyPlan, switch_cost_j: float) -> float:
+    """``switch_cost_j`` x every rank's :func:`steady_clock_changes`: the energy a plan's switches cost."""
+    return switch_cost_j * sum(steady_clock_changes(plan)) if switch_cost_j else 0.0
 
 
 def check_switching(switch_cost_j: float | None, max_clock_changes: int | None) -> None:
@@ -86,6 +107,8 @@ class SwitchingResult:
     max_clock_changes: int | None
     changes_before: tuple[int, ...]  # per rank per iteration, the first lock counted (FrequencyPlan.clock_changes)
     changes_after: tuple[int, ...]
+    charged_before: tuple[int, ...]  # per rank per iteration in a repeating run (steady_clock_changes)
+    charged_after: tuple[int, ...]
     energy_before_j: float
     merges: int
     budget_unmet: tuple[int, ...]  # ranks still above max_clock_changes: no merge left meets the deadline
@@ -104,7 +127,9 @@ class SwitchingResult:
             "clock_changes_after": list(self.changes_after),
             "energy_before_j": self.energy_before_j,
             "energy_given_up_j": self.energy_given_up_j,
-            "switch_energy_saved_j": self.switch_cost_j * (sum(self.changes_before) - sum(self.changes_after)),
+            "charged_clock_changes_before": list(self.charged_before),
+            "charged_clock_changes_after": list(self.charged_after),
+            "switch_energy_saved_j": self.switch_cost_j * (sum(self.charged_before) - sum(self.charged_after)),
             "merges": self.merges,
             "budget_unmet_ranks": list(self.budget_unmet),
             "exact_deadline_checks": self.exact_checks,
@@ -178,6 +203,9 @@ class _Pass:
                 runs.append(run)
                 i = j
             self.runs.append(runs)
+        # Each rank's first and last run: their clocks make the change from one iteration into the next.
+        self.head = [runs[0] for runs in self.runs]
+        self.tail = [runs[-1] for runs in self.runs]
         self.changes = [len(r) for r in self.runs]  # == FrequencyPlan.clock_changes()
         self.merges = 0
         self.exact_checks = 0
@@ -288,16 +316,23 @@ class _Pass:
         a, b = base + run.start, base + run.end
         return (new[b] - new[a]) - (old[b] - old[a])
 
-    def candidates(self, run: _Run) -> list[tuple[int, int, float]]:
-        """(clock, changes removed, energy given up) for each neighbour clock ``run`` could take."""
+    def candidates(self, run: _Run) -> list[tuple[int, int, int, float]]:
+        """(clock, changes removed, steady changes removed, energy given up) for each neighbour clock ``run``
+        could take. Changes count the first lock (FrequencyPlan.clock_changes); steady changes are those of a
+        repeating iteration (steady_clock_changes): a rank's first and last run also meet across iterations."""
         if run.freq not in self.prefix:
             return []
+        head, tail = self.head[run.stage], self.tail[run.stage]
+        across = tail if run is head and run is not tail else head if run is tail and run is not head else None
         out = []
         for freq in {r.freq for r in (run.prev, run.next) if r is not None}:
             if freq not in self.prefix:
                 continue
             removed = sum(1 for r in (run.prev, run.next) if r is not None and r.freq == freq)
-            out.append((freq, removed, self.loss_j(run, freq)))
+            steady = removed
+            if across is not None:  # the change into the next iteration may appear or go
+                steady += (across.freq != run.freq) - (across.freq != freq)
+            out.append((freq, removed, steady, self.loss_j(run, freq)))
         return sorted(out)
 
     def apply(self, run: _Run, freq: int) -> list[_Run] | None:
@@ -313,7 +348,9 @@ class _Pass:
             if other is not None and other.freq == freq:
                 self._absorb(run, other)
         self.merges += 1
-        return [r for r in (run.prev, run, run.next) if r is not None]
+        # The first and last run's candidates depend on each other's clock (the change across iterations).
+        ends = (self.head[run.stage], self.tail[run.stage])
+        return list(dict.fromkeys(r for r in (run.prev, run, run.next, *ends) if r is not None))
 
     def _absorb(self, run: _Run, other: _Run) -> None:
         """Join neighbour ``other`` (same clock) into ``run``."""
@@ -327,6 +364,10 @@ class _Pass:
             if other.next is not None:
                 other.next.prev = run
         other.alive = False
+        if self.head[run.stage] is other:
+            self.head[run.stage] = run
+        if self.tail[run.stage] is other:
+            self.tail[run.stage] = run
         self.changes[run.stage] -= 1
 
     def touch(self, runs: Sequence[_Run]) -> None:
@@ -337,17 +378,18 @@ class _Pass:
         return FrequencyPlan.from_flat(self.schedule, self.freqs)
 
 
-def _greedy(state: _Pass, runs: Iterable[_Run], priority: Callable[[int, float], float | None],
+def _greedy(state: _Pass, runs: Iterable[_Run], priority: Callable[[int, int, float], float | None],
             done: Callable[[], bool] = lambda: False) -> None:
-    """Apply merges of ``runs`` (and of the runs they change), lowest ``priority(changes removed, energy given
-    up)`` first (None: not worth it), skipping those the deadline forbids, until ``done()`` or none is left."""
+    """Apply merges of ``runs`` (and of the runs they change), lowest ``priority(changes removed, steady changes
+    removed, energy given up)`` first (None: not worth it), skipping those the deadline forbids, until ``done()``
+    or none is left."""
     heap: list[tuple[float, int, int, int, _Run]] = []
     tick = 0
 
     def push(run: _Run) -> None:
         nonlocal tick
-        for freq, removed, loss in state.candidates(run):
-            key = priority(removed, loss)
+        for freq, removed, steady, loss in state.candidates(run):
+            key = priority(removed, steady, loss)
             if key is not None:
                 heapq.heappush(heap, (key, tick, run.version, freq, run))  # tick: deterministic ties
                 tick += 1
@@ -372,9 +414,9 @@ def _alive(runs: Iterable[_Run]) -> Iterator[_Run]:
 
 
 def _by_switch_cost(state: _Pass, switch_cost_j: float) -> None:
-    """Merges giving up less than ``switch_cost_j`` per change removed, the largest net gain first."""
-    def net_loss(removed: int, loss: float) -> float | None:
-        value = loss - removed * switch_cost_j
+    """Merges giving up less than ``switch_cost_j`` per steady change removed, the largest net gain first."""
+    def net_loss(removed: int, steady: int, loss: float) -> float | None:
+        value = loss - steady * switch_cost_j
         return value if value < 0 else None
 
     # A merge the deadline forbade may fit once others have sped units up: rounds until none is taken.
@@ -392,7 +434,7 @@ def _by_budget(state: _Pass, max_changes: int) -> None:
         merges = state.merges
         for s in range(len(state.runs)):
             if state.changes[s] > max_changes:
-                _greedy(state, _alive(state.runs[s]), lambda removed, loss: loss / removed,
+                _greedy(state, _alive(state.runs[s]), lambda removed, steady, loss: loss / removed,
                         lambda s=s: state.changes[s] <= max_changes)
         if state.merges == merges:
             return  # every rank within budget, or no merge of the others fits the deadline (reported)
@@ -438,6 +480,8 @@ def reduce_clock_changes(
         max_clock_changes=max_clock_changes,
         changes_before=plan.clock_changes(),
         changes_after=new_plan.clock_changes(),
+        charged_before=steady_clock_changes(plan),
+        charged_after=steady_clock_changes(new_plan),
         energy_before_j=before.energy_j,
         merges=state.merges,
         budget_unmet=tuple(s for s, c in enumerate(new_plan.clock_changes())

@@ -238,7 +238,7 @@ def test_cli_plan_optimal_json(capsys, tmp_path):
     # The saved plan re-simulates to the planner's numbers.
     assert main(["simulate", "--profile", "a40/bloom-176b", "--plan", str(out), "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)
-    assert sim["energy_j"] == pytest.approx(data["plan"]["energy_j"], rel=1e-12)
+    assert sim["energy_j"] == pytest.approx(data["plan"]["simulated_energy_j"], rel=1e-12)  # no switch cost
 
 
 def test_cli_plan_optimal_text_with_target(capsys):

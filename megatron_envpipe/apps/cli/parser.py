@@ -126,6 +126,19 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration (.png, .pdf, .svg, ...)")
 
 
+def add_switching_args(p: argparse.ArgumentParser, which: str) -> None:
+    """--switch-cost-j and --max-clock-changes of 'plan' and 'frontier': what a clock change costs the plan."""
+    p.add_argument("--switch-cost-j", type=ranged("switch_cost_j"), metavar="J",
+                   help="joules a clock change costs: neighbouring units' clocks are merged while that gives up less "
+                        "than J per change removed, and the plan's energy counts J per change it keeps (0: off; "
+                        f"default {which}the GPU's clock latency model, settle time ({DEFAULT_SWITCH_LATENCY_S * 1000:g} "
+                        "ms unless configs/gpus.toml says otherwise) x the P2P power"
+                        + (", off for the other types)" if which else ")"))
+    p.add_argument("--max-clock-changes", type=ranged("max_clock_changes"), metavar="N",
+                   help="at most N clock changes per rank per iteration (the first lock counts), where the "
+                        "deadline allows")
+
+
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """The pipeline and schedule flags of 'plan' and 'frontier' (read by ``common.planner_config``)."""
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True,
@@ -182,13 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-time", type=ranged("target_time_s"), metavar="S",
                    help="--type optimal: plan for iterations lasting S seconds anyway (e.g. a straggler's pace); "
                         "energy is counted until then")
-    p.add_argument("--switch-cost-j", type=ranged("switch_cost_j"), metavar="J",
-                   help="energy a clock change must save to be kept: neighbouring units' clocks are merged while "
-                        "that gives up less than J per change removed (0: off; default for --type optimal: "
-                        f"{DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x the P2P power, off for the other types)")
-    p.add_argument("--max-clock-changes", type=ranged("max_clock_changes"), metavar="N",
-                   help="at most N clock changes per rank per iteration (the first lock counts), where the "
-                        "deadline allows")
+    add_switching_args(p, "for --type optimal: ")
     p.add_argument("--timing-margin", type=ranged("timing_margin"), metavar="FRACTION",
                    help="keep this fraction of every slowed unit's time as slack against unit-time jitter, e.g. "
                         "0.01 (default 0 here; training's --envpipe-timing-margin defaults to 0.01)")
@@ -201,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_args(p)
     p.add_argument("--points", type=ranged("points"), default=20,
                    help="deadlines from fastest to valley (default 20)")
+    add_switching_args(p, "")
     p.add_argument("--csv", metavar="OUT.csv", help="write time_s,energy_j,saving,slowdown")
     p.add_argument("--target-time", type=ranged("target_time_s"), metavar="S",
                    help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")

@@ -128,11 +128,13 @@ def _frontier_dict(fr: Frontier, profile: Profile, target_time: float | None, pi
         "extra_warmup": list(fr.schedule.extra_warmup),
         "peak_inflight_activations": list(fr.schedule.peak_inflight()),
         "p2p_power_w": fr.p2p_power_w,
+        "switch_cost_j": fr.config.effective_switch_cost_j,
         "baseline": {"iteration_time_s": fr.baseline.iteration_time_s, "energy_j": fr.baseline.energy_j},
         "fastest_s": fr.fastest_s,
         "valley_s": fr.valley_s,
         "points": [
-            {"time_s": pt.time_s, "energy_j": pt.energy_j, "saving": pt.saving, "slowdown": pt.slowdown}
+            {"time_s": pt.time_s, "energy_j": pt.energy_j, "switch_energy_j": pt.switch_energy_j,
+             "saving": pt.saving, "slowdown": pt.slowdown}
             for pt in fr.points
         ],
         "planner_seconds": fr.planner_seconds,
@@ -157,7 +159,9 @@ def _print_frontier(fr: Frontier, profile: Profile, target_time: float | None, p
     shown = "1F1B, all at f_max" if fr.config.virtual_stages == 1 else fr.config.baseline_name
     print(f"baseline    {b.iteration_time_s:.4f} s  {b.energy_j:.1f} J   ({shown})")
     print(f"frontier    {len(fr.points)} plans from {fr.fastest_s:.4f} s (fastest) to {fr.valley_s:.4f} s "
-          f"(energy valley), {fr.planner_seconds:.2f} s to compute\n")
+          f"(energy valley), {fr.planner_seconds:.2f} s to compute"
+          + (f"; energies count {fr.config.effective_switch_cost_j:.3g} J per clock change kept"
+             if fr.config.effective_switch_cost_j else "") + "\n")
     print(f"{'time s':>10}{'energy J':>12}{'saving':>9}{'slowdown':>10}")
     for pt in fr.points:
         print(f"{pt.time_s:>10.4f}{pt.energy_j:>12.1f}{100 * pt.saving:>8.2f}%{100 * pt.slowdown:>9.2f}%")
@@ -175,7 +179,9 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
     check_extra_warmup_flag(args, check_stages(args, profile))
     gpu = gpu_for(args)
-    config = planner_config(args, gpu, PlanType.OPTIMAL, ReconfigPolicy.DEFAULT)
+    # Switch cost as 'envpipe plan --type optimal' (None: the derived default), so its points are worth the same.
+    config = planner_config(args, gpu, PlanType.OPTIMAL, ReconfigPolicy.DEFAULT, switch_cost_j=args.switch_cost_j,
+                            max_clock_changes=args.max_clock_changes)
     fr = compute_frontier(profile, args.microbatches, config, points=args.points, num_stages=args.stages)
     picked = fr.pick(args.target_time) if args.target_time is not None else None
     picture = None
@@ -186,7 +192,7 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         envpipe = plan_envpipe(profile, args.microbatches, envpipe_config)
         picture = frontier_image(fr, image_format(args.plot), args.target_time,
                                  others=[(f"EnvPipe envelope+balanced ({args.scheduling})",
-                                          envpipe.score.iteration_time_s, envpipe.score.energy_j)])
+                                          envpipe.score.iteration_time_s, envpipe.energy_j)])
     write_outputs([(args.plot, picture), (args.csv, fr.csv_text() if args.csv is not None else "")])
     data = _frontier_dict(fr, profile, args.target_time, picked)
     if args.json:

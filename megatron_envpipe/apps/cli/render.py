@@ -30,10 +30,15 @@ def print_json(data: dict[str, Any]) -> None:
     print(strict_json(data))
 
 
-def score_dict(score: PlanScore) -> dict[str, Any]:
+def score_dict(score: PlanScore, switch_energy_j: float | None = None) -> dict[str, Any]:
+    """A scored iteration; with ``switch_energy_j`` (a plan's), ``energy_j`` is what the plan is worth
+    (simulated + clock changes, ``PlanResult.energy_j``) and both parts are listed."""
+    switches = {} if switch_energy_j is None else {"simulated_energy_j": score.energy_j,
+                                                   "switch_energy_j": switch_energy_j}
     return {
         "iteration_time_s": score.iteration_time_s,
-        "energy_j": score.energy_j,
+        "energy_j": score.energy_j + (switch_energy_j or 0.0),
+        **switches,
         "compute_energy_j": score.compute_energy_j,
         "blocking_energy_j": score.blocking_energy_j,
         "stage_busy_s": list(score.busy_s),
@@ -53,7 +58,7 @@ def recv_wait_ms(timeline: Timeline) -> list[list[float]]:
 def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """``envpipe plan --json`` / ``--out``: the plan, its baseline and how it was found."""
     cfg = result.config
-    plan_dict = score_dict(result.score)
+    plan_dict = score_dict(result.score, result.switch_energy_j)
     plan_dict.update(
         {
             "type": cfg.plan_type,
@@ -63,6 +68,7 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
             "peak_inflight_activations": list(result.schedule.peak_inflight()),
             **_budget_entry(result),
             "clock_changes_per_stage": list(result.plan.clock_changes()),
+            "charged_clock_changes_per_stage": list(result.charged_clock_changes),
             "frequencies": result.plan.to_dict()["stages"],
         }
     )
@@ -75,7 +81,7 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
         "f_max_mhz": result.f_max_mhz,
         "valley_mhz": list(result.valley_mhz),
         "baseline": {
-            **score_dict(result.baseline),
+            **score_dict(result.baseline, result.baseline_switch_energy_j),
             "name": cfg.baseline_name,
             "scheduling": result.baseline_plan.schedule.name,
             "virtual_stages": cfg.virtual_stages,
@@ -83,6 +89,7 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
             "frequency_mhz": result.f_max_mhz,
         },
         "plan": plan_dict,
+        "switch_cost_j": result.switch_cost_j,  # J per clock change kept, in every energy above
         "energy_saving": result.energy_saving,
         "slowdown": result.slowdown,
         "clock_changes_per_rank_per_iteration": list(result.plan.clock_changes()),
@@ -119,7 +126,8 @@ def in_flight_text(result: PlanResult) -> str:
 
 
 def clock_changes_text(result: PlanResult) -> str:
-    """``clock changes per rank per iteration [...] (mean x; before the switch-cost pass [...])``."""
+    """``clock changes per rank per iteration [...] (mean x; before the switch-cost pass [...])``, then what
+    the changes kept cost in the plan's energy."""
     changes = result.plan.clock_changes()
     text = f"clock changes per rank per iteration {list(changes)} (mean {sum(changes) / len(changes):.1f}"
     sw = result.details.get("clock_switching")
@@ -129,7 +137,11 @@ def clock_changes_text(result: PlanResult) -> str:
             [f"at most {sw['max_clock_changes']} per rank"] if sw["max_clock_changes"] else [])
         text += (f"; {sum(before) / len(before):.1f} before the switching pass ({', '.join(rules)}), "
                  f"which cost {sw['energy_given_up_j']:+.1f} J")
-    return text + ")"
+    text += ")"
+    if result.switch_cost_j:
+        text += (f"; {sum(result.charged_clock_changes)} per iteration when iterations repeat x "
+                 f"{result.switch_cost_j:.3g} J = {result.switch_energy_j:.1f} J counted in the plan's energy")
+    return text
 
 
 def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None) -> None:
@@ -159,8 +171,9 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
     print("", file=out)
     print(f"{'':10}{'iteration time':>16}{'energy':>16}", file=out)
     shown = "1F1B, all at f_max" if cfg.virtual_stages == 1 else cfg.baseline_name
-    print(f"{'baseline':10}{b.iteration_time_s:>14.4f} s{b.energy_j:>14.1f} J   ({shown})", file=out)
-    print(f"{'plan':10}{p.iteration_time_s:>14.4f} s{p.energy_j:>14.1f} J", file=out)
+    print(f"{'baseline':10}{b.iteration_time_s:>14.4f} s{result.baseline_energy_j:>14.1f} J   ({shown})", file=out)
+    print(f"{'plan':10}{p.iteration_time_s:>14.4f} s{result.energy_j:>14.1f} J"
+          + (f"   (of which clock changes {result.switch_energy_j:.1f} J)" if result.switch_cost_j else ""), file=out)
     print(
         f"\nenergy saving {100 * result.energy_saving:.2f} %   slowdown {100 * result.slowdown:.2f} %   "
         f"{in_flight_text(result)}   ({result.iterations} reconfiguration iterations, "
