@@ -1,0 +1,185 @@
+"""How a simulated GPU departs from an ideal one: clock latency, a stepped energy counter, heat.
+
+One frozen value, :class:`DeviceDynamics`, that the simulated GPU runs on and the planner,
+the clock-lead rule and the energy measurement read. Every figure is in seconds of
+*simulated* time (the profile's), whatever the simulation's wall-time scale.
+
+* ``clock_latency_s``: from the lock request until the SMs run at the new clock (the
+  request-to-clock delay; includes the call). Real GPUs: NVML calls take 10-20 ms (Zeus
+  issue #29) and the SMs reach the clock some time after the call returns, depending on the
+  target clock (Velička et al., arXiv 2502.20075). Until then the SMs keep the old clock.
+* ``nvml_call_s``: the part of the latency the lock call itself occupies on the thread
+  that makes it (our one clock worker per process): a second request arriving meanwhile
+  starts only when the first call returned.
+* ``counter_period_s``: the total-energy counter moves only every this many seconds
+  (about 100 ms on A100: ml.energy, "Thermally stable profiling", 2026); 0 = exact at
+  every read.
+* ``power_average_s``: power readings are averages over this window (1 s on Ampere and
+  later, Zeus #45); 0 = instantaneous.
+* ``thermal_drift``: a cold GPU draws ``1 - thermal_drift`` times the profile's power
+  (the profile is the hot, steady state), approaching it as ``1 - drift * exp(-t / tau)``
+  with ``thermal_tau_s`` seconds since the device started (power rises as the GPU heats
+  over minutes; a cold start reads lower: ml.energy, same post).
+
+:data:`EXACT` is today's ideal GPU (what exactness tests use); :func:`load_dynamics` reads
+a named preset (``configs/realistic-gpu.toml``) or a TOML file. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from megatron_envpipe.core.clock_latency import ClockLatency
+from megatron_envpipe.core.textfile import read_text
+from megatron_envpipe.errors import UsageError
+
+__all__ = ["DeviceDynamics", "DeviceDynamicsError", "EXACT", "PRESETS", "load_dynamics", "preset_path"]
+
+# Upper bounds: beyond them a figure is a unit mistake (ms given as s), not a GPU.
+MAX_LATENCY_S = 1.0
+MAX_COUNTER_PERIOD_S = 5.0
+MAX_POWER_AVERAGE_S = 10.0
+MAX_THERMAL_DRIFT = 0.5
+MAX_THERMAL_TAU_S = 3600.0
+
+# Preset name -> file in configs/ (the key ``realistic`` in that file's [dynamics] table).
+PRESETS = {"exact": None, "realistic": "realistic-gpu.toml"}
+
+
+class DeviceDynamicsError(UsageError, ValueError):
+    """Device dynamics that cannot be used (a figure out of range, an unknown preset or key)."""
+
+
+_RANGES = {
+    "clock_latency_s": (0.0, MAX_LATENCY_S),
+    "nvml_call_s": (0.0, MAX_LATENCY_S),
+    "counter_period_s": (0.0, MAX_COUNTER_PERIOD_S),
+    "power_average_s": (0.0, MAX_POWER_AVERAGE_S),
+    "thermal_drift": (0.0, MAX_THERMAL_DRIFT),
+    "thermal_tau_s": (0.0, MAX_THERMAL_TAU_S),
+}
+
+
+@dataclass(frozen=True)
+class DeviceDynamics:
+    """The ways a simulated GPU departs from an ideal one (module docstring); all zero = exact."""
+
+    clock_latency_s: float = 0.0
+    nvml_call_s: float = 0.0
+    counter_period_s: float = 0.0
+    power_average_s: float = 0.0
+    thermal_drift: float = 0.0
+    thermal_tau_s: float = 60.0
+    source: str = "exact: clock changes at once, exact energy counter, no heat"
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in _RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or not low <= value <= high:
+                raise DeviceDynamicsError(f"device dynamics ({self.source}): {name} must be a number in "
+                                          f"[{low:g}, {high:g}], got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.nvml_call_s > self.clock_latency_s:
+            raise DeviceDynamicsError(
+                f"device dynamics ({self.source}): nvml_call_s ({self.nvml_call_s:g} s) is part of clock_latency_s "
+                f"({self.clock_latency_s:g} s) and cannot exceed it")
+        if self.thermal_drift > 0 and self.thermal_tau_s <= 0:
+            raise DeviceDynamicsError(f"device dynamics ({self.source}): thermal_drift needs thermal_tau_s > 0")
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise DeviceDynamicsError("device dynamics need a source: where the figures come from")
+
+    @property
+    def exact(self) -> bool:
+        """No departure from the ideal GPU at all."""
+        return (self.clock_latency_s == self.counter_period_s == self.power_average_s == self.thermal_drift == 0.0)
+
+    @property
+    def clock_latency(self) -> ClockLatency:
+        """The same delays as the planner prices them (call, then settle)."""
+        return ClockLatency(call_s=self.nvml_call_s, settle_s=self.clock_latency_s - self.nvml_call_s,
+                            source=self.source)
+
+    def power_factor(self, elapsed_s: float) -> float:
+        """Power relative to the profile's (hot) power, ``elapsed_s`` simulated seconds after a cold start."""
+        if self.thermal_drift == 0.0:
+            return 1.0
+        return 1.0 - self.thermal_drift * math.exp(-max(0.0, elapsed_s) / self.thermal_tau_s)
+
+    def with_overrides(self, **figures: float | None) -> DeviceDynamics:
+        """These dynamics with the given figures replaced (``None`` keeps a figure); the source says so."""
+        given = {k: v for k, v in figures.items() if v is not None}
+        unknown = sorted(set(given) - set(_RANGES))
+        if unknown:
+            raise DeviceDynamicsError(f"device dynamics: unknown figure(s) {', '.join(unknown)} "
+                                      f"(known: {', '.join(_RANGES)})")
+        if not given:
+            return self
+        # A latency set below the preset's call time takes the call down with it.
+        if "clock_latency_s" in given and "nvml_call_s" not in given:
+            given["nvml_call_s"] = min(self.nvml_call_s, given["clock_latency_s"])
+        note = ", ".join(f"{k}={v:g}" for k, v in sorted(given.items()))
+        return replace(self, **given, source=f"{self.source}; set per run: {note}")
+
+
+EXACT = DeviceDynamics()
+
+# TOML keys (units in the name, as users write them) -> field and factor to seconds.
+_TOML_KEYS = {
+    "clock_latency_ms": ("clock_latency_s", 1e-3),
+    "nvml_call_ms": ("nvml_call_s", 1e-3),
+    "counter_period_ms": ("counter_period_s", 1e-3),
+    "power_average_ms": ("power_average_s", 1e-3),
+    "thermal_drift": ("thermal_drift", 1.0),
+    "thermal_tau_s": ("thermal_tau_s", 1.0),
+    "source": ("source", None),
+}
+
+
+def preset_path(configs: Path, name: str) -> Path | None:
+    """The file a preset name stands for in ``configs`` (None for ``exact``)."""
+    if name not in PRESETS:
+        raise DeviceDynamicsError(f"unknown simulated-GPU dynamics preset {name!r}: use one of "
+                                  f"{', '.join(PRESETS)} or a path to a TOML file with a [dynamics] table")
+    file = PRESETS[name]
+    return None if file is None else configs / file
+
+
+def load_dynamics(spec: str, configs: Path) -> DeviceDynamics:
+    """``exact``, ``realistic`` (a file in ``configs``) or a path to a TOML file whose ``[dynamics]``
+    table gives the figures (keys ``clock_latency_ms``, ``nvml_call_ms``, ``counter_period_ms``,
+    ``power_average_ms``, ``thermal_drift``, ``thermal_tau_s``, ``source``)."""
+    if spec in PRESETS:
+        path = preset_path(configs, spec)
+        if path is None:
+            return EXACT
+    else:
+        path = Path(spec)
+    try:
+        data = tomllib.loads(read_text(path, "simulated-GPU dynamics file", DeviceDynamicsError))
+    except tomllib.TOMLDecodeError as exc:
+        raise DeviceDynamicsError(f"{path}: not valid TOML ({exc}); fix the file") from None
+    table = data.get("dynamics")
+    if not isinstance(table, dict):
+        raise DeviceDynamicsError(f"{path}: needs a [dynamics] table (keys: {', '.join(_TOML_KEYS)})")
+    unknown = sorted(set(table) - set(_TOML_KEYS))
+    if unknown:
+        raise DeviceDynamicsError(f"{path}: unknown key(s) {', '.join(unknown)} in [dynamics] "
+                                  f"(known: {', '.join(_TOML_KEYS)})")
+    values: dict[str, object] = {"source": f"{path.name}"}
+    for key, value in table.items():
+        name, factor = _TOML_KEYS[key]
+        if factor is None:
+            values[name] = value
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise DeviceDynamicsError(f"{path}: [dynamics] {key} must be a number, got {value!r}")
+        else:
+            values[name] = value * factor
+    known = {f.name for f in fields(DeviceDynamics)}
+    try:
+        return DeviceDynamics(**{k: v for k, v in values.items() if k in known})
+    except DeviceDynamicsError as exc:
+        raise DeviceDynamicsError(f"{path}: {exc}") from None
