@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_envpipe.core.device_dynamics import DeviceDynamics, DeviceDynamicsError, load_dynamics
 from megatron_envpipe.core.flag_ranges import RANGES
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.interleaved import check_interleaved_sizes
@@ -30,7 +31,7 @@ from megatron_envpipe.core.memory import (
     show_budget,
 )
 from megatron_envpipe.core.profile import Profile, ProfileError
-from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
+from megatron_envpipe.core.resources import configs_dir, shipped_profile, shipped_profiles
 from megatron_envpipe.core.schedule import ScheduleError
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.vocabulary import (
@@ -94,6 +95,13 @@ class EnvPipeConfig:
     profile_cache: str | None = None  # cache dir ("off" disables); default ~/.cache/megatron-envpipe
     sim_time_scale: float = 0.02  # simulated GPU: wall seconds per simulated second
     sim_jitter: float = 0.0  # simulated GPU: unit-time noise, a fraction of the unit's time (seeded per stage)
+    # Simulated GPU's departures from an ideal one (core.device_dynamics): a preset or TOML file, and
+    # single figures over it (None: the preset's).
+    sim_dynamics: str = "exact"
+    sim_clock_latency_ms: float | None = None
+    sim_counter_period_ms: float | None = None
+    sim_thermal_drift: float | None = None
+    clock_lead: str = "on"  # request raises ahead of the unit boundary by the clock latency (gpu/hooks.py)
     # Slack kept behind every unit planned below f_max (fraction of its time). 1 % held measured = planned
     # within 0.2 points at 3-5 % unit jitter on GPT-3/Bloom at P = 4 and 8 (bench/robust_plans.py).
     timing_margin: float = 0.01
@@ -142,6 +150,9 @@ class EnvPipeConfig:
         if self.sim_jitter > 0 and not (self.gpu or "").startswith("simulated"):
             bad(f"--envpipe-sim-jitter {show(self.sim_jitter)} adds noise to the simulated GPU only: add "
                 "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-jitter")
+        self._validate_dynamics()
+        if self.clock_lead not in ("on", "off"):
+            bad(f"--envpipe-clock-lead {self.clock_lead!r}: choose on or off")
         if self.gpu is not None and self.gpu not in ("auto", "none", "nvml"):
             if self.gpu.startswith("simulated"):
                 _, _, source = self.gpu.partition(":")
@@ -220,6 +231,27 @@ class EnvPipeConfig:
             problem = limits.problem(value)
             if problem:
                 raise EnvPipeConfigError(f"{flag} {show(value)}: {problem}; give e.g. {flag} {example}")
+
+    def _validate_dynamics(self) -> None:
+        """The simulated GPU's dynamics load and hold (simulated GPUs only; read again by :attr:`device_dynamics`)."""
+        flags = [f"{flag} {show(getattr(self, name))}" for name, flag in _DYNAMICS_FLAGS.items()
+                 if getattr(self, name) is not None]
+        if self.sim_dynamics != "exact":
+            flags.insert(0, f"--envpipe-sim-dynamics {self.sim_dynamics}")
+        if flags and not (self.gpu or "").startswith("simulated"):
+            raise EnvPipeConfigError(f"{flags[0]} shapes the simulated GPU only: add --envpipe-gpu "
+                                     f"simulated:<profile> or drop {flags[0].split()[0]}")
+        try:
+            self.device_dynamics  # noqa: B018 (loads the file, checks the figures)
+        except DeviceDynamicsError as exc:
+            raise EnvPipeConfigError(f"--envpipe-sim-dynamics {self.sim_dynamics}: {exc}") from None
+
+    @property
+    def device_dynamics(self) -> DeviceDynamics:
+        """The simulated GPU's dynamics: ``--envpipe-sim-dynamics`` with the single-figure flags over it."""
+        return load_dynamics(self.sim_dynamics, configs_dir()).with_overrides(
+            clock_latency_s=_ms_to_s(self.sim_clock_latency_ms), counter_period_s=_ms_to_s(self.sim_counter_period_ms),
+            thermal_drift=self.sim_thermal_drift)
 
     def _validate_max_inflight(self) -> None:
         """``--envpipe-max-inflight``: auto, none, a whole number >= 1, or one per stage; the memory model's numbers."""
@@ -415,6 +447,13 @@ class EnvPipeConfig:
 
 
 _NONE_IS_UNSET = ("switch_cost_j", "max_clock_changes", "timing_margin")
+_DYNAMICS_FLAGS = {"sim_clock_latency_ms": "--envpipe-sim-clock-latency-ms",
+                   "sim_counter_period_ms": "--envpipe-sim-counter-period-ms",
+                   "sim_thermal_drift": "--envpipe-sim-thermal-drift"}
+
+
+def _ms_to_s(value: float | None) -> float | None:
+    return None if value is None else value / 1000.0
 
 
 # -- GPUs and profiles ------------------------------------------------------------------
@@ -517,6 +556,19 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--envpipe-sim-jitter", dest="envpipe_sim_jitter", type=fraction, default=d.sim_jitter,
                    help="simulated GPU: unit-time noise as a fraction of the unit's time, e.g. 0.03 or 3%% "
                         "(normal, clipped at 3 sigma, seeded per stage; default 0)")
+    g.add_argument("--envpipe-sim-dynamics", dest="envpipe_sim_dynamics", default=d.sim_dynamics,
+                   help="simulated GPU: exact (default: clocks change at once, exact energy counter, no heat), "
+                        "realistic (configs/realistic-gpu.toml: published A100/H100-class figures) or a TOML file "
+                        "with a [dynamics] table; see docs/simulated-gpu.md")
+    g.add_argument("--envpipe-sim-clock-latency-ms", dest="envpipe_sim_clock_latency_ms", type=float, default=None,
+                   help="simulated GPU: ms from a clock-lock request until the SMs run at the new clock")
+    g.add_argument("--envpipe-sim-counter-period-ms", dest="envpipe_sim_counter_period_ms", type=float,
+                   default=None, help="simulated GPU: energy-counter update period, ms (0: exact at every read)")
+    g.add_argument("--envpipe-sim-thermal-drift", dest="envpipe_sim_thermal_drift", type=fraction, default=None,
+                   help="simulated GPU: a cold GPU draws this fraction less power than a hot one, e.g. 0.03")
+    g.add_argument("--envpipe-clock-lead", dest="envpipe_clock_lead", choices=("on", "off"), default=d.clock_lead,
+                   help="request a clock raise ahead of the unit boundary by the clock-change latency, so the "
+                        "next unit starts at its clock (default on; off: every change at the boundary)")
     g.add_argument("--envpipe-timing-margin", dest="envpipe_timing_margin", type=fraction, default=None,
                    help="slack kept behind every unit planned below the maximum clock, as a fraction of its time, "
                         "so unit-time jitter does not slow the iteration (default 0.01 = 1%%; 0: none)")

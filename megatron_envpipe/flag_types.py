@@ -92,6 +92,9 @@ TRAINING_NUMBERS: dict[str, tuple[str, FlagRange, str]] = {
     "profile_iterations": ("--envpipe-profile-iterations", RANGES["profile_iterations"], "2"),
     "sim_time_scale": ("--envpipe-sim-time-scale", RANGES["sim_time_scale"], "0.02"),
     "sim_jitter": ("--envpipe-sim-jitter", RANGES["sim_jitter"], "0.03 (3 %)"),
+    "sim_clock_latency_ms": ("--envpipe-sim-clock-latency-ms", RANGES["sim_clock_latency_ms"], "15"),
+    "sim_counter_period_ms": ("--envpipe-sim-counter-period-ms", RANGES["sim_counter_period_ms"], "100"),
+    "sim_thermal_drift": ("--envpipe-sim-thermal-drift", RANGES["sim_thermal_drift"], "0.03 (3 %)"),
     "timing_margin": ("--envpipe-timing-margin", RANGES["timing_margin"], "0.01 (1 %)"),
     "reconfig_window": ("--envpipe-reconfig-window", RANGES["reconfig_window"], "3"),
     "log_interval": ("--envpipe-log-interval", RANGES["log_interval"], "1"),
@@ -101,7 +104,8 @@ TRAINING_NUMBERS: dict[str, tuple[str, FlagRange, str]] = {
     "max_clock_changes": ("--envpipe-max-clock-changes", RANGES["max_clock_changes"], "40"),
 }
 OPTIONAL_NUMBERS = frozenset({"p2p_power_w", "reconfig_step_mhz", "profile_step_mhz",
-                              "target_time_s", "switch_cost_j", "max_clock_changes"})
+                              "target_time_s", "switch_cost_j", "max_clock_changes", "sim_clock_latency_ms",
+                              "sim_counter_period_ms", "sim_thermal_drift"})
 
 
 def is_whole(value: Any) -> bool:

@@ -85,6 +85,7 @@ _TRAINING_FLAGS = {
     "plan_type": "--envpipe-type", "scheduling": "--envpipe-scheduling", "reconfig": "--envpipe-reconfig",
     "profile_step_mhz": "--envpipe-profile-step", "profile_iterations": "--envpipe-profile-iterations",
     "sim_time_scale": "--envpipe-sim-time-scale", "sim_jitter": "--envpipe-sim-jitter",
+    "sim_dynamics": "--envpipe-sim-dynamics",
 }
 # The tiny GPT's layers (train_tiny_gpt's default), for the training's pipeline checks.
 _NUM_LAYERS = 8
@@ -102,6 +103,7 @@ class DemoConfig:
     profile_step_mhz: int = 150
     profile_iterations: int = 1
     sim_jitter: float = 0.0  # simulated GPU: unit-time noise (fraction), in both runs
+    sim_dynamics: str = "realistic"  # simulated GPU: clock latency, stepped counter, heat (core.device_dynamics)
     plan_type: str = PlanType.ENVELOPE.value  # TOML strings; EnvPipeConfig turns them into the vocabulary's members
     scheduling: str = Scheduling.OURS.value
     reconfig: str = ReconfigPolicy.BALANCED.value
@@ -203,6 +205,7 @@ def training_runs(cfg: DemoConfig, gpu: str, out: Path) -> list[tuple[str, list[
     simulated = gpu.startswith("simulated")
     common = ["--envpipe-gpu", gpu, "--envpipe-sim-time-scale", str(cfg.sim_time_scale),
               *(["--envpipe-sim-jitter", str(cfg.sim_jitter)] if simulated and cfg.sim_jitter else []),
+              *(["--envpipe-sim-dynamics", cfg.sim_dynamics] if simulated and cfg.sim_dynamics != "exact" else []),
               "--envpipe-profile-cache", str(out / "profiles"), "--envpipe-on-no-permission", "monitor"]
     clocks = len(range(855, 1741, cfg.profile_step_mhz)) if cfg.profile_step_mhz > 0 else 0  # else refused below
     sweep_iters = 2 + clocks * cfg.profile_iterations

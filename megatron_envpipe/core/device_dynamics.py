@@ -158,6 +158,9 @@ def load_dynamics(spec: str, configs: Path) -> DeviceDynamics:
             return EXACT
     else:
         path = Path(spec)
+        if not path.exists():
+            raise DeviceDynamicsError(f"no preset or file {spec!r}: use one of {', '.join(PRESETS)} or the path "
+                                      "of a TOML file with a [dynamics] table")
     try:
         data = tomllib.loads(read_text(path, "simulated-GPU dynamics file", DeviceDynamicsError))
     except tomllib.TOMLDecodeError as exc:

@@ -111,6 +111,11 @@ RANGES: dict[str, FlagRange] = {
     "sim_time_scale": FlagRange("float", 0.0, 10.0, "", "slower than the GPU it simulates", low_open=True),
     # -- / --envpipe-sim-jitter
     "sim_jitter": FlagRange("float", 0.0, MAX_JITTER, "", "with 3-sigma clipping every unit keeps time > 0"),
+    # -- / --envpipe-sim-clock-latency-ms, --envpipe-sim-counter-period-ms, --envpipe-sim-thermal-drift
+    # (= core.device_dynamics' MAX_LATENCY_S, MAX_COUNTER_PERIOD_S, MAX_THERMAL_DRIFT; a test keeps them equal)
+    "sim_clock_latency_ms": FlagRange("float", 0.0, 1000.0, "ms", "a second per clock change: ms given as s?"),
+    "sim_counter_period_ms": FlagRange("float", 0.0, 5000.0, "ms", "no GPU's counter is that slow"),
+    "sim_thermal_drift": FlagRange("float", 0.0, 0.5, "", "a fraction: 0.03 = 3 %"),
     # -- / --envpipe-sim-memory GIB_FREE,MIB_PER_MICROBATCH (core.memory.MemoryModel)
     "sim_free_gib": FlagRange("float", 0.0, 1e6, "GiB", "a pebibyte: a unit mistake"),
     "sim_mib_per_microbatch": FlagRange("float", 0.0, 1e6, "MiB", "a terabyte per micro-batch: a unit mistake",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics
 from megatron_envpipe.core.gpu_specs import spec_for_profile_source
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
@@ -48,6 +49,7 @@ def open_gpu(
     cuda: bool = True,
     num_chunks: int = 1,
     jitter: float = 0.0,
+    dynamics: DeviceDynamics = EXACT,
 ) -> GpuDevice:
     """The device this rank trains on, per ``--envpipe-gpu``.
 
@@ -56,7 +58,8 @@ def open_gpu(
     For ``simulated:<profile>``, ``stage``/``num_stages`` choose the profile rows
     (a longer profile emulates a shorter pipeline: first P-1 stages and the last), and
     ``num_chunks`` V > 1 makes each unit one of V equal model chunks (1/V of a stage's row),
-    and ``jitter`` adds seeded unit-time noise (a fraction of the unit's time).
+    ``jitter`` adds seeded unit-time noise (a fraction of the unit's time), and ``dynamics`` how the
+    simulated GPU departs from an ideal one (clock latency, stepped counter, heat).
     """
     spec = spec or "auto"
     if spec == "none":
@@ -73,7 +76,8 @@ def open_gpu(
             p2p_power_w = table_spec.p2p_power_w if table_spec else 0.0
         # perf_counter: the executor's and the energy monitor's clock.
         return SimulatedGpu(profile, stage, time_scale=time_scale, p2p_power_w=p2p_power_w,
-                            name=f"Simulated GPU ({source})", clock=time.perf_counter, jitter=jitter)
+                            name=f"Simulated GPU ({source})", clock=time.perf_counter, jitter=jitter,
+                            **({} if dynamics.exact else {"dynamics": dynamics}))
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")
     try:

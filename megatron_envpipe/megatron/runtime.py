@@ -80,6 +80,8 @@ class EnergyReport:
     stage_power_w: tuple[float, ...]
     predicted_baseline_j: float | None
     simulated: bool
+    planned_time_s: float | None = None  # the plan's iteration time (its deadline for 'optimal')
+    planned_saving: float | None = None  # what the plan predicted it saves
 
     @property
     def saving(self) -> float | None:
@@ -95,7 +97,12 @@ class EnergyReport:
             "avg power per stage [" + ", ".join(f"{p:.0f}" for p in self.stage_power_w) + "] W",
         ]
         if self.saving is not None:
-            parts.append(f"saving {100 * self.saving:.2f}% vs the baseline plan's {self.predicted_baseline_j:.1f} J")
+            planned = f" (planned {100 * self.planned_saving:.2f}%)" if self.planned_saving is not None else ""
+            parts.append(f"saving {100 * self.saving:.2f}%{planned} vs the baseline plan's "
+                         f"{self.predicted_baseline_j:.1f} J")
+        if self.planned_time_s:
+            parts.append(f"time {100 * (self.time_s / self.planned_time_s - 1):+.2f}% vs the plan's "
+                         f"{self.planned_time_s:.3f} s")
         return " | ".join(parts)
 
 
@@ -260,8 +267,13 @@ class EnvPipeRuntime:
         time_s = max(e.time_s for e in stage_energy) / scale
         energy = sum(e.energy_j for e in stage_energy)
         power = tuple(e.energy_j / (e.time_s / scale) if e.time_s > 0 else 0.0 for e in stage_energy)
-        predicted = self.last_result.baseline_energy_j if self.last_result is not None else None
-        report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated)
+        result = self.last_result
+        predicted = result.baseline_energy_j if result is not None else None
+        planned_time = None
+        if result is not None:
+            planned_time = result.deadline_s if result.deadline_s is not None else result.score.iteration_time_s
+        report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated,
+                              planned_time, result.energy_saving if result is not None else None)
         self.energy_log.append(report)
         return report
 

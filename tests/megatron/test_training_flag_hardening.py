@@ -167,7 +167,9 @@ def test_python_api_refuses_an_empty_list():
 # -- class 3: the one range table -------------------------------------------------------------
 def _needs(name: str) -> list[str]:
     """Flags that make ``name``'s flag apply (so its range, not its uselessness, is what is checked)."""
-    return {"sim_jitter": ["--envpipe-gpu", "simulated:a40/gpt3-175b"],
+    simulated = ["--envpipe-gpu", "simulated:a40/gpt3-175b"]
+    return {"sim_jitter": simulated, "sim_clock_latency_ms": simulated, "sim_counter_period_ms": simulated,
+            "sim_thermal_drift": simulated,
             "max_slowdown": ["--envpipe-type", "optimal"], "target_time_s": ["--envpipe-type", "optimal"]
             }.get(name, ENVELOPE + BALANCED)
 
