@@ -11,6 +11,11 @@ figure is comparable across machines.
 ``--types`` also times other plan types; ``optimal`` (the LP planner, issue 5)
 has no offline reconfiguration, so it is timed once per scheduling (policy "-").
 
+Plans are made switch-free (``--switch-cost-j 0``, the timings the goals were set for). ``saving``
+is then the switch-free saving; ``chg`` the plan's mean clock changes per rank per repeating
+iteration and ``counted`` its saving when each costs ``--switch-cost-j-counted`` (default the A40's
+settle time x P2P power, 0.70 J), the plan kept as it is (no switching pass).
+
 ``--scale`` (issue 13) times ``--type optimal`` (1f1b and ours) on deeper synthetic
 pipelines built from the shipped gpt3-175b A40 profile by
 :func:`megatron_envpipe.planning.synthetic.deepened` (first and last stage kept,
@@ -39,6 +44,7 @@ from megatron_envpipe.core.schedule import one_f_one_b
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
+from megatron_envpipe.planning.switching import steady_clock_changes, switch_energy_j
 from megatron_envpipe.planning.synthetic import deepened
 
 GOAL_S = 1.0
@@ -46,6 +52,11 @@ SCALE_GOALS_S = {16: 1.0, 32: 5.0}  # issue 13: P = 16, M = 128 under 1 s; P = 3
 SCALE_GOAL_CASES = {(16, 128), (32, 256)}
 P8_REFERENCE = Path(__file__).with_name("plan_speed_optimal_p8_reference.json")
 P8_TOLERANCE = 0.0005  # 0.05 % of the baseline energy
+
+
+def counted_saving(res, cost_j: float) -> float:
+    """The plan's saving with ``cost_j`` per clock change it makes when iterations repeat (the baseline makes none)."""
+    return 1 - (res.score.energy_j + switch_energy_j(res.plan, cost_j)) / res.baseline.energy_j
 
 
 def best_of(repeat: int, fn, *args):
@@ -102,13 +113,18 @@ def main() -> None:
     ap.add_argument("--types", default="envelope", help="comma-separated plan types, e.g. envelope,optimal")
     ap.add_argument("--scale", action="store_true", help="optimal planning on synthetic P = 16/32 pipelines")
     ap.add_argument("--scale-cases", default="16:64,16:128,32:128,32:256", help="comma-separated P:M")
+    ap.add_argument("--switch-cost-j-counted", type=float, default=None,
+                    help="joules per clock change for the 'counted' column (default: the A40's, as envpipe plan "
+                         "--type optimal counts them)")
     args = ap.parse_args()
     if args.scale:
         scale_report(args.scale_cases, args.repeat)
         return
     gpu = get_gpu_spec("a40")
+    cost_j = PlannerConfig("optimal", "ours", "default", gpu=gpu,
+                           switch_cost_j=args.switch_cost_j_counted).effective_switch_cost_j
     print(f"{'profile':16}{'sched':>6}{'policy':>10}{'M':>4}{'iters':>7}{'plan s':>9}"
-          f"{'x goal':>8}{'sim ms':>8}{'plan/sim':>9}{'saving':>8}{'slowdown':>9}")
+          f"{'x goal':>8}{'sim ms':>8}{'plan/sim':>9}{'saving':>8}{'slowdown':>9}{'chg':>6}{'counted':>9}")
     worst_default = 0.0
     worst_by_type: dict[str, float] = {}
     for name, path in shipped_profiles().items():
@@ -131,7 +147,10 @@ def main() -> None:
                 label = policy if plan_type == "envelope" else f"{plan_type[:4]}/{policy}"
                 print(f"{name:16}{scheduling:>6}{label:>10}{m:>4}{res.iterations:>7}{t:>9.3f}"
                       f"{t / GOAL_S:>8.2f}{1000 * sim_s:>8.2f}{t / sim_s:>9.0f}"
-                      f"{100 * res.energy_saving:>7.2f}%{100 * res.slowdown:>8.2f}%")
+                      f"{100 * res.energy_saving:>7.2f}%{100 * res.slowdown:>8.2f}%"
+                      f"{sum(steady_clock_changes(res.plan)) / prof.num_stages:>6.1f}"
+                      f"{100 * counted_saving(res, cost_j):>8.2f}%")
+    print(f"\nchg: clock changes per rank per repeating iteration; counted: the saving with {cost_j:.3g} J per change")
     if "envelope" in args.types.split(","):
         print(f"\ndefault planner (envelope/ours/balanced): worst {worst_default:.3f} s = "
               f"{worst_default / GOAL_S:.2f}x the 1 s goal -> {'MET' if worst_default < GOAL_S else 'MISSED'}")

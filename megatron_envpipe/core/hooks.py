@@ -10,6 +10,7 @@ Pure Python: no torch here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_envpipe.core.measurement import IterationMeasurement
@@ -21,6 +22,13 @@ class ExecutionHooks:
 
     def iteration_begin(self, stage: int, iteration: int) -> None:
         """Before the stage's first instruction of an iteration."""
+
+    def clock_plan(self, units: Sequence[Unit], freqs_mhz: Sequence[int],
+                   times_s: Sequence[float] | None) -> None:
+        """After ``iteration_begin``: the units this stage runs this iteration, in order, the SM
+        clock each runs at, and each one's predicted time at that clock (simulated seconds of
+        the profile the plan was made with; None: not known). Hooks that request a clock
+        change ahead of a unit boundary need the next unit's clock while a unit runs."""
 
     def set_frequency(self, freq_mhz: int) -> None:
         """The program asks for this SM clock from the next unit on."""
@@ -51,12 +59,18 @@ class RecordingHooks(ExecutionHooks):
     measurements: list[IterationMeasurement] = field(default_factory=list)
     instructions: list[str] = field(default_factory=list)
     wants_instructions: bool = True
+    # (units, clocks) of every clock_plan call; not an event, so event lists stay as they were
+    clock_plans: list[tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=list)
 
     def instruction(self, instr: object) -> None:
         self.instructions.append(str(instr))
 
     def iteration_begin(self, stage: int, iteration: int) -> None:
         self.events.append(f"begin S{stage} it{iteration}")
+
+    def clock_plan(self, units: Sequence[Unit], freqs_mhz: Sequence[int],
+                   times_s: Sequence[float] | None) -> None:
+        self.clock_plans.append((tuple(str(u) for u in units), tuple(freqs_mhz)))
 
     def set_frequency(self, freq_mhz: int) -> None:
         self.events.append(f"freq {freq_mhz}")

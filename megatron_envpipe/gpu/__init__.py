@@ -77,7 +77,7 @@ def open_gpu(
         # perf_counter: the executor's and the energy monitor's clock.
         return SimulatedGpu(profile, stage, time_scale=time_scale, p2p_power_w=p2p_power_w,
                             name=f"Simulated GPU ({source})", clock=time.perf_counter, jitter=jitter,
-                            **({} if dynamics.exact else {"dynamics": dynamics}))
+                            dynamics=dynamics)
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")
     try:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.energy import EnergyMonitor
 
 __all__ = [
     "ATTRIBUTION_METHODS", "BlockingSample", "InseparablePowersError", "StageSamples", "UnitSample", "UnitWindow",
-    "attribute_blocking", "attribute_units", "attribute_windows", "fit_window_powers", "stage_samples",
+    "attribute_blocking", "attribute_units", "attribute_windows", "fit_window_powers", "fit_window_powers_se",
+    "stage_samples",
 ]
 
 
@@ -43,6 +44,16 @@ def fit_window_powers(
     other_label: str = "other",
     wait_timeout_s: float = 1.0,
 ) -> dict[str, float]:
+    """Power of each label (:func:`fit_window_powers_se` without the standard errors)."""
+    return {lbl: p for lbl, (p, _) in fit_window_powers_se(monitor, windows, other_label, wait_timeout_s).items()}
+
+
+def fit_window_powers_se(
+    monitor: EnergyMonitor,
+    windows: Sequence[tuple[str, float, float]],
+    other_label: str = "other",
+    wait_timeout_s: float = 1.0,
+) -> dict[str, tuple[float, float]]:
     """Power of each label of ``(label, t0, t1)`` windows, by least squares on the counter.
 
     Interpolation blends a window's power with its neighbours' wherever the
@@ -51,8 +62,12 @@ def fit_window_powers(
     counter increment ``E_i - E_(i-1)`` is ``sum_label P_label * overlap_label(i)``,
     a small linear system that is exact even for windows shorter than the
     counter period. Time not in any window is ``other_label``. Windows must not
-    overlap (ValueError). Returns joules per second of the monitor's clock;
-    raises :class:`InseparablePowersError` if the labels cannot be told apart.
+    overlap (ValueError). Returns ``label -> (power, standard error)`` in joules
+    per second of the monitor's clock; the standard error comes from the
+    residuals of the increments (power that is not constant per label, counter
+    updates stamped off their tick, the counter's 1 mJ step) and is 0 without
+    spare increments. Raises :class:`InseparablePowersError` if the labels
+    cannot be told apart.
     """
     if not windows:
         return {}
@@ -79,6 +94,7 @@ def fit_window_powers(
     normal = [[0.0] * k for _ in range(k)]
     rhs = [0.0] * k
     seg = 0
+    increments: list[tuple[list[float], float]] = []
     for prev, cur in zip(samples, samples[1:]):
         t_a, t_b = prev.time_s, cur.time_s
         row = [0.0] * k
@@ -90,6 +106,7 @@ def fit_window_powers(
             row[index[lbl]] += min(b, t_b) - max(a, t_a)
             j += 1
         d_j = (cur.energy_mj - prev.energy_mj) / 1000.0
+        increments.append((row, d_j))
         for r in range(k):
             if row[r]:
                 rhs[r] += row[r] * d_j
@@ -101,7 +118,25 @@ def fit_window_powers(
         raise InseparablePowersError(
             f"cannot separate the powers of {[labels[i] for i in present]}: too few counter samples"
         )
-    return {labels[i]: p for i, p in zip(present, solution)}
+    return dict(zip((labels[i] for i in present), zip(solution, _standard_errors(normal, present, solution,
+                                                                                  increments))))
+
+
+def _standard_errors(normal: list[list[float]], present: list[int], solution: list[float],
+                     increments: list[tuple[list[float], float]]) -> list[float]:
+    """Least-squares standard errors: sigma^2 (A^T A)^-1 on the diagonal, sigma^2 from the residuals
+    (at least the counter's 1 mJ step, uniform: (1e-3 J)^2 / 12 per increment)."""
+    dof = len(increments) - len(present)
+    if dof <= 0:
+        return [0.0] * len(present)
+    rss = math.fsum((d - math.fsum(row[i] * p for i, p in zip(present, solution))) ** 2 for row, d in increments)
+    sigma2 = max(rss / dof, 1e-6 / 12)
+    reduced = [[normal[r][c] for c in present] for r in present]
+    out = []
+    for j in range(len(present)):
+        col = _solve(reduced, [1.0 if i == j else 0.0 for i in range(len(present))])
+        out.append(math.sqrt(max(sigma2 * col[j], 0.0)) if col is not None else math.inf)
+    return out
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -135,6 +170,7 @@ class UnitSample:
     time_s: float
     energy_j: float
     chunk: int = 0  # the unit's model chunk (Megatron's interleaved pipeline)
+    energy_se_j: float = 0.0  # standard error of energy_j from the attribution (0: not known)
 
 
 @dataclass(frozen=True)
@@ -151,6 +187,7 @@ class StageSamples:
 
     units: tuple[UnitSample, ...]
     blocking: tuple[BlockingSample, ...] = ()
+    at_s: float | None = None  # the iteration's middle, device seconds on the monitor's clock (heat drift)
 
     @classmethod
     def of(
@@ -201,7 +238,7 @@ def attribute_blocking(
     """Blocking windows at least ``min_time_s`` wall seconds long.
 
     Short windows are dominated by interpolation error at their edges (compute
-    power on both sides), so keep ones several counter periods long (NVML: ~10 ms).
+    power on both sides), so keep ones several counter periods long (NVML: ~100 ms on A100).
     """
     kept = [(t0, t1) for t0, t1 in windows if t1 - t0 >= min_time_s and t1 > t0]
     energies = attribute_windows(monitor, kept, wait_timeout_s)
@@ -235,27 +272,47 @@ def stage_samples(
         raise ValueError(f"method {method!r}: choose one of {', '.join(ATTRIBUTION_METHODS)}")
     ws = [w if isinstance(w, UnitWindow) else UnitWindow(*w) for w in units]
     kept = [(t0, t1) for t0, t1 in blocking if t1 > t0 and t1 - t0 >= min_blocking_s]
+    at_s = 0.5 * (min(w.start_s for w in ws) + max(w.end_s for w in ws)) / time_scale if ws else None
     if method == "regress":
         labelled = [(w.kind, w.start_s, w.end_s) for w in ws]
         # All blocking windows (not only the long ones) get their own label, so
         # their power does not leak into "the rest".
         labelled += [(_BLOCKING, t0, t1) for t0, t1 in blocking if t1 > t0]
         try:
-            powers = fit_window_powers(monitor, labelled, wait_timeout_s=wait_timeout_s)
+            fitted = fit_window_powers_se(monitor, labelled, wait_timeout_s=wait_timeout_s)
         except InseparablePowersError:
-            powers = {}
+            fitted = {}
+        powers = {k: p for k, (p, _) in fitted.items()}
         needed = {w.kind for w in ws} | ({_BLOCKING} if kept else set())
         # A label the fit could not see, or a negative/absurd power (noise on a label
         # with little time), falls back to interpolation for this iteration.
         if all(math.isfinite(powers.get(k, math.nan)) and powers[k] >= 0 for k in needed):
             return StageSamples(
                 tuple(
-                    UnitSample(w.kind, (w.end_s - w.start_s) / time_scale, powers[w.kind] * (w.end_s - w.start_s))
+                    UnitSample(w.kind, (w.end_s - w.start_s) / time_scale, powers[w.kind] * (w.end_s - w.start_s),
+                               energy_se_j=fitted[w.kind][1] * (w.end_s - w.start_s))
                     for w in ws
                 ),
                 tuple(BlockingSample((t1 - t0) / time_scale, powers[_BLOCKING] * (t1 - t0)) for t0, t1 in kept),
+                at_s=at_s,
             )
     return StageSamples(
-        tuple(attribute_units(monitor, ws, time_scale, wait_timeout_s)),
+        tuple(replace(u, energy_se_j=_edge_error_j(monitor, w.start_s, w.end_s))
+              for u, w in zip(attribute_units(monitor, ws, time_scale, wait_timeout_s), ws)),
         tuple(attribute_blocking(monitor, kept, time_scale, 0.0, wait_timeout_s)),
+        at_s=at_s,
     )
+
+
+def _edge_error_j(monitor: EnergyMonitor, t0: float, t1: float) -> float:
+    """Interpolation's error bound on ``[t0, t1]``: at each edge, the power around it (the larger of
+    the two sample intervals' average powers) x the spacing of the samples around it / 4."""
+    total = 0.0
+    for t in (t0, t1):
+        around = monitor.samples_between(t, t)
+        if len(around) >= 2:
+            spans = [(b.time_s - a.time_s, (b.energy_mj - a.energy_mj) / 1000.0) for a, b in zip(around, around[1:])]
+            spacing = max(dt for dt, _ in spans)
+            power = max((de / dt for dt, de in spans if dt > 0), default=0.0)
+            total += power * spacing / 4
+    return total

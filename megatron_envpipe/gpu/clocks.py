@@ -19,6 +19,10 @@ long-lived worker thread that takes requests from a FIFO queue:
   driver's default at once, one warning says so, and every later request is
   dropped without touching the GPU or raising; energy is still measured.
 * ``close(reset=True)`` drains the queue, stops the worker and resets the clocks.
+* :class:`DelayedEvent` is the ``after`` of a raise requested ahead of a unit
+  boundary (the clock lead, :mod:`megatron_envpipe.core.clock_lead`): the worker
+  waits for an event recorded when the unit before the boundary *begins*, then
+  sleeps the lead's offset, so NVML is called ``latency`` before the boundary.
 
 Pure Python: no torch import.
 """
@@ -29,13 +33,14 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.base import GpuDevice, GpuError
 from megatron_envpipe.gpu.safety import REPAIR_HINT, ClockGuard, default_guard
 
-__all__ = ["ClockController", "Synchronizable"]
+__all__ = ["ClockController", "DelayedEvent", "Synchronizable"]
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -44,6 +49,31 @@ ON_ERROR = ("raise", "monitor")
 
 class Synchronizable(Protocol):
     def synchronize(self) -> Any: ...
+
+
+class DelayedEvent:
+    """Done ``delay_s`` seconds after ``event`` (None: at once) is: ``synchronize()`` waits for both.
+
+    The delay starts when the worker sees the event done: when it was busy with an earlier
+    change meanwhile, the request comes that much later (never earlier than planned).
+    """
+
+    def __init__(self, event: Synchronizable | None, delay_s: float,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not delay_s >= 0:
+            raise ValueError(f"a clock request's delay must be a number of seconds >= 0, got {delay_s!r}")
+        self.event = event
+        self.delay_s = float(delay_s)
+        self._sleep = sleep
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        if self.delay_s > 0:
+            self._sleep(self.delay_s)
+
+    def __repr__(self) -> str:
+        return f"DelayedEvent({self.event!r}, delay_s={self.delay_s:g})"
 
 
 class ClockController:

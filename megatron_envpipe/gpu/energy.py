@@ -1,11 +1,16 @@
 """Energy of arbitrary time windows from a GPU's cumulative energy counter.
 
 NVML's counter (``nvmlDeviceGetTotalEnergyConsumption``) only changes every
-~10 ms, so reading it at a unit's start and end cannot measure a unit of a few
-milliseconds. As Perseus/Merak did (perseus.md §5.4), :class:`EnergyMonitor`
-polls the counter on a background thread, records ``(time, cumulative mJ)``
-whenever the value changes, and answers ``E(t1) - E(t0)`` by piecewise-linear
-interpolation of that trace. Interpolation assumes constant power between two
+~100 ms on A100 (ml.energy, "Thermally stable profiling", 2026), so reading it at
+a unit's start and end cannot measure a unit of a few hundred milliseconds. As
+Perseus/Merak did (perseus.md §5.4), :class:`EnergyMonitor` polls the counter on
+a background thread, records ``(time, cumulative mJ)`` whenever the value
+changes, and answers ``E(t1) - E(t0)`` by piecewise-linear interpolation of that
+trace. The counter's update period is measured, not assumed: until the monitor
+has seen it change a few times under load it cannot tell an exact counter (every
+read changes: the simulated GPU's exact one) from a stepped one, and a stepped
+one's changes are stamped at the update ticks fitted to them
+(:class:`~megatron_envpipe.gpu.counter_ticks.TickGrid`), not at the reads. Interpolation assumes constant power between two
 recorded samples: a window boundary that falls between samples where power
 jumps (compute <-> idle) is off by at most ``jump_w * sample_spacing_s / 4``
 joules, so the error shrinks with the counter's update period relative to the
@@ -32,16 +37,26 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.base import GpuDevice
+from megatron_envpipe.gpu.counter_ticks import TickGrid
+from megatron_envpipe.gpu.iteration_energy import IterationEnergy, PipelineIterationEnergy, mean_iteration
+
+__all__ = [
+    "CounterReadError", "CounterStalledError", "CounterWentBackError", "EnergyMonitor", "EnergyMonitorError",
+    "EnergySample", "IterationEnergy", "IterationEnergyMeter", "PipelineIterationEnergy", "mean_iteration",
+]
 
 log = logging.getLogger("megatron_envpipe")
 
-# A stepped counter (NVML) updates at least this often while the GPU draws power.
+# A stepped counter (NVML: ~100 ms on A100) is assumed to update at least this often while
+# the GPU draws power until its period is measured (for stall detection only).
 STEPPED_COUNTER_PERIOD_S = 0.1
+# Reads under load that all changed before a counter being measured counts as exact.
+EXACT_AFTER_READS = 8
 # Below this a GPU draws no power at all: only a simulated GPU idles there, and its
 # counter then rightly stands still. Real GPUs idle at tens of watts.
 ZERO_POWER_W = 0.5
@@ -93,15 +108,15 @@ class EnergyMonitor:
     the nearest sample (default: one poll interval, the poller's own lag).
     ``retain_s``: if set, the poller drops samples older than this (bounds
     memory for long runs; otherwise call :meth:`trim`).
-    ``counter_period_s``: 0 for a counter that is exact at every read (the
-    simulated GPU's: an unchanged read at zero power is then a sample of the
-    trace); otherwise the longest time a stepped counter (NVML) goes without
-    updating while the GPU draws power. Default: 0 for simulated devices, else
-    :data:`STEPPED_COUNTER_PERIOD_S`.
+    ``counter_period_s``: 0 for a counter that is exact at every read (an
+    unchanged read at zero power is then a sample of the trace); > 0 for a
+    stepped counter updating that often; None (default) to measure it: 0 once
+    :data:`EXACT_AFTER_READS` reads under load all changed, else the period of
+    the update ticks fitted to the changes seen (:attr:`measured_period_s`).
     ``stall_after_s``: a stepped counter unchanged this long while the device
-    reports power is stalled (default ``max(0.5, 5 * counter_period_s)``); an
-    exact counter is stalled as soon as it reads unchanged while the device
-    drew power.
+    reports power is stalled (default ``max(0.5, 5 * period)``, with
+    :data:`STEPPED_COUNTER_PERIOD_S` while the period is unknown); an exact
+    counter is stalled as soon as it reads unchanged while the device drew power.
     """
 
     def __init__(
@@ -120,17 +135,24 @@ class EnergyMonitor:
         self.poll_interval_s = float(poll_interval_s)
         self.edge_tolerance_s = float(poll_interval_s if edge_tolerance_s is None else edge_tolerance_s)
         self.retain_s = retain_s
-        if counter_period_s is None:
-            counter_period_s = 0.0 if device.simulated else STEPPED_COUNTER_PERIOD_S
-        self.counter_period_s = float(counter_period_s)
+        if counter_period_s is not None and not 0 <= counter_period_s < math.inf:
+            raise ValueError(f"counter_period_s must be a finite number >= 0 (None: measure it), "
+                             f"got {counter_period_s}")
+        # None while being measured; then 0 (exact) or the fitted period.
+        self.counter_period_s: float | None = None if counter_period_s is None else float(counter_period_s)
+        self._stall_given = stall_after_s is not None
         if stall_after_s is None:
-            stall_after_s = max(0.5, 5 * self.counter_period_s)
+            stall_after_s = max(0.5, 5 * (self.counter_period_s or STEPPED_COUNTER_PERIOD_S))
         self.stall_after_s = float(stall_after_s)
+        self._ticks = TickGrid()
+        self._loaded_changed = 0  # reads under load that changed, while measuring
+        self._loaded_unchanged = 0  # ... that did not (the counter is stepped)
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._times: list[float] = []
         self._energies_mj: list[float] = []
+        self._brackets: list[tuple[float, float]] = []  # per sample: (previous read, read that saw it)
         self._last_raw_mj: float | None = None
         self._offset_mj = 0.0  # added after a counter reset, to keep the trace monotonic
         self._last_read_s: float | None = None
@@ -222,12 +244,22 @@ class EnergyMonitor:
         t, e, _ = self._read()
         return t, e
 
+    @property
+    def measured_period_s(self) -> float | None:
+        """The counter's update period as the polls measured it (0: exact; None: not yet known)."""
+        with self._lock:
+            if self.counter_period_s == 0:
+                return 0.0
+            return self._ticks.period_s if self._ticks.updates >= self._ticks.min_updates else None
+
     def _read(self) -> tuple[float, float, bool]:
-        exact = self.counter_period_s == 0
+        period = self.counter_period_s
+        exact = period == 0
         # An exact counter that reads unchanged although the GPU drew power when the read
         # began has stalled; at zero power it is right. (Power read afterwards could
-        # belong to a unit that began in between.)
-        power_w = self._power_w() if exact else None
+        # belong to a unit that began in between.) While the period is measured, power
+        # tells a read under load (which an exact counter always changes) from idle.
+        power_w = self._power_w() if period is None or exact else None
         t_before = self._clock()
         try:
             raw_mj = float(self.device.energy_mj())
@@ -243,10 +275,23 @@ class EnergyMonitor:
         with self._lock:
             self._failing = None
             last = self._last_raw_mj
+            loaded = power_w is None or power_w >= ZERO_POWER_W
             if last is not None and raw_mj == last:
-                recorded = self._unchanged_exact(t, power_w) if exact else self._unchanged_stepped(t)
+                if period is None and loaded:
+                    self._loaded_unchanged += 1  # stepped: an exact counter moves under load
+                idle = period is None and not loaded  # a flat counter at zero power is right either way
+                recorded = self._unchanged_exact(t, power_w) if exact or idle else self._unchanged_stepped(t)
                 return t, raw_mj + self._offset_mj, recorded
-            if not exact and self._unchanged_since_sample and self._last_read_s is not None:
+            lo = self._last_read_s if self._last_read_s is not None and last is not None else t
+            if not exact and last is not None and lo < t:
+                self._ticks.add(lo, t)
+            if period is None and last is not None and loaded:
+                self._loaded_changed += 1
+                self._decide_period()
+            if self.counter_period_s and self._ticks.period_s is not None and lo < t:
+                # A stepped counter updated somewhere in (lo, t]: at its fitted tick there.
+                t_stamp = self._ticks.stamp(lo, t)
+            elif not exact and self._unchanged_since_sample and self._last_read_s is not None:
                 # A stepped counter (NVML) updated somewhere between the previous,
                 # unchanged read and this one: the middle is the unbiased guess.
                 t_stamp = 0.5 * (self._last_read_s + t)
@@ -270,8 +315,28 @@ class EnergyMonitor:
             self._last_raw_mj = raw_mj
             self._times.append(t_stamp)
             self._energies_mj.append(raw_mj + self._offset_mj)
+            self._brackets.append((lo, t))
             self._changed.notify_all()
             return t, raw_mj + self._offset_mj, True
+
+    def _decide_period(self) -> None:
+        """While measuring (lock held): exact once enough reads under load all changed; stepped at
+        the fitted period once the tick grid has one (earlier samples re-stamped on it)."""
+        if self._loaded_unchanged == 0:
+            if self._loaded_changed >= EXACT_AFTER_READS:
+                self.counter_period_s = 0.0
+            return
+        period = self._ticks.period_s
+        if period is None or self._ticks.updates < self._ticks.min_updates:
+            return
+        self.counter_period_s = period
+        if not self._stall_given:
+            self.stall_after_s = max(0.5, 5 * period)
+        for i, (lo, hi) in enumerate(self._brackets):
+            if lo < hi:
+                stamp = self._ticks.stamp(lo, hi)
+                if (i == 0 or stamp > self._times[i - 1]) and (i + 1 == len(self._times) or stamp < self._times[i + 1]):
+                    self._times[i] = stamp
 
     def _power_w(self) -> float | None:
         try:
@@ -292,9 +357,11 @@ class EnergyMonitor:
             return False
         if len(self._times) >= 2 and self._energies_mj[-2] == self._energies_mj[-1]:
             self._times[-1] = t  # extend the flat stretch rather than adding a sample per poll
+            self._brackets[-1] = (t, t)
         else:
             self._times.append(t)
             self._energies_mj.append(self._energies_mj[-1])
+            self._brackets.append((t, t))
         self._changed.notify_all()
         return True
 
@@ -356,8 +423,8 @@ class EnergyMonitor:
     def wait_covered(self, t: float, timeout_s: float = 1.0) -> None:
         """Block until a sample at or after ``t`` exists (the counter updated after ``t``).
 
-        NVML's counter updates every ~10 ms, so a window that just ended is
-        answerable only after the next update. Raises at once for a stalled or
+        NVML's counter updates every ~100 ms (A100), so a window that just ended
+        is answerable only after the next update. Raises at once for a stalled or
         failing counter, and on timeout, naming why.
         """
         if self._thread is None:
@@ -392,6 +459,7 @@ class EnergyMonitor:
             if i > 0:
                 del self._times[:i]
                 del self._energies_mj[:i]
+                del self._brackets[:i]
             self._gaps = [g for g in self._gaps if g[1] > before_t]
 
     # -- queries -------------------------------------------------------------------------
@@ -439,67 +507,13 @@ class EnergyMonitor:
 
 
 # -- per-iteration energy ------------------------------------------------------------------
-@dataclass(frozen=True)
-class IterationEnergy:
-    """One stage's energy over one training iteration."""
-
-    iteration: int
-    stage: int
-    start_s: float
-    end_s: float
-    energy_j: float
-
-    @property
-    def time_s(self) -> float:
-        return self.end_s - self.start_s
-
-    @property
-    def average_power_w(self) -> float:
-        return self.energy_j / self.time_s if self.time_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class PipelineIterationEnergy:
-    """A whole pipeline's iteration, as Perseus accounts it: time = max over stages, energy = sum."""
-
-    iteration: int
-    time_s: float
-    energy_j: float
-    stages: tuple[IterationEnergy, ...]
-
-    @classmethod
-    def combine(cls, parts: Sequence[IterationEnergy]) -> "PipelineIterationEnergy":
-        if not parts:
-            raise ValueError("no stages to combine")
-        iterations = {p.iteration for p in parts}
-        if len(iterations) != 1:
-            raise ValueError(f"stages of different iterations {sorted(iterations)} cannot be combined")
-        stages = sorted(p.stage for p in parts)
-        if len(set(stages)) != len(stages):
-            raise ValueError(f"a stage appears twice: {stages}")
-        return cls(
-            iteration=parts[0].iteration,
-            time_s=max(p.time_s for p in parts),
-            energy_j=sum(p.energy_j for p in parts),
-            stages=tuple(sorted(parts, key=lambda p: p.stage)),
-        )
-
-
-def mean_iteration(parts: Sequence[PipelineIterationEnergy], skip_first: int = 0) -> tuple[float, float]:
-    """Mean ``(time_s, energy_j)`` per iteration, after dropping ``skip_first`` warm-up iterations."""
-    kept = list(parts)[skip_first:]
-    if not kept:
-        raise ValueError(f"no iterations left after skipping {skip_first}")
-    return sum(p.time_s for p in kept) / len(kept), sum(p.energy_j for p in kept) / len(kept)
-
-
 class IterationEnergyMeter:
     """Brackets iterations of one stage: ``begin(i)`` ... ``end()`` -> :class:`IterationEnergy`.
 
     Each edge reads the counter directly (Zeus's way): exact for the simulated
-    GPU, whose counter is exact at every read, and for NVML stale by at most one
-    counter update at each edge (~10 ms of power, which averages out over
-    iterations), with no waiting for the next update. An edge given as ``t`` is
+    GPU's exact counter, and for NVML stale by at most one counter update at each
+    edge (~100 ms of power on A100, which averages out over iterations: the edges
+    fall at random phases of the update), with no waiting for the next update. An edge given as ``t`` is
     interpolated from the trace instead. The iteration is unmeasured (an
     :class:`EnergyMonitorError` naming why) if an edge read fails or the
     iteration overlaps a gap of the trace (stall, counter reset).

@@ -7,6 +7,16 @@
   training thread never synchronizes the device.
 * ``unit_begin``/``unit_end`` tell the device (the simulated GPU models the
   unit's time and energy from them; real GPUs ignore them).
+* With a :class:`~megatron_envpipe.core.clock_lead.ClockLead`, a *raise* is
+  requested ahead of its boundary, so that the SMs reach the new clock as the
+  unit before it ends instead of ``latency`` into the next one (which is often
+  on the critical path); lowerings stay at the boundary (a late lowering costs
+  energy, never time). The executor hands over each iteration's units, clocks
+  and predicted times (``clock_plan``). CUDA: the request is queued when unit k
+  begins, behind an event recorded then plus the lead's offset
+  (:class:`~megatron_envpipe.gpu.clocks.DelayedEvent`); simulated GPU: made at
+  that device time in ``unit_end``. The boundary's own ``set_frequency`` is then
+  skipped. Only when clocks change moves: the order and the math never do.
 * Every iteration's energy comes from the counter read at its two edges, and
   profiling iterations attribute energy to each unit and P2P wait from the
   background energy monitor's trace (interpolated NVML counter).
@@ -23,16 +33,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY
+from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.base import GpuDevice
-from megatron_envpipe.gpu.clocks import ClockController
+from megatron_envpipe.gpu.clocks import ClockController, DelayedEvent
 from megatron_envpipe.gpu.energy import (
     READ_FAILED,
     EnergyMonitor,
@@ -62,6 +74,29 @@ def unmeasured_reason(exc: BaseException) -> str:
     return exc.reason if isinstance(exc, EnergyMonitorError) else READ_FAILED
 
 
+def expected_clock_lead(device: GpuDevice, enabled: bool = True, margin_s: float = 0.0) -> ClockLead | None:
+    """The clock lead for ``device`` (``--envpipe-clock-lead on|off``): the simulated GPU's own
+    latency (its dynamics), a real GPU's the default request-to-clock figure; None (changes
+    at the boundary, as without a lead) when the device has no latency to lead."""
+    if device.simulated:
+        dynamics = getattr(device, "dynamics", None)
+        latency_s = dynamics.clock_latency_s if dynamics is not None else 0.0
+    else:
+        latency_s = DEFAULT_CLOCK_LATENCY.request_to_clock_s
+    if latency_s <= 0.0:
+        return None
+    return ClockLead(latency_s=latency_s, enabled=enabled, margin_s=margin_s)
+
+
+@dataclass(frozen=True)
+class _StagePlan:
+    """This iteration's units of the stage, their clocks and predicted times (clock_plan)."""
+
+    units: tuple[Unit, ...]
+    freqs_mhz: tuple[int, ...]
+    times_s: tuple[float, ...]
+
+
 @dataclass(frozen=True)
 class EnergyStatus:
     """One GPU's energy measurement after an iteration, as the energy report gathers it."""
@@ -75,11 +110,21 @@ class EnergyStatus:
 
 class GpuHooks(ExecutionHooks):
     def __init__(self, device: GpuDevice, *, control: bool, cuda: bool, time_scale: float = 1.0,
-                 guard: Any = None, poll_interval_s: float = 0.002, lost: str | None = None) -> None:
+                 guard: Any = None, poll_interval_s: float = 0.002, lost: str | None = None,
+                 clock_lead: ClockLead | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
         """``lost``: why clock control is off from the start (a start-up lock accepted but not
         reached): the controller falls back to monitor-only at once, logged and reported as
-        a loss mid-run would be."""
+        a loss mid-run would be. ``clock_lead``: request raises ahead of their boundary by its
+        latency (None: every change at the boundary); ``sleep``: how the clock worker waits
+        out a lead's offset on a real GPU."""
         self.device = device
+        self.clock_lead = clock_lead
+        self._sleep = sleep
+        self._plan: _StagePlan | None = None  # this iteration's, from clock_plan()
+        self._next_unit = 0  # index in _plan of the next unit_begin
+        self._running: int | None = None  # index in _plan of the unit between unit_begin and unit_end
+        self._led_mhz: int | None = None  # a raise already requested for the coming boundary
+        self.led = 0  # raises requested ahead of their boundary
         self.cuda = cuda
         self.time_scale = time_scale
         self.clock = time.perf_counter  # the executor's host clock: windows and monitor agree
@@ -110,6 +155,10 @@ class GpuHooks(ExecutionHooks):
         self.stage = stage
         self.iteration = iteration
         self._device_windows = []
+        self._plan = None
+        self._next_unit = 0
+        self._running = None
+        self._led_mhz = None
         self._fault = None
         self._begun_s = self.clock()
         if self.monitor is not None:
@@ -121,10 +170,22 @@ class GpuHooks(ExecutionHooks):
             except DEVICE_ERRORS as exc:
                 self._fault = self._note(exc)
 
+    def clock_plan(self, units: Sequence[Unit], freqs_mhz: Sequence[int],
+                   times_s: Sequence[float] | None) -> None:
+        if self.clock_lead is None or times_s is None or self.controller is None:
+            return
+        if not len(units) == len(freqs_mhz) == len(times_s):
+            raise ValueError(f"clock plan of stage {self.stage}: {len(units)} units, {len(freqs_mhz)} clocks and "
+                             f"{len(times_s)} times (one of each per unit)")
+        self._plan = _StagePlan(tuple(units), tuple(int(f) for f in freqs_mhz), tuple(float(t) for t in times_s))
+
     def set_frequency(self, freq_mhz: int) -> None:
         controller = self.controller
         if controller is None or controller.monitor_only is not None:
             return
+        led, self._led_mhz = self._led_mhz, None
+        if led == freq_mhz:
+            return  # requested ahead of this boundary already
         try:
             after = None
             if self.cuda:
@@ -141,13 +202,78 @@ class GpuHooks(ExecutionHooks):
             controller.fall_back(exc)
 
     def unit_begin(self, unit: Unit) -> None:
+        self._led_mhz = None  # a lead is for the boundary right after the unit it was made in
+        self._running = self._plan_index(unit)
         self.device.unit_begin(self.stage, unit.kind)
+        if not self.device.simulated:  # a real GPU: the worker waits for this unit's begin, then the offset
+            offset_s = self._lead_offset_s()
+            if offset_s is not None:
+                self._request_ahead(offset_s * self.time_scale)
 
     def unit_end(self, unit: Unit) -> None:
+        if self.device.simulated:  # its units' times are its model's, on its own clock
+            offset_s = self._lead_offset_s()
+            if offset_s is not None:
+                # Request at that device time (the device's clock: a VirtualClock keeps it exact).
+                self.device.wait_until(self.device.open_unit_begin_s() + offset_s * self.time_scale)
+                self._request_ahead(None)
+        self._running = None
         self.device.unit_end(self.stage, unit.kind)
         window = self.device.last_unit_window()
         if window is not None:
             self._device_windows.append(window)
+
+    # -- clock lead ----------------------------------------------------------------------
+    def _plan_index(self, unit: Unit) -> int | None:
+        """``unit``'s index in this iteration's clock plan; a unit out of the plan's order
+        (a caller other than the executor) drops the plan: changes at the boundary, as today."""
+        plan = self._plan
+        if plan is None:
+            return None
+        k = self._next_unit
+        if k >= len(plan.units) or plan.units[k] != unit:
+            self._plan = None
+            return None
+        self._next_unit = k + 1
+        return k
+
+    def _lead_offset_s(self) -> float | None:
+        """Seconds after the running unit's begin at which to request the next unit's clock
+        (a raise with the lead on); None: at the boundary, by ``set_frequency``."""
+        plan, k, lead = self._plan, self._running, self.clock_lead
+        if plan is None or k is None or lead is None or k + 1 >= len(plan.units):
+            return None
+        controller = self.controller
+        if controller is None or controller.monitor_only is not None:
+            return None
+        old, new = plan.freqs_mhz[k], plan.freqs_mhz[k + 1]
+        if old == new:
+            return None
+        return lead.request_after_begin_s(old, new, plan.times_s[k])
+
+    def _request_ahead(self, delay_s: float | None) -> None:
+        """Request the next unit's clock: a real GPU's worker ``delay_s`` after the running unit's
+        kernels begin (CUDA event) or after now; None: now (simulated GPU). The boundary's own
+        set_frequency is then skipped."""
+        controller = self.controller
+        freq = self._plan.freqs_mhz[self._running + 1]
+        try:
+            if delay_s is None:
+                controller.request(freq)
+                controller.flush()  # simulated: the lock is made at this device time
+            else:
+                event = None
+                if self.cuda:
+                    import torch  # only CUDA runs get here: this layer imports without torch
+
+                    event = torch.cuda.Event()
+                    event.record()  # on the compute stream, as the running unit's kernels begin
+                controller.request(freq, after=DelayedEvent(event, delay_s, self._sleep))
+        except DEVICE_ERRORS as exc:
+            controller.fall_back(exc)
+            return
+        self._led_mhz = freq
+        self.led += 1
 
     def iteration_end(self, measurement: IterationMeasurement | None) -> None:
         if self._meter is None or self.monitor is None:

@@ -21,19 +21,36 @@ yes (a VM or cloud image, even for root), and ``sm_clock_range_mhz`` accepts a
 lock but holds the SMs inside that range (power or thermal capping above; a
 minimum the driver does not enforce below, open-gpu-kernel-modules #1314), which
 :meth:`current_sm_clock_mhz` shows and the units run at.
+
+``dynamics`` (:class:`~megatron_envpipe.core.device_dynamics.DeviceDynamics`, default
+:data:`~megatron_envpipe.core.device_dynamics.EXACT`: all of the above, unchanged) makes it
+depart from the ideal GPU as real ones do, in simulated seconds (x ``time_scale`` for
+wall): a lock request is issued when the previous call returned (``nvml_call_s`` each)
+and the SMs reach the clock ``clock_latency_s`` after it is issued, the caller not
+waiting (the clock worker thread absorbs the call); a unit running then continues its
+remaining work at the new clock's time and power. The energy counter moves only at
+update ticks every ``counter_period_s`` (phase seeded per stage); power readings are
+averages over ``power_average_s``; every power is scaled by the heat factor
+``power_factor(seconds since the device was created)`` (unit times do not drift).
+:meth:`SimulatedGpu.true_energy_mj` is the exact integral, the ground truth a real GPU
+does not have. See docs/simulated-gpu.md.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics
 from megatron_envpipe.core.jitter import JitterError, UnitJitter
 from megatron_envpipe.core.profile import Profile, ProfileError, instruction_of
 from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError
+from megatron_envpipe.gpu.sim_device_model import EnergyMark, EnergyModel, PowerHistory, UnitRun, last_tick_wall_s
 
 # Below _SPIN_S of remaining wall time, unit_end stops sleeping (OS sleeps
 # overshoot by ~0.1 ms, several percent of a unit at small time scales) and
@@ -41,14 +58,6 @@ from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo, GpuPermissio
 # busy-waits, because one sleep(0) itself takes ~50 us.
 _SPIN_S = 0.0005
 _BUSY_S = 0.0001
-
-
-@dataclass(frozen=True)
-class _OpenUnit:
-    kind: str
-    begin_wall_s: float
-    end_wall_s: float  # when the modelled compute finishes
-    power_w: float
 
 
 class SimulatedGpu(GpuDevice):
@@ -70,6 +79,7 @@ class SimulatedGpu(GpuDevice):
         seed: int | str = 0,
         lock_refusal: str | None = None,
         sm_clock_range_mhz: tuple[int, int] | None = None,
+        dynamics: DeviceDynamics = EXACT,
     ) -> None:
         if not 0 <= stage < profile.num_stages:
             raise GpuError(f"simulated GPU: stage {stage} is not in the profile (stages 0..{profile.num_stages - 1})")
@@ -79,6 +89,9 @@ class SimulatedGpu(GpuDevice):
             )
         if p2p_power_w < 0:
             raise GpuError(f"simulated GPU: p2p_power_w must be >= 0, got {p2p_power_w}")
+        if not isinstance(dynamics, DeviceDynamics):
+            raise GpuError(f"simulated GPU: dynamics must be a DeviceDynamics (EXACT, or load_dynamics('realistic', "
+                           f"configs_dir()) from megatron_envpipe.core.device_dynamics), got {dynamics!r}")
         try:
             # Seeded per stage: every rank draws its own reproducible noise.
             self._jitter = UnitJitter(jitter, f"{seed}|stage{stage}")
@@ -105,12 +118,23 @@ class SimulatedGpu(GpuDevice):
         self._clocks = clocks
         self.lock_refusal = lock_refusal
         self.sm_clock_range_mhz = self._check_range(sm_clock_range_mhz)
+        self.dynamics = dynamics
         self._lock = threading.Lock()
         self._locked: int | None = None
         self._model_clock = self._running_clock(clocks[0])  # unlocked: the driver boosts to the maximum
         self._energy_mj = 0.0  # integrated up to _ref_wall_s
         self._ref_wall_s = clock()
-        self._unit: _OpenUnit | None = None
+        self._t0_wall_s = self._ref_wall_s
+        self._model = EnergyModel(dynamics, self.time_scale, self._t0_wall_s, self.p2p_power_w)
+        # Clock changes requested but not yet reached by the SMs: (wall time they land, running clock).
+        self._pending: deque[tuple[float, int]] = deque()
+        self._driver_busy_until_wall_s = self._ref_wall_s  # the clock worker's NVML call returns then
+        # The counter's update ticks: every counter_period_s from a per-stage seeded phase.
+        self._counter_phase_s = random.Random(f"{seed}|stage{stage}|counter").random() * dynamics.counter_period_s
+        keep_s = max(dynamics.counter_period_s, dynamics.power_average_s) * self.time_scale
+        self._history = PowerHistory(keep_s, EnergyMark(self._ref_wall_s, 0.0, None, self._ref_wall_s)) \
+            if keep_s > 0 else None
+        self._unit: UnitRun | None = None
         self._last_window: tuple[str, float, float] | None = None
         self.overrun_units = 0  # units whose host work took longer than the model
         digest = hashlib.sha1(f"{profile.source}|{stage}".encode()).hexdigest()[:12]
@@ -143,34 +167,60 @@ class SimulatedGpu(GpuDevice):
         if self.lock_refusal is not None:
             raise GpuPermissionError(f"{self._name}: clock lock refused ({self.lock_refusal})")
         with self._lock:
-            # A unit already running keeps the clock it started with.
-            self._locked = freq_mhz
-            self._model_clock = self._running_clock(freq_mhz)
+            self._locked = freq_mhz  # NVML reports the setting at once, whatever the SMs run at
+            self._request_clock(self._running_clock(freq_mhz))
 
     def reset_locked_clocks(self) -> None:
         with self._lock:
             self._locked = None
-            self._model_clock = self._running_clock(self._clocks[0])
+            self._request_clock(self._running_clock(self._clocks[0]))
 
     def locked_clock_mhz(self) -> int | None:
         return self._locked
 
     def current_sm_clock_mhz(self) -> int | None:
-        return self._model_clock
+        return self.model_clock_mhz
 
     def clock_event_reasons(self) -> tuple[str, ...] | None:
         wanted = self._locked if self._locked is not None else self._clocks[0]
         reasons = ("user_defined_clocks",) if self._locked is not None else ()
-        # Only a cap is reported: a minimum the driver does not hold leaves no reason (#1314).
-        return reasons + (("sw_power_cap",) if self._model_clock < wanted else ())
+        # Only a cap is reported: a minimum the driver does not hold leaves no reason (#1314),
+        # nor does a change still on its way to the SMs.
+        return reasons + (("sw_power_cap",) if self._running_clock(wanted) < wanted else ())
 
     def energy_mj(self) -> float:
+        """The counter: exact at every read, or (``counter_period_s`` > 0) the energy at its last update tick."""
         with self._lock:
-            return self._energy_at(self._clock())
+            now = self._clock()
+            if not self._pending and self.dynamics.counter_period_s == 0.0:
+                return self._energy_at(now)  # exact: no state to move (today's path)
+            self._advance(now)
+            if self.dynamics.counter_period_s == 0.0:
+                return self._energy_at(now)
+            tick = last_tick_wall_s(max(now, self._ref_wall_s), self._t0_wall_s, self._counter_phase_s,
+                                    self.dynamics.counter_period_s, self.time_scale)
+            return 0.0 if tick is None else self._energy_at_past(tick)
+
+    def true_energy_mj(self) -> float:
+        """The exact energy integral now (mJ), whatever the counter shows: the ground truth that
+        benches and tests compare measurements with (a real GPU has none)."""
+        with self._lock:
+            now = self._clock()
+            self._advance(now)
+            return self._energy_at(now)
 
     def power_w(self) -> float:
+        """Power now, or (``power_average_s`` > 0) its average over that window (within the device's life)."""
         with self._lock:
-            return self._power_at(self._clock())
+            now = self._clock()
+            if self._pending:
+                self._advance(now)
+            window_s = self.dynamics.power_average_s * self.time_scale
+            start = max(self._t0_wall_s, now - window_s)
+            if window_s == 0.0 or not now > start:
+                return self._power_at(now)
+            energy_mj = self._energy_at(now) - self._energy_at_past(start)
+            return energy_mj / 1000.0 / ((now - start) / self.time_scale)
 
     def unit_begin(self, stage: int, kind: str) -> None:
         self._check_stage(stage)
@@ -181,15 +231,17 @@ class SimulatedGpu(GpuDevice):
                     f"{self._name}: unit {kind} begins while {self._unit.kind} is still open "
                     "(every unit_begin needs its unit_end first)"
                 )
+            now = self._clock()
+            self._advance(now)  # a clock change that has landed by now: this unit starts at it
             try:
                 point = self.profile.point(self.stage, instr, self._model_clock)
             except ProfileError as exc:
                 raise GpuError(f"{self._name}: {exc}") from None
-            now = self._clock()
-            self._advance(now)
             # Jitter stretches or shrinks the unit at the profile's power: its energy scales with it.
-            duration_wall_s = point.time_s * self._jitter.factor() * self.time_scale
-            self._unit = _OpenUnit(kind, now, now + duration_wall_s, point.power_w)
+            factor = self._jitter.factor()
+            duration_wall_s = point.time_s * factor * self.time_scale
+            self._unit = UnitRun(kind, instr, now, factor, self._model_clock, point.power_w, duration_wall_s)
+            self._mark()
 
     def unit_end(self, stage: int, kind: str) -> None:
         """Sleep until the unit has taken its modelled time (longer host work is not shortened)."""
@@ -199,15 +251,42 @@ class SimulatedGpu(GpuDevice):
             if unit is None or unit.kind != kind:
                 open_ = unit.kind if unit else "none"
                 raise GpuError(f"{self._name}: unit_end({kind!r}) without a matching unit_begin (open: {open_})")
-        if self._clock() > unit.end_wall_s:
+            if self._pending:
+                self._advance(self._clock())
+            overran = self._clock() > unit.end_wall_s
+        if overran:
             # The host's own work outlasted the model: this unit's wall time no longer
             # reflects the clock (raise time_scale if this is common).
             self.overrun_units += 1
-        self._sleep_until(unit.end_wall_s)
+        while True:
+            # Sleep to the end, or first to a clock change landing before it (which moves the end).
+            with self._lock:
+                change_s = self._pending[0][0] if self._pending else math.inf
+                target = min(change_s, unit.end_wall_s)
+            self._sleep_until(target)
+            with self._lock:
+                if target < unit.end_wall_s:
+                    self._advance(max(self._clock(), target))
+                    continue
+                if not (self._pending and self._pending[0][0] < unit.end_wall_s):
+                    break  # no change requested meanwhile (another thread) that lands before the end
         with self._lock:
             self._advance(self._clock())
             self._unit = None
             self._last_window = (unit.kind, unit.begin_wall_s, unit.end_wall_s)
+            self._mark()
+
+    def wait_until(self, wall_s: float) -> None:
+        """Sleep on the device's timebase until ``wall_s`` (at once if it has passed); a unit may
+        be open: the clock-lead rule requests a change from inside a unit this way."""
+        if not math.isfinite(wall_s):
+            raise GpuError(f"{self._name}: wait_until needs a finite time on the device's clock, got {wall_s}")
+        self._sleep_until(wall_s)
+
+    def open_unit_begin_s(self) -> float | None:
+        """Wall time (the device's clock) the open unit began; None between units."""
+        unit = self._unit
+        return None if unit is None else unit.begin_wall_s
 
     # -- model ---------------------------------------------------------------------------
     def last_unit_window(self) -> tuple[str, float, float] | None:
@@ -225,37 +304,85 @@ class SimulatedGpu(GpuDevice):
 
     @property
     def model_clock_mhz(self) -> int:
-        """The clock the next unit runs at (the locked clock, or the maximum when unlocked,
-        held inside ``sm_clock_range_mhz`` when one is set)."""
-        return self._model_clock
+        """The clock the SMs run at now: the next unit's (the locked clock, or the maximum when
+        unlocked, held inside ``sm_clock_range_mhz`` when one is set), once a change has landed."""
+        with self._lock:
+            if self._pending:
+                self._advance(self._clock())
+            return self._model_clock
 
-    def unit_time_s(self, kind: str) -> float:
-        """Simulated seconds a ``kind`` unit takes at the current model clock."""
-        return self.profile.time_s(self.stage, instruction_of(kind), self._model_clock)
+    def unit_time_s(self, kind: str, freq_mhz: int | None = None) -> float:
+        """Simulated seconds a ``kind`` unit takes at ``freq_mhz`` (default: the model clock now), per the profile."""
+        freq = self.model_clock_mhz if freq_mhz is None else int(freq_mhz)
+        try:
+            return self.profile.time_s(self.stage, instruction_of(kind), freq)
+        except ProfileError as exc:
+            raise GpuError(f"{self._name}: {exc}") from None
+
+    def _request_clock(self, running_mhz: int) -> None:
+        """A lock or reset request now (lock held): issued when the driver is free, landing the latency later."""
+        if self.dynamics.clock_latency_s == 0.0:
+            self._model_clock = running_mhz  # at once; a unit already running keeps its clock (as before)
+            return
+        now = self._clock()
+        self._advance(now)
+        issued = max(now, self._driver_busy_until_wall_s)  # queued requests serialise on the worker
+        self._driver_busy_until_wall_s = issued + self.dynamics.nvml_call_s * self.time_scale
+        self._pending.append((issued + self.dynamics.clock_latency_s * self.time_scale, running_mhz))
 
     def _power_at(self, wall_s: float) -> float:
         unit = self._unit
+        power = self.p2p_power_w
         if unit is not None and unit.begin_wall_s <= wall_s < unit.end_wall_s:
-            return unit.power_w
-        return self.p2p_power_w
+            power = unit.power_w
+        return power * self._model.factor_at(wall_s)
 
     def _energy_at(self, wall_s: float) -> float:
-        """Energy (mJ) at ``wall_s`` >= the reference time; pure, so readers never mutate state."""
+        """Energy (mJ) at ``wall_s`` >= the reference time, with no clock change landing in
+        between (``_advance`` applies those); pure, so readers never mutate state."""
         wall_s = max(wall_s, self._ref_wall_s)  # a clock read racing _advance never goes back
-        energy = self._energy_mj
-        t = self._ref_wall_s
         unit = self._unit
-        if unit is not None and t < unit.end_wall_s:
-            busy_end = min(wall_s, unit.end_wall_s)
-            energy += unit.power_w * (busy_end - t) / self.time_scale * 1000.0
-            t = busy_end
-        energy += self.p2p_power_w * (wall_s - t) / self.time_scale * 1000.0
-        return energy
+        if unit is None:
+            return self._model.energy_after(self._energy_mj, self._ref_wall_s, wall_s, None, 0.0)
+        return self._model.energy_after(self._energy_mj, self._ref_wall_s, wall_s, unit.power_w, unit.end_wall_s)
+
+    def _energy_at_past(self, wall_s: float) -> float:
+        """Energy at a time up to the history's horizon back (the stepped counter, averaged power)."""
+        if wall_s >= self._ref_wall_s or self._history is None:
+            return self._energy_at(wall_s)
+        return self._history.energy_at(wall_s, self._model)
 
     def _advance(self, wall_s: float) -> None:
+        """Integrate to ``wall_s``, landing the clock changes due by then in order (lock held)."""
+        while self._pending and self._pending[0][0] <= wall_s:
+            at, running_mhz = self._pending.popleft()
+            at = max(at, self._ref_wall_s)
+            self._integrate_to(at)
+            self._model_clock = running_mhz
+            unit = self._unit
+            if unit is not None:
+                full_wall_s = self.profile.time_s(self.stage, unit.instruction, running_mhz) \
+                    * unit.jitter_factor * self.time_scale
+                power_w = self.profile.point(self.stage, unit.instruction, running_mhz).power_w
+                if unit.switch(at, running_mhz, power_w, full_wall_s):
+                    self._mark()
+        self._integrate_to(wall_s)
+
+    def _integrate_to(self, wall_s: float) -> None:
         if wall_s > self._ref_wall_s:
             self._energy_mj = self._energy_at(wall_s)
             self._ref_wall_s = wall_s
+
+    def _mark(self) -> None:
+        """Power changes at the reference time: remembered for reads of the past (lock held)."""
+        if self._history is None:
+            return
+        unit = self._unit
+        if unit is None:
+            mark = EnergyMark(self._ref_wall_s, self._energy_mj, None, self._ref_wall_s)
+        else:
+            mark = EnergyMark(self._ref_wall_s, self._energy_mj, unit.power_w, unit.end_wall_s)
+        self._history.mark(mark)
 
     def _sleep_until(self, target_wall_s: float) -> None:
         remaining = target_wall_s - self._clock()

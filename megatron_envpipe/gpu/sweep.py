@@ -36,7 +36,9 @@ from megatron_envpipe.gpu.attribution import (
     attribute_units,
     stage_samples,
 )
+from megatron_envpipe.gpu.heat_drift import HeatDrift, fit_heat_drift
 from megatron_envpipe.gpu.sweep_clocks import refinement_clocks, sweep_candidates
+from megatron_envpipe.gpu.sweep_stats import blocking_power_w, robust_mean, robust_mean_se
 
 __all__ = [
     "ATTRIBUTION_METHODS", "BlockingSample", "ClockResult", "ClockSweep", "ProfileRow", "StageSamples", "UnitSample",
@@ -66,64 +68,7 @@ class ProfileRow(NamedTuple):
     chunk: int = 0  # the model chunk (Megatron's interleaved pipeline); 0 without
 
 
-# -- candidates and statistics ---------------------------------------------------------
-def _trimmed(values: Sequence[float], trim_fraction: float) -> list[float]:
-    if not values:
-        raise ValueError("no values")
-    ordered = sorted(values)
-    k = int(math.floor(len(ordered) * trim_fraction))
-    return ordered[k : len(ordered) - k] or ordered
-
-
-def robust_mean(values: Sequence[float], trim_fraction: float = 0.2) -> float:
-    """Mean after dropping ``floor(n * trim_fraction)`` values at each end.
-
-    Drops the odd unit out (the first micro-batch's data loading, the last
-    backward's gradient all-reduce, a clock-switch transient) without needing
-    many samples.
-    """
-    kept = _trimmed(values, trim_fraction)
-    return math.fsum(kept) / len(kept)
-
-
-def robust_mean_se(values: Sequence[float], trim_fraction: float = 0.2) -> tuple[float, float]:
-    """:func:`robust_mean` and its standard error from the kept values' spread (0 with one value)."""
-    kept = _trimmed(values, trim_fraction)
-    mean = math.fsum(kept) / len(kept)
-    if len(kept) < 2:
-        return mean, 0.0
-    var = math.fsum((v - mean) ** 2 for v in kept) / (len(kept) - 1)
-    return mean, math.sqrt(var / len(kept))
-
-
-def blocking_power_w(windows: Sequence[BlockingSample]) -> float | None:
-    """P2P blocking power from blocking windows, free of the edge bias when it can be.
-
-    Interpolating the counter across a window's edges, where power jumps from
-    compute to blocking and back, adds about the same energy to every window
-    regardless of its length (jump x sample spacing / 3). With windows of
-    varied lengths, the slope of a least-squares line ``E = P t + c`` is P
-    without that bias; otherwise (or if the fit is not sane) total energy over
-    total time.
-    """
-    ws = [w for w in windows if w.time_s > 0]
-    if not ws:
-        return None
-    total_t = math.fsum(w.time_s for w in ws)
-    ratio = math.fsum(w.energy_j for w in ws) / total_t
-    n = len(ws)
-    if n >= 3:
-        mean_t = total_t / n
-        mean_e = math.fsum(w.energy_j for w in ws) / n
-        var_t = math.fsum((w.time_s - mean_t) ** 2 for w in ws) / n
-        if var_t > (0.25 * mean_t) ** 2:  # lengths spread enough for a slope
-            cov = math.fsum((w.time_s - mean_t) * (w.energy_j - mean_e) for w in ws) / n
-            slope = cov / var_t
-            if 0 < slope <= ratio * 1.5:
-                return slope
-    return ratio
-
-
+# -- candidates ---------------------------------------------------------------------
 def startup_sweep(
     supported_mhz: Sequence[int],
     step_mhz: float,
@@ -142,6 +87,11 @@ def startup_sweep(
                       refine_clocks=REFINE_CLOCKS if iterations_per_clock > 1 else 0)
 
 
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return math.fsum(known) / len(known) if known else None
+
+
 # -- the sweep -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ClockResult:
@@ -151,6 +101,8 @@ class ClockResult:
     iterations: int
     rows: tuple[ProfileRow, ...]
     refined: bool = False  # measured after the coarse sweep, to fill a gap near the valley
+    energy_se_j: tuple[float, ...] = ()  # per row: standard error of its energy (attribution and spread)
+    at_s: tuple[float | None, ...] = ()  # per stage: when its iterations ran (device seconds; heat drift)
 
     def energy_j(self) -> float:
         """Per-micro-batch F+B energy summed over stages."""
@@ -283,6 +235,8 @@ class ClockSweep:
         self._steady: list[bool] = []
         self._pending: list[tuple[StageSamples, ...]] = []
         self._blocking: list[BlockingSample] = []
+        self._heat: list[list[tuple[float, float]]] = []  # per stage: (time, blocking power) per iteration
+        self._drift_cache: tuple[int, tuple[HeatDrift | None, ...]] | None = None
 
     # -- driving ---------------------------------------------------------------------------
     @property
@@ -338,7 +292,12 @@ class ClockSweep:
         if self._num_stages is None:
             self._num_stages = len(samples)
             self._steady = [False] * len(samples)
+            self._heat = [[] for _ in samples]
         was_warmup = self.in_warmup
+        for stage, s in enumerate(samples if not was_warmup else ()):  # warm-up: discarded, edge effects
+            blocked_s = math.fsum(b.time_s for b in s.blocking)
+            if s.at_s is not None and blocked_s > 0:
+                self._heat[stage].append((s.at_s, math.fsum(b.energy_j for b in s.blocking) / blocked_s))
         self.iterations_used += 1
         self._unmeasured_in_a_row = 0
         if was_warmup:
@@ -415,7 +374,7 @@ class ClockSweep:
     # -- clocks ----------------------------------------------------------------------------
     def _finish_clock(self) -> None:
         freq = self._queue[self._index]
-        rows = []
+        rows, ses = [], []
         for stage in range(self._num_stages or 0):
             # Model chunks (Megatron's interleaved pipeline): one row per chunk, from that chunk's units.
             chunks = 1 + max(u.chunk for it in self._pending for u in it[stage].units)
@@ -424,15 +383,16 @@ class ClockSweep:
                     units = [u for it in self._pending for u in it[stage].units if u.kind == kind and u.chunk == chunk]
                     if not units:
                         raise ValueError(f"stage {stage} at {freq} MHz: no {instruction} samples of model chunk {chunk}")
-                    rows.append(
-                        ProfileRow(
-                            stage, instruction, freq,
-                            robust_mean([u.time_s for u in units], self.trim_fraction),
-                            robust_mean([u.energy_j for u in units], self.trim_fraction),
-                            chunk,
-                        )
-                    )
-        self.results.append(ClockResult(freq, len(self._pending), tuple(rows), refined=self.refining))
+                    energy, spread_se = robust_mean_se([u.energy_j for u in units], self.trim_fraction)
+                    rows.append(ProfileRow(stage, instruction, freq,
+                                           robust_mean([u.time_s for u in units], self.trim_fraction), energy, chunk))
+                    # Units of one iteration share its fitted power (their errors move together): the
+                    # attribution's error shrinks with iterations only, the units' spread with units.
+                    fit_se = math.fsum(u.energy_se_j for u in units) / len(units) / math.sqrt(len(self._pending))
+                    ses.append(math.hypot(fit_se, spread_se))
+        at_s = tuple(_mean_or_none([it[s].at_s for it in self._pending]) for s in range(self._num_stages or 0))
+        self.results.append(ClockResult(freq, len(self._pending), tuple(rows), refined=self.refining,
+                                        energy_se_j=tuple(ses), at_s=at_s))
         self._pending = []
         self._index += 1
         if not self.refining:
@@ -461,7 +421,7 @@ class ClockSweep:
         p = self.stop_p2p_power_w()
         valleys = {self.valley_clock_mhz()}
         for stage in range(self._num_stages or 0):
-            valleys.add(min(self.results, key=lambda r: (
+            valleys.add(min(self.measured_results(), key=lambda r: (
                 math.fsum(x.energy_j - p * x.time_s for x in r.rows if x.stage == stage), -r.freq_mhz)).freq_mhz)
         return refinement_clocks(self.measured_clocks_mhz(), valleys, self.supported_mhz, self.refine_step_mhz,
                                  self.refine_clocks)
@@ -496,8 +456,42 @@ class ClockSweep:
             return self._p2p_given
         return self.p2p_power_w() or 0.0
 
+    def heat_drift(self) -> tuple[HeatDrift | None, ...]:
+        """Per stage: the power drift its blocking windows showed as the GPU heated (None: none to
+        correct); see :mod:`megatron_envpipe.gpu.heat_drift`."""
+        key = sum(len(h) for h in self._heat)
+        if self._drift_cache is None or self._drift_cache[0] != key:
+            self._drift_cache = (key, tuple(fit_heat_drift(h) for h in self._heat))
+        return self._drift_cache[1]
+
+    def measured_results(self) -> list[ClockResult]:
+        """:attr:`results` with each stage's energies brought to the hot state (divided by the
+        fitted heat drift at the time they were measured); the raw ones where no drift was seen."""
+        drift = self.heat_drift()
+        if not any(drift):
+            return list(self.results)
+        out = []
+        spread = [abs(1 / d.factor(d.t0_s) - 1) if d is not None else 0.0 for d in drift]
+        for r in self.results:
+            factors = [d.factor(t) if d is not None and t is not None else 1.0
+                       for d, t in zip(drift, r.at_s or [None] * len(drift))]
+            rows = tuple(row._replace(energy_j=row.energy_j / factors[row.stage]) for row in r.rows)
+            # The drift model is a fit too, extrapolated to the hot state: half the largest correction it
+            # made on a stage counts as the uncertainty of every row of that stage.
+            ses = tuple(math.hypot(se / factors[row.stage], 0.5 * spread[row.stage] * new.energy_j)
+                        for row, new, se in zip(r.rows, rows, r.energy_se_j))
+            out.append(ClockResult(r.freq_mhz, r.iterations, rows, r.refined, ses, r.at_s))
+        return out
+
+    def row_uncertainties(self) -> dict[tuple[int, str, int, int], float]:
+        """``(stage, instruction, MHz, chunk) -> standard error (J)`` of each row's energy: the
+        attribution's (counter step, regression residual), the units' spread and, where the heat
+        drift was corrected, half the correction."""
+        return {(row.stage, row.instruction, row.freq_mhz, row.chunk): se
+                for r in self.measured_results() for row, se in zip(r.rows, r.energy_se_j)}
+
     def coarse_results(self) -> list[ClockResult]:
-        return [r for r in self.results if not r.refined]
+        return [r for r in self.measured_results() if not r.refined]
 
     def metrics_j(self) -> list[float]:
         """Stop metric per coarse clock (fastest first), with the current P_p2p."""
@@ -509,7 +503,7 @@ class ClockSweep:
         if not self.results:
             return None
         p = self.stop_p2p_power_w()
-        return min(self.results, key=lambda r: (r.energy_j() - p * r.time_s(), -r.freq_mhz)).freq_mhz
+        return min(self.measured_results(), key=lambda r: (r.energy_j() - p * r.time_s(), -r.freq_mhz)).freq_mhz
 
     def p2p_power_w(self) -> float | None:
         """Measured P2P blocking power (None: no blocking windows recorded); see :func:`blocking_power_w`."""
@@ -525,7 +519,7 @@ class ClockSweep:
     def rows(self) -> list[ProfileRow]:
         """Perseus rows of every measured clock, by stage, instruction, clock (fastest first)."""
         order = {ins: i for i, ins in enumerate(INSTRUCTIONS)}
-        rows = [row for r in self.results for row in r.rows]
+        rows = [row for r in self.measured_results() for row in r.rows]
         return sorted(rows, key=lambda r: (r.stage, r.chunk, order[r.instruction], -r.freq_mhz))
 
     def profile(self) -> Profile:

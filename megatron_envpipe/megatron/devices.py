@@ -14,7 +14,7 @@ import torch
 
 from megatron_envpipe.gpu import open_gpu
 from megatron_envpipe.gpu.clock_proof import cuda_spin_load
-from megatron_envpipe.gpu.hooks import GpuHooks
+from megatron_envpipe.gpu.hooks import GpuHooks, expected_clock_lead
 from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control, combine_stage_devices
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.memory import memory_source
@@ -68,7 +68,8 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
         load = cuda_spin_load() if cuda and device.backend == "nvml" else None
         decision = clock_control(device, cfg, groups.stage, load=load)
         state.use_hooks(GpuHooks(device, control=decision.control, cuda=cuda, lost=decision.lost,
-                                 time_scale=cfg.sim_time_scale if device.simulated else 1.0))
+                                 time_scale=cfg.sim_time_scale if device.simulated else 1.0,
+                                 clock_lead=expected_clock_lead(device, cfg.clock_lead == "on")))
         mine = StageDevice.of(device, decision.control)
     facts = combine_stage_devices(groups.agree(groups.gather_stages(mine)))
     runtime.attach_device(facts, _profile_cache_key(layout_key, facts))

@@ -335,6 +335,8 @@ class StageIteration:
             self.sync = OneChunkSync(config, self.models[0], last_backward, self.first)
         self.sync.begin()
         self.hooks.iteration_begin(self.stage, self.runtime.iteration)
+        self.hooks.clock_plan(order, plan.plan.freqs_mhz[self.stage],
+                              plan.unit_times_s[self.stage] if plan.unit_times_s is not None else None)
         self.timer = UnitTimer(self.device, host_sync=plan.profiling) if plan.measure else None
         if plan.measure_memory:
             self.memory = MemoryProbe(self.device, self.runtime.config.sim_memory)

@@ -38,7 +38,7 @@ from megatron_envpipe.core.interleaved import interleaved_schedule
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.memory import AUTO, Budget, StageMemory, budget_line, derive_budget, within_budget
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
-from megatron_envpipe.core.profile import Profile, ProfilePoint
+from megatron_envpipe.core.profile import Profile, ProfileError, ProfilePoint, instruction_of
 from megatron_envpipe.core.schedule import Schedule, one_f_one_b
 from megatron_envpipe.core.vocabulary import ReconfigPolicy, Scheduling
 from megatron_envpipe.gpu.profile_cache import ProfileCache
@@ -68,6 +68,9 @@ class IterationPlan:
     phase: str
     profiling: bool = False  # attribute energy to every unit (sweep iteration)
     measure_memory: bool = False  # measure activation and free memory, hand them back (1F1B iteration)
+    # Per stage, each unit's predicted time (s) at its planned clock, from the profile planned with;
+    # None where not known (profiling and measuring iterations): the GPU hooks' clock lead needs it.
+    unit_times_s: tuple[tuple[float, ...], ...] | None = None
 
 
 @dataclass
@@ -211,7 +214,8 @@ class EnvPipeRuntime:
         measure = rc is not None and not rc.finished
         plan = rc.plan if rc is not None else state.plan
         programs = state.programs_for(plan, self.config.prefetch)
-        return IterationPlan(state.schedule, plan, programs, measure, "reconfigure" if measure else "steady")
+        return IterationPlan(state.schedule, plan, programs, measure, "reconfigure" if measure else "steady",
+                             unit_times_s=state.unit_times_for(plan))
 
     def _uniform(self, p: int, m: int, freq: int, *, measure: bool, phase: str, profiling: bool = False,
                  measure_memory: bool = False) -> IterationPlan:
@@ -447,7 +451,7 @@ class EnvPipeRuntime:
                               finish_limit=cfg.finish_limit, threshold_scale=cfg.threshold_scale,
                               target_time_s=target, window=cfg.reconfig_window,
                               profile=planning_profile(profile, pcfg))
-        return _PlanState(result.schedule, result.plan, rc)
+        return _PlanState(result.schedule, result.plan, rc, planning_profile(profile, pcfg))
 
 
 def _table_spec(key: str | None) -> GpuSpec | None:
@@ -463,7 +467,9 @@ class _PlanState:
     schedule: Schedule
     plan: FrequencyPlan
     reconfigurer: Reconfigurer | None
+    profile: Profile | None = None  # planned with (one row per model chunk): predicted unit times
     _programs: dict = field(default_factory=dict)
+    _times: dict = field(default_factory=dict)
 
     def programs_for(self, plan: FrequencyPlan, prefetch: int) -> tuple[StageProgram, ...]:
         progs = self._programs.get(plan)
@@ -471,3 +477,17 @@ class _PlanState:
             progs = tuple(build_programs(self.schedule, plan, prefetch))
             self._programs = {plan: progs}  # keep only the current plan's programs
         return progs
+
+    def unit_times_for(self, plan: FrequencyPlan) -> tuple[tuple[float, ...], ...] | None:
+        """Each unit's predicted time at its clock in ``plan`` (None: a clock the profile lacks)."""
+        if self.profile is None:
+            return None
+        if plan not in self._times:
+            try:
+                times = tuple(tuple(self.profile.time_s(s, instruction_of(u.kind), f, u.chunk)
+                                    for u, f in zip(order, plan.freqs_mhz[s], strict=True))
+                              for s, order in enumerate(self.schedule.orders))
+            except ProfileError:
+                times = None
+            self._times = {plan: times}  # keep only the current plan's
+        return self._times[plan]

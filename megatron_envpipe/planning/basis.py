@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.gpu_specs import GpuSpec
 from megatron_envpipe.core.instructions import paired_hold_dependencies
 from megatron_envpipe.core.memory import AUTO
@@ -86,6 +87,12 @@ class PlannerConfig:
     # Slack kept behind every unit planned below f_max, as a fraction of its time (planned as if it
     # ran that much longer), so unit-time jitter does not delay the iteration. Predictions stay nominal.
     timing_margin: float = 0.0
+    # Clock changes that take time to land (core/clock_transitions.py): > 0 scores the plan and its baseline as
+    # they run when a lock reaches the SMs this many seconds after its request (clock_call_s of it on the clock
+    # worker), raises led ahead of their boundary when clock_lead (--envpipe-clock-lead on). 0: at once (today).
+    clock_latency_s: float = 0.0
+    clock_call_s: float = 0.0
+    clock_lead: bool = True
 
     def __post_init__(self) -> None:
         # Strings ("optimal", "ours") become the vocabulary's members, which compare equal to them.
@@ -143,7 +150,18 @@ class PlannerConfig:
         if not 0 <= self.timing_margin <= MAX_TIMING_MARGIN:
             raise PlannerError(f"timing margin must be a fraction between 0 and {MAX_TIMING_MARGIN:g} of a unit's "
                                f"time (0.02 = 2 %), got {self.timing_margin}")
+        ClockLead(self.clock_latency_s, self.clock_lead)  # ClockLeadError (a UsageError): what is wrong
+        if not isinstance(self.clock_call_s, int | float) or not 0 <= self.clock_call_s <= self.clock_latency_s:
+            raise PlannerError(f"clock call time must be between 0 and the clock latency ({self.clock_latency_s:g} s), "
+                               f"got {self.clock_call_s!r}")
         return self
+
+    @property
+    def clock_lead_rule(self) -> ClockLead | None:
+        """The clock-lead rule plans are scored with (None: clock changes land at once)."""
+        if self.clock_latency_s == 0:
+            return None
+        return ClockLead(latency_s=self.clock_latency_s, enabled=self.clock_lead)
 
     def _validate_virtual_stages(self) -> None:
         """Interleaved needs V >= 2 chunks per rank and keeps Megatron's order; 1f1b and ours plan one chunk."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from megatron_envpipe.core.clock_transitions import predict_with_latency
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.timeline import PlanEvaluator
@@ -56,7 +57,37 @@ def plan_envpipe(
         rescore_without_margin(result, profile)
         if result.deadline_s is not None:  # energies at the target: the nominal prediction, as energy_saving
             account_optimal(result, lp_gap=False)
+    if config.clock_lead_rule is not None:
+        rescore_with_clock_latency(result, profile)
+        if result.deadline_s is not None:  # the LP gap stays its own problem's (no latency in the bound)
+            account_optimal(result, lp_gap=False)
     return result
+
+
+def rescore_with_clock_latency(result: PlanResult, profile: Profile) -> None:
+    """Score ``result``'s plan and baseline as they run when clock changes land ``clock_latency_s`` late
+    (core/clock_transitions.py): the prediction, energy and saving then include what the lead (or a late
+    clock) costs; ``details['clock_latency']`` keeps the figures without latency beside it."""
+    t0 = time.perf_counter()
+    cfg = result.config
+    lead = cfg.clock_lead_rule
+    before = {"iteration_time_s": result.score.iteration_time_s, "energy_j": result.energy_j,
+              "energy_saving": result.energy_saving}
+    p2p = cfg.effective_p2p_power_w
+    evaluator = PlanEvaluator(result.schedule, profile, p2p, graph=result.timeline.graph)
+    freqs = [f for row in result.plan.freqs_mhz for f in row]
+    run = predict_with_latency(evaluator, freqs, lead, nvml_call_s=cfg.clock_call_s)
+    base_eval = PlanEvaluator(result.baseline_plan.schedule, profile, p2p, graph=result.baseline_timeline.graph)
+    base = predict_with_latency(base_eval, [f for row in result.baseline_plan.freqs_mhz for f in row], lead,
+                                nvml_call_s=cfg.clock_call_s)
+    result.timeline, result.score = run.timeline, run.score
+    result.baseline_timeline, result.baseline = base.timeline, base.score
+    result.details["clock_latency"] = {
+        "latency_s": lead.latency_s, "call_s": cfg.clock_call_s, "lead": "on" if lead.enabled else "off",
+        "requests": run.requests, "led": run.led, "late_raises": run.late_raises,
+        "without_latency": before,
+    }
+    result.planner_seconds += time.perf_counter() - t0
 
 
 def rescore_without_margin(result: PlanResult, profile: Profile) -> None:

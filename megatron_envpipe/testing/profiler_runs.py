@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics
 from megatron_envpipe.core.gpu_specs import GpuSpec
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.resources import shipped_profile
@@ -32,13 +33,17 @@ __all__ = ["PlanCheck", "a40_three_stages", "low_valley_profile", "plan_check", 
            "host_lost_time_s", "restrict_profile"]
 
 INSTRUCTIONS = ("forward", "backward")
+# A stepped counter is polled at least this often per update (NVML: 100 ms / a 2-10 ms poller).
+POLLS_PER_COUNTER_UPDATE = 10
 
 
 def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w: float, time_scale: float = 0.01,
                               microbatches: int = 4, poll_interval_s: float = 0.002, timing: str = "device",
                               virtual_time: bool = False,
                               host_delays: dict[tuple[int, str, int], list[float]] | None = None,
-                              host_load: list[float] | None = None) -> float:
+                              host_load: list[float] | None = None,
+                              dynamics: DeviceDynamics = EXACT,
+                              counter_periods_s: list[float | None] | None = None) -> float:
     """Run ``sweep`` to the end on one simulated GPU per stage of ``truth``; returns the seconds it took.
 
     What the runtime does per profiling iteration, in real time: lock the sweep's clock on every
@@ -54,10 +59,19 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
     overhead plus every delay the host suffered (run queue, GIL, hypervisor steal), summed.
     ``host_load``: gets ``[lost seconds, wall seconds]`` of the run, the lost time as the kernel
     reports it (:func:`host_lost_time_s`), independent of the code measured; empty where unknown.
+    ``dynamics``: the simulated GPUs' (:mod:`megatron_envpipe.core.device_dynamics`): a stepped
+    counter is polled at least ten times per update (as NVML's ~100 ms counter is by a 2-10 ms
+    poller), and after each lock the run waits the clock latency before the first unit, so that
+    every unit runs at the swept clock. The monitors measure the counter's period themselves;
+    ``counter_periods_s`` gets each stage's as measured (device seconds; 0: exact).
     """
     vc = VirtualClock() if virtual_time else None
     clock, sleep = (vc.now, vc.sleep) if vc is not None else (time.monotonic, time.sleep)
-    gpus = [SimulatedGpu(truth, s, time_scale=time_scale, p2p_power_w=p2p_power_w, clock=clock, sleep=sleep)
+    if dynamics.counter_period_s > 0:
+        poll_interval_s = min(poll_interval_s, dynamics.counter_period_s * time_scale / (POLLS_PER_COUNTER_UPDATE + 0.37))
+    extra = {} if dynamics.exact else {"dynamics": dynamics}  # EXACT: the device exactly as before
+    gpus = [SimulatedGpu(truth, s, time_scale=time_scale, p2p_power_w=p2p_power_w, clock=clock, sleep=sleep,
+                         **extra)
             for s in range(truth.num_stages)]
     if vc is None:
         monitors = [EnergyMonitor(g, poll_interval_s=poll_interval_s).start() for g in gpus]
@@ -73,6 +87,8 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
             freq = sweep.next_clock()
             for g in gpus:
                 g.set_locked_clocks(freq)
+            if dynamics.clock_latency_s > 0:
+                sleep(dynamics.clock_latency_s * time_scale)  # lock, then wait until the SMs run at it
             per_stage = []
             for s, g in enumerate(gpus):
                 units, blocking = [], []
@@ -92,13 +108,23 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
                             row[0] += (units[-1][2] - units[-1][1]) - (end_s - begin_s)
                             row[1] += 1
                 if vc is not None:
-                    vc.sleep(poll_interval_s)  # the poller's next read covers the last window (wait_covered)
+                    # Until the poller's trace covers the last window (wait_covered): the next read, or
+                    # with a stepped counter the first read after its next update.
+                    end_s = max(w[2] for w in units)
+                    vc.sleep(poll_interval_s)
+                    for _ in range(4 * POLLS_PER_COUNTER_UPDATE):
+                        if (monitors[s].covered_until() or -math.inf) >= end_s:
+                            break
+                        vc.sleep(poll_interval_s)
                 per_stage.append(stage_samples(monitors[s], units, blocking, time_scale=time_scale))
             sweep.record(freq, per_stage)
         lost1 = host_lost_time_s() if lost0 is not None else None  # before the pollers' threads end
         if lost0 is not None and lost1 is not None:
             host_load[:] = [lost1 - lost0, clock() - t0]
     finally:
+        if counter_periods_s is not None:
+            counter_periods_s[:] = [None if m.measured_period_s is None else m.measured_period_s / time_scale
+                                    for m in monitors]
         for mon in monitors:
             mon.stop()
         for g in gpus:
