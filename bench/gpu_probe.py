@@ -23,7 +23,7 @@ Steps (see docs/gpu-probe.md):
    supported, fixed batch) at every ``--step`` MHz from the maximum (always
    included); per clock ``--reps`` repetitions; time from CUDA events, energy
    from NVML's cumulative counter over windows of repeated units at least
-   ``--min-window-s`` long (the counter moves in ~10 ms steps). Written as a
+   ``--min-window-s`` long (the counter moves in steps, ~100 ms on A100). Written as a
    Perseus-format CSV (``stage,instruction,frequency,time,energy``, stage 0,
    seconds and joules per unit), readable by ``envpipe plan --profile``.
 

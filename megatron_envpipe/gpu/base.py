@@ -94,7 +94,7 @@ class GpuDevice(ABC):
 
     @abstractmethod
     def energy_mj(self) -> float:
-        """Cumulative energy counter in millijoules (monotonic; NVML updates it every ~10 ms)."""
+        """Cumulative energy counter in millijoules (monotonic; NVML updates it about every 100 ms on A100)."""
 
     @abstractmethod
     def power_w(self) -> float:

@@ -57,8 +57,8 @@ from megatron_envpipe.gpu.sweep import StageSamples, UnitWindow, stage_samples
 
 log = logging.getLogger("megatron_envpipe")
 
-# Blocking windows shorter than this are dominated by the counter's ~10 ms
-# update period at their edges; the P2P power fit ignores them.
+# Blocking windows shorter than this are dominated by the energy counter's steps at their edges (the
+# monitor stamps each step at its fitted update time, gpu/counter_ticks.py); the P2P power fit ignores them.
 MIN_BLOCKING_WINDOW_S = 0.02
 
 # What energy measurement and clock control may raise at the device boundary: our

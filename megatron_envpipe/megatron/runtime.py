@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig, load_profile
+from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY
 from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
 from megatron_envpipe.core.instructions import StageProgram, build_programs
 from megatron_envpipe.core.interleaved import interleaved_schedule
@@ -424,7 +425,12 @@ class EnvPipeRuntime:
         self.budgets[(num_stages, num_microbatches)] = budget
         chunks = {} if self.num_chunks == 1 else {"virtual_stages": self.num_chunks,
                                                   "microbatch_group_size": self.microbatch_group_size}
-        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget, **chunks)
+        # The plan is scored with the clock latency the hooks lead raises by (gpu/hooks.expected_clock_lead):
+        # the simulated GPU's own, else the assumed default for real GPUs.
+        latency = cfg.device_dynamics.clock_latency if self.device.simulated else DEFAULT_CLOCK_LATENCY
+        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget, **chunks,
+                                  clock_latency_s=latency.request_to_clock_s, clock_call_s=latency.call_s,
+                                  clock_lead=cfg.clock_lead == "on")
         if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
             pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
         result = self._plan_within(profile, num_microbatches, pcfg)
