@@ -93,7 +93,8 @@ class EnvPipeConfig:
     profile_step_mhz: int | None = None  # start-up profiler clock spacing (default: GPU table)
     profile_iterations: int = 2  # profiled iterations per clock until two agree (gpu/sweep.py); 1: always one
     profile_cache: str | None = None  # cache dir ("off" disables); default ~/.cache/megatron-envpipe
-    sim_time_scale: float = 0.02  # simulated GPU: wall seconds per simulated second
+    sim_time: str = "virtual"  # simulated GPU: its own virtual clock (megatron/device_time.py) or scaled wall time
+    sim_time_scale: float = 0.02  # simulated GPU, wall time: wall seconds per simulated second
     sim_jitter: float = 0.0  # simulated GPU: unit-time noise, a fraction of the unit's time (seeded per stage)
     # Simulated GPU's departures from an ideal one (core.device_dynamics): a preset or TOML file, and
     # single figures over it (None: the preset's).
@@ -151,8 +152,10 @@ class EnvPipeConfig:
             bad(f"--envpipe-sim-jitter {show(self.sim_jitter)} adds noise to the simulated GPU only: add "
                 "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-jitter")
         self._validate_dynamics()
-        if self.clock_lead not in ("on", "off"):
-            bad(f"--envpipe-clock-lead {self.clock_lead!r}: choose on or off")
+        for flag, value, choices in (("--envpipe-clock-lead", self.clock_lead, ("on", "off")),
+                                     ("--envpipe-sim-time", self.sim_time, ("virtual", "wall"))):
+            if value not in choices:
+                bad(f"{flag} {value!r}: choose {' or '.join(choices)}")
         if self.gpu is not None and self.gpu not in ("auto", "none", "nvml"):
             if self.gpu.startswith("simulated"):
                 _, _, source = self.gpu.partition(":")
@@ -551,8 +554,11 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    "(then one per clock, plus clocks near the valley); 1: one per clock, nothing more")
     g.add_argument("--envpipe-profile-cache", dest="envpipe_profile_cache", default=None,
                    help="profile cache directory, or 'off' (default ~/.cache/megatron-envpipe/profiles)")
+    g.add_argument("--envpipe-sim-time", dest="envpipe_sim_time", choices=("virtual", "wall"), default=d.sim_time,
+                   help="simulated GPU: virtual (default: each GPU's own clock, kept consistent by timestamps over "
+                        "the pipeline; host speed takes no GPU time) or wall (scaled wall time)")
     g.add_argument("--envpipe-sim-time-scale", dest="envpipe_sim_time_scale", type=float, default=d.sim_time_scale,
-                   help="simulated GPU: wall seconds per simulated second (default 0.02)")
+                   help="simulated GPU with --envpipe-sim-time wall: wall seconds per simulated second (default 0.02)")
     g.add_argument("--envpipe-sim-jitter", dest="envpipe_sim_jitter", type=fraction, default=d.sim_jitter,
                    help="simulated GPU: unit-time noise as a fraction of the unit's time, e.g. 0.03 or 3%% "
                         "(normal, clipped at 3 sigma, seeded per stage; default 0)")

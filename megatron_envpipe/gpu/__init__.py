@@ -15,6 +15,7 @@ from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics
 from megatron_envpipe.core.gpu_specs import spec_for_profile_source
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu.base import (
     PERMISSION_HINT,
     GpuDevice,
@@ -50,6 +51,7 @@ def open_gpu(
     num_chunks: int = 1,
     jitter: float = 0.0,
     dynamics: DeviceDynamics = EXACT,
+    virtual_clock: VirtualClock | None = None,
 ) -> GpuDevice:
     """The device this rank trains on, per ``--envpipe-gpu``.
 
@@ -59,7 +61,9 @@ def open_gpu(
     (a longer profile emulates a shorter pipeline: first P-1 stages and the last), and
     ``num_chunks`` V > 1 makes each unit one of V equal model chunks (1/V of a stage's row),
     ``jitter`` adds seeded unit-time noise (a fraction of the unit's time), and ``dynamics`` how the
-    simulated GPU departs from an ideal one (clock latency, stepped counter, heat).
+    simulated GPU departs from an ideal one (clock latency, stepped counter, heat); with ``virtual_clock``
+    the simulated GPU runs on it (virtual time: ``time_scale`` is 1, nothing sleeps for real), else on
+    ``time.perf_counter`` scaled by ``time_scale``.
     """
     spec = spec or "auto"
     if spec == "none":
@@ -74,9 +78,11 @@ def open_gpu(
         if p2p_power_w is None:  # a custom profile names no GPU of the table: no blocking power
             table_spec = spec_for_profile_source(source)
             p2p_power_w = table_spec.p2p_power_w if table_spec else 0.0
-        # perf_counter: the executor's and the energy monitor's clock.
-        return SimulatedGpu(profile, stage, time_scale=time_scale, p2p_power_w=p2p_power_w,
-                            name=f"Simulated GPU ({source})", clock=time.perf_counter, jitter=jitter,
+        # perf_counter: the executor's and the energy monitor's clock (or the device's virtual one).
+        timebase = {"clock": time.perf_counter} if virtual_clock is None else {
+            "clock": virtual_clock.now, "sleep": virtual_clock.sleep, "time_scale": 1.0}
+        return SimulatedGpu(profile, stage, **{"time_scale": time_scale, **timebase}, p2p_power_w=p2p_power_w,
+                            name=f"Simulated GPU ({source})", jitter=jitter,
                             dynamics=dynamics)
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")

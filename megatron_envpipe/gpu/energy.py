@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.base import GpuDevice
 from megatron_envpipe.gpu.counter_ticks import TickGrid
@@ -177,6 +178,13 @@ class EnergyMonitor:
         self._poll_once()  # the trace starts now, not one poll interval later
         self._thread = threading.Thread(target=self._run, name="envpipe-energy-monitor", daemon=True)
         self._thread.start()
+        return self
+
+    def start_on(self, clock: VirtualClock) -> "EnergyMonitor":
+        """Poll inside ``clock``'s sleeps, every poll interval of simulated time, instead of on a
+        thread (a simulated GPU in virtual time: a thread would read the clock standing still)."""
+        self._poll_once()
+        clock.every(self.poll_interval_s, self._poll_once)
         return self
 
     def stop(self) -> None:
@@ -348,12 +356,10 @@ class EnergyMonitor:
         """An exact counter read unchanged at ``t`` (lock held): a sample of a flat stretch at
         zero power, else a stall. Returns whether recorded."""
         self._last_read_s = max(t, self._last_read_s or t)
-        if self._stall_from is not None or not self._times:
-            return False
+        if self._stall_from is not None or not self._times or t <= self._times[-1]:
+            return False  # (no time passed since the last sample: a virtual clock's reads; no evidence)
         if power_w is None or power_w >= ZERO_POWER_W:
             self._open_stall()
-            return False
-        if t <= self._times[-1]:
             return False
         if len(self._times) >= 2 and self._energies_mj[-2] == self._energies_mj[-1]:
             self._times[-1] = t  # extend the flat stretch rather than adding a sample per poll

@@ -42,6 +42,7 @@ from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.schedule import Unit
+from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.base import GpuDevice
 from megatron_envpipe.gpu.clocks import ClockController, DelayedEvent
@@ -111,12 +112,15 @@ class EnergyStatus:
 class GpuHooks(ExecutionHooks):
     def __init__(self, device: GpuDevice, *, control: bool, cuda: bool, time_scale: float = 1.0,
                  guard: Any = None, poll_interval_s: float = 0.002, lost: str | None = None,
-                 clock_lead: ClockLead | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
+                 clock_lead: ClockLead | None = None, sleep: Callable[[float], None] = time.sleep,
+                 virtual_clock: VirtualClock | None = None) -> None:
         """``lost``: why clock control is off from the start (a start-up lock accepted but not
         reached): the controller falls back to monitor-only at once, logged and reported as
         a loss mid-run would be. ``clock_lead``: request raises ahead of their boundary by its
         latency (None: every change at the boundary); ``sleep``: how the clock worker waits
-        out a lead's offset on a real GPU."""
+        out a lead's offset on a real GPU. ``virtual_clock``: the clock a simulated GPU runs on in
+        virtual time (megatron/device_time.py): iteration edges, windows and the energy trace use
+        it, and the trace is sampled inside its sleeps; ``time_scale`` is then 1."""
         self.device = device
         self.clock_lead = clock_lead
         self._sleep = sleep
@@ -126,8 +130,10 @@ class GpuHooks(ExecutionHooks):
         self._led_mhz: int | None = None  # a raise already requested for the coming boundary
         self.led = 0  # raises requested ahead of their boundary
         self.cuda = cuda
-        self.time_scale = time_scale
-        self.clock = time.perf_counter  # the executor's host clock: windows and monitor agree
+        self.time_scale = 1.0 if virtual_clock is not None else time_scale
+        self.virtual_clock = virtual_clock
+        # The executor's clock: windows and monitor agree (the host's, or the device's virtual one).
+        self.clock = virtual_clock.now if virtual_clock is not None else time.perf_counter
         self.controller: ClockController | None = None
         if control or lost is not None:
             self.controller = ClockController(device, guard, on_error="monitor")
@@ -135,7 +141,11 @@ class GpuHooks(ExecutionHooks):
                 self.controller.fall_back(lost)
         self.monitor: EnergyMonitor | None = None
         if device.backend != "none":
-            self.monitor = EnergyMonitor(device, poll_interval_s=poll_interval_s, clock=self.clock).start()
+            self.monitor = EnergyMonitor(device, poll_interval_s=poll_interval_s, clock=self.clock)
+            if virtual_clock is not None:
+                self.monitor.start_on(virtual_clock)
+            else:
+                self.monitor.start()
         self._meter: IterationEnergyMeter | None = None
         self.stage = 0
         self.iteration = 0

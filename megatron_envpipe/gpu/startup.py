@@ -78,13 +78,15 @@ class StageDevice:
     control: bool  # this rank will lock clocks
     energy: bool  # this rank measures energy
     simulated: bool = False
+    time_scale: float = 1.0  # clock seconds per device second (a simulated GPU in scaled wall time)
 
     @classmethod
     def of(cls, device: GpuDevice, control: bool) -> "StageDevice":
         info = device.info()
         return cls(backend=device.backend, name=info.name, driver_version=info.driver_version,
                    clocks_mhz=tuple(device.supported_clocks_mhz()), control=control,
-                   energy=device.backend != "none", simulated=device.simulated)
+                   energy=device.backend != "none", simulated=device.simulated,
+                   time_scale=float(getattr(device, "time_scale", 1.0)))
 
     @classmethod
     def absent(cls) -> "StageDevice":
@@ -103,6 +105,9 @@ class DeviceFacts:
     control: bool  # clocks can be locked on every stage
     energy: bool  # energy is measured
     simulated: bool = False
+    # Clock seconds per device second: measured times are divided by it (1 but for a simulated
+    # GPU in scaled wall time, --envpipe-sim-time wall).
+    time_scale: float = 1.0
 
 
 def combine_stage_devices(everyone: Sequence[StageDevice]) -> DeviceFacts:
@@ -119,4 +124,5 @@ def combine_stage_devices(everyone: Sequence[StageDevice]) -> DeviceFacts:
         clocks_mhz=tuple(sorted(common, reverse=True)),
         control=all(e.control for e in everyone) and bool(common),
         energy=all(e.energy for e in everyone), simulated=any(e.simulated for e in everyone),
+        time_scale=first.time_scale,
     )

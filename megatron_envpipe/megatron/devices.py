@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu import open_gpu
 from megatron_envpipe.gpu.clock_proof import cuda_spin_load
 from megatron_envpipe.gpu.hooks import GpuHooks, expected_clock_lead
 from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control, combine_stage_devices
+from megatron_envpipe.megatron.device_time import DeviceTimeLink
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.memory import memory_source
 from megatron_envpipe.megatron.state import ExecutorState
@@ -60,16 +62,20 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
         mine = StageDevice.absent()
     else:
         cuda = torch_device.type == "cuda"
+        # A simulated GPU in virtual time runs on its own clock, stamped over the pipeline.
+        virtual = VirtualClock() if (cfg.gpu or "").startswith("simulated") and cfg.sim_time == "virtual" else None
         device = open_gpu(cfg.gpu or "auto", torch.cuda.current_device() if cuda else None,
                           stage=groups.stage, num_stages=groups.num_stages, time_scale=cfg.sim_time_scale,
                           p2p_power_w=cfg.p2p_power_w, cuda=cuda, num_chunks=num_chunks, jitter=cfg.sim_jitter,
-                          dynamics=cfg.device_dynamics)
+                          dynamics=cfg.device_dynamics, virtual_clock=virtual)
         # A real GPU idle during the trial lock may park its clock: keep it busy meanwhile.
         load = cuda_spin_load() if cuda and device.backend == "nvml" else None
         decision = clock_control(device, cfg, groups.stage, load=load)
         state.use_hooks(GpuHooks(device, control=decision.control, cuda=cuda, lost=decision.lost,
-                                 time_scale=cfg.sim_time_scale if device.simulated else 1.0,
-                                 clock_lead=expected_clock_lead(device, cfg.clock_lead == "on")))
+                                 time_scale=cfg.sim_time_scale if device.simulated and virtual is None else 1.0,
+                                 virtual_clock=virtual, clock_lead=expected_clock_lead(device, cfg.clock_lead == "on")))
+        if virtual is not None:
+            state.device_time = DeviceTimeLink.create(virtual, groups.pp_group, num_chunks, cfg.comm_timeout_s)
         mine = StageDevice.of(device, decision.control)
     facts = combine_stage_devices(groups.agree(groups.gather_stages(mine)))
     runtime.attach_device(facts, _profile_cache_key(layout_key, facts))

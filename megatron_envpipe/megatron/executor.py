@@ -47,6 +47,7 @@ from megatron_envpipe.core.schedule import B, F, Unit
 from megatron_envpipe.core.vocabulary import Scheduling
 from megatron_envpipe.megatron.channels import CommError, CommTimeoutError, P2PTransfers
 from megatron_envpipe.megatron.compat import call_backward_step, call_forward_step
+from megatron_envpipe.megatron.device_time import DeviceTimeLink
 from megatron_envpipe.megatron.devices import profile_layout_key, setup_device
 from megatron_envpipe.megatron.dispatch import Handler, checked_handler_table
 from megatron_envpipe.megatron.grad_sync import GradSync, InterleavedSync, OneChunkSync
@@ -256,6 +257,7 @@ class StageIteration:
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self.sync: GradSync | None = None  # set by run(): Megatron's grad/param sync rules
         self.timer: UnitTimer | None = None  # set by run() when the plan measures
+        self.device_time: DeviceTimeLink | None = None  # set by run(): a simulated GPU in virtual time
         self.memory: MemoryProbe | None = None  # set by run() when the plan measures memory
 
     def handler_table(self) -> dict[type[ins.Instruction], Handler]:
@@ -314,6 +316,7 @@ class StageIteration:
             runtime = self.runtime
             runtime.profile, runtime.profile_p2p_power_w = self.groups.agree(
                 self.groups.gather_stages((runtime.profile, runtime.profile_p2p_power_w)))[0]
+        self.device_time = STATE.device_time
         plan = self._prepare()
         self._check_deadlock(plan)
         program = plan.programs[self.stage].instructions
@@ -337,7 +340,8 @@ class StageIteration:
         self.hooks.iteration_begin(self.stage, self.runtime.iteration)
         self.hooks.clock_plan(order, plan.plan.freqs_mhz[self.stage],
                               plan.unit_times_s[self.stage] if plan.unit_times_s is not None else None)
-        self.timer = UnitTimer(self.device, host_sync=plan.profiling) if plan.measure else None
+        device_clock = self.device_time.clock.now if self.device_time is not None else None
+        self.timer = UnitTimer(self.device, host_sync=plan.profiling, clock=device_clock) if plan.measure else None
         if plan.measure_memory:
             self.memory = MemoryProbe(self.device, self.runtime.config.sim_memory)
             self.memory.iteration_begin()
@@ -386,6 +390,8 @@ class StageIteration:
             # (~3 % of a 4-stage iteration's energy) that measured ones count. The condition is the
             # pipeline's, so every rank joins or none does.
             self.groups.gather_stages(None)
+        if self.device_time is not None:  # virtual time: the same, on the device clocks
+            self.device_time.iteration_end()
         self.hooks.iteration_end(measurement)
         if profiling and timer is not None:
             windows, blocking = timer.host_windows(order)
@@ -399,11 +405,15 @@ class StageIteration:
 
     # -- handlers: compute -------------------------------------------------------------
     def _run_unit(self, unit: Unit, compute: Callable[[int, int], None]) -> None:
-        timer = self.timer
+        timer, link = self.timer, self.device_time
+        if link is not None:  # virtual time: the device waits for its input's device time
+            link.before_unit(unit)
         begin = timer.compute_begins() if timer is not None else 0
         self.hooks.unit_begin(unit)
         compute(unit.microbatch, unit.chunk)
         self.hooks.unit_end(unit)
+        if link is not None:
+            link.after_unit(unit)
         if timer is not None:
             timer.compute_ends(begin)
 
@@ -500,5 +510,7 @@ class StageIteration:
         self.outputs.clear()
         self.grads_in.clear()
         self.grads_out.clear()
+        if self.device_time is not None:
+            self.device_time.abandon()
         if self.sync is not None:
             self.sync.abandon()

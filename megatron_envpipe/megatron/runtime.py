@@ -268,7 +268,7 @@ class EnvPipeRuntime:
         """Per-stage :class:`~megatron_envpipe.gpu.energy.IterationEnergy` of one iteration -> a report."""
         if not stage_energy or not self.measures_energy:
             return None
-        scale = self.config.sim_time_scale if self.device.simulated else 1.0
+        scale = self.device.time_scale  # the device's, not the flag's: 1 in virtual time
         time_s = max(e.time_s for e in stage_energy) / scale
         energy = sum(e.energy_j for e in stage_energy)
         power = tuple(e.energy_j / (e.time_s / scale) if e.time_s > 0 else 0.0 for e in stage_energy)
@@ -451,8 +451,7 @@ class EnvPipeRuntime:
             step = pcfg.effective_reconfig_step_mhz
             target = None
             if result.deadline_s is not None:  # "optimal": correct only iterations slower than its deadline
-                simulated = self.device is not None and self.device.simulated
-                target = result.deadline_s * (cfg.sim_time_scale if simulated else 1.0)
+                target = result.deadline_s * (self.device.time_scale if self.device is not None else 1.0)
             rc = Reconfigurer(result.plan, cfg.reconfig, ClockLadder(candidates, step),
                               finish_limit=cfg.finish_limit, threshold_scale=cfg.threshold_scale,
                               target_time_s=target, window=cfg.reconfig_window,

@@ -18,6 +18,7 @@ from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.instructions import Instruction
 from megatron_envpipe.core.schedule import Schedule
 from megatron_envpipe.megatron.channels import PipelineChannels
+from megatron_envpipe.megatron.device_time import DeviceTimeLink
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
 __all__ = ["STATE", "ExecutorState"]
@@ -38,6 +39,7 @@ class ExecutorState:
     channels: dict[tuple[tuple[int, ...], bool], PipelineChannels] = field(default_factory=dict)
     shown_program: tuple[Instruction, ...] | None = None  # the program last printed by --envpipe-verbose
     proved_schedule: Schedule | None = None  # the schedule whose programs check_deadlock last passed
+    device_time: DeviceTimeLink | None = None  # a simulated GPU's stamps in virtual time (set up with the device)
 
     def configure(self, runtime: EnvPipeRuntime, original: Callable[..., Any],
                   hooks: ExecutionHooks | None = None,
@@ -54,6 +56,7 @@ class ExecutorState:
         self.hooks = hooks or ExecutionHooks()
         self.user_hooks = hooks is not None
         self.device_ready = False
+        self.device_time = None
         self.warned = set()
         self.proved_schedule = None
         if old is not self.hooks:
@@ -66,6 +69,7 @@ class ExecutorState:
         self.hooks = ExecutionHooks()
         self.user_hooks = False
         self.device_ready = False
+        self.device_time = None
         self.original = None
         self.original_interleaved = None
         self.channels = {}

@@ -11,7 +11,7 @@ monitor attributes energy to.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,16 +28,21 @@ class UnitClock:
     CUDA: events on the compute stream (no synchronization), except in
     profiling iterations, where each mark synchronizes and reads the host clock
     so that windows line up with the energy monitor's samples. CPU: the host
-    clock. Host marks are absolute ``time.perf_counter()`` values.
+    clock. Host marks are absolute ``time.perf_counter()`` values. With ``clock``
+    (a simulated GPU in virtual time) every mark reads it instead.
     """
 
-    def __init__(self, device: torch.device, host_sync: bool = False) -> None:
+    def __init__(self, device: torch.device, host_sync: bool = False,
+                 clock: Callable[[], float] | None = None) -> None:
         self.cuda = device.type == "cuda"
-        self.host = not self.cuda or host_sync
+        self.host = not self.cuda or host_sync or clock is not None
         self.marks: list[Any] = []
+        self._device_clock = clock  # a simulated GPU's virtual clock: marks in device time
 
     def mark(self) -> int:
-        if not self.host:
+        if self._device_clock is not None:
+            self.marks.append(self._device_clock())
+        elif not self.host:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append(event)
@@ -66,8 +71,9 @@ class UnitClock:
 class UnitTimer:
     """Per unit: (wait begin, compute begin, compute end) marks on a :class:`UnitClock`."""
 
-    def __init__(self, device: torch.device, host_sync: bool = False) -> None:
-        self.clock = UnitClock(device, host_sync=host_sync)
+    def __init__(self, device: torch.device, host_sync: bool = False,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.clock = UnitClock(device, host_sync=host_sync, clock=clock)
         self.marks: list[tuple[int, int, int]] = []
         self._wait: int | None = None
         self._seconds: list[float] | None = None

@@ -1,0 +1,101 @@
+"""Simulated GPUs in virtual (Lamport) time across training processes (megatron/device_time.py).
+
+The stamps' producer/consumer rules, the energy monitor sampled inside a virtual clock's
+sleeps, and the example trained on 4 CPU ranks: every iteration after the plan is in place
+lasts exactly the plan's deadline and saves exactly the planned energy, however busy the host.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from megatron_envpipe.core.profile import Profile  # noqa: E402
+from megatron_envpipe.core.resources import shipped_profile  # noqa: E402
+from megatron_envpipe.core.schedule import B, F  # noqa: E402
+from megatron_envpipe.core.virtual_clock import VirtualClock  # noqa: E402
+from megatron_envpipe.gpu.energy import EnergyMonitor  # noqa: E402
+from megatron_envpipe.gpu.simulated import SimulatedGpu  # noqa: E402
+from megatron_envpipe.megatron.device_time import consumer_of, producer_of, stamp_tag  # noqa: E402
+from megatron_envpipe.megatron.localhost import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "train_tiny_gpt.py"
+
+
+@pytest.mark.parametrize(("stages", "chunks"), [(4, 1), (4, 2), (2, 3)])
+def test_every_stamp_has_one_producer_and_one_consumer(stages: int, chunks: int) -> None:
+    """consumer_of is producer_of's inverse over every unit; tags are unique per message."""
+    units = [(s, u) for s in range(stages) for m in range(6) for c in range(chunks) for u in (F(m, c), B(m, c))]
+    tags: set[tuple[int, int, int]] = set()
+    waits = 0
+    for s, unit in units:
+        peer = producer_of(unit, s, stages, chunks)
+        if peer is None:
+            continue
+        waits += 1
+        src, kind, m, c = peer
+        producer = F(m, c) if kind == 0 else B(m, c)
+        me = consumer_of(producer, src, stages, chunks)
+        assert me == (s, 0 if unit.is_forward else 1, unit.microbatch, unit.chunk), (s, unit, peer)
+        tag = stamp_tag(me[1], me[2], me[3], chunks)
+        assert (src, s, tag) not in tags
+        tags.add((src, s, tag))
+    # Every unit waits but the first virtual stage's forwards and the last virtual stage's backwards.
+    assert waits == len(units) - 2 * 6
+
+
+def test_energy_monitor_on_a_virtual_clock_is_exact_and_never_stalls() -> None:
+    """Reads at one virtual instant (the host working) are no evidence of a stalled counter."""
+    vc = VirtualClock()
+    profile = Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(4)
+    gpu = SimulatedGpu(profile, 0, p2p_power_w=75.0, clock=vc.now, sleep=vc.sleep)
+    monitor = EnergyMonitor(gpu, poll_interval_s=0.01, clock=vc.now).start_on(vc)
+    t0, e0 = monitor.read()
+    for _ in range(3):
+        gpu.unit_begin(0, "F")
+        monitor.read()  # same instant, the unit drawing power
+        monitor.read()
+        gpu.unit_end(0, "F")
+        monitor.read()
+        vc.sleep(0.05)  # blocked at P2P power
+    t1, e1 = monitor.read()
+    assert monitor.stalls == 0 and monitor.gap_in(t0, t1) is None
+    expected_j = 3 * (profile.point(0, "forward", gpu.model_clock_mhz).energy_j + 0.05 * 75.0)
+    assert (e1 - e0) / 1000.0 == pytest.approx(expected_j, rel=1e-12)
+    assert len(monitor.samples()) > 3 * 0.05 / 0.01  # the ticks sampled inside the sleeps
+
+
+def _energy_lines(flags: list[str], tmp_path: Path, iters: int) -> list[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(EXAMPLE), "--pipeline-model-parallel-size", "4",
+           "--device", "cpu", "--train-iters", str(iters), "--losses-out", str(tmp_path / "out.json"), *flags]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
+    return [line for line in output.splitlines() if "EnvPipe energy (simulated)" in line]
+
+
+def test_training_in_virtual_time_holds_the_plan_exactly(tmp_path: Path) -> None:
+    """The default (virtual time): every iteration lasts the plan's deadline and saves what was
+    planned, to the printed digit; in scaled wall time host overhead counted as GPU time (+2..370 %)."""
+    csv = tmp_path / "p4.csv"
+    Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(4).to_csv(csv)
+    lines = _energy_lines(["--envpipe-type", "optimal", "--envpipe-scheduling", "ours", "--envpipe-profile", str(csv),
+                           "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-log-interval", "1"], tmp_path, 4)
+    assert len(lines) == 4
+    for line in lines:
+        time_pct = re.search(r"time ([-+]\d+\.\d+)% vs the plan's", line)
+        saving = re.search(r"saving (-?\d+\.\d+)% \(planned (-?\d+\.\d+)%\)", line)
+        assert time_pct and saving, line
+        assert abs(float(time_pct.group(1))) < 0.005, line
+        assert saving.group(1) == saving.group(2), line
