@@ -426,11 +426,13 @@ class EnvPipeRuntime:
         chunks = {} if self.num_chunks == 1 else {"virtual_stages": self.num_chunks,
                                                   "microbatch_group_size": self.microbatch_group_size}
         # The plan is scored with the clock latency the hooks lead raises by (gpu/hooks.expected_clock_lead):
-        # the simulated GPU's own, else the assumed default for real GPUs.
-        latency = cfg.device_dynamics.clock_latency if self.device.simulated else DEFAULT_CLOCK_LATENCY
-        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget, **chunks,
-                                  clock_latency_s=latency.request_to_clock_s, clock_call_s=latency.call_s,
-                                  clock_lead=cfg.clock_lead == "on")
+        # the simulated GPU's own, else the assumed default for real GPUs; none without a device (offline).
+        timing: dict[str, Any] = {}
+        if self.device is not None and self.device.control:
+            latency = cfg.device_dynamics.clock_latency if self.device.simulated else DEFAULT_CLOCK_LATENCY
+            timing = {"clock_latency_s": latency.request_to_clock_s, "clock_call_s": latency.call_s,
+                      "clock_lead": cfg.clock_lead == "on"}
+        pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget, **chunks, **timing)
         if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
             pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
         result = self._plan_within(profile, num_microbatches, pcfg)
