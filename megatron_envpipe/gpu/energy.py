@@ -164,6 +164,7 @@ class EnergyMonitor:
         self._failing: BaseException | None = None  # the last read failed with this
         self._warned_read = False
         self._thread: threading.Thread | None = None
+        self._virtual: VirtualClock | None = None  # start_on()'s: polls run inside its sleeps
         self._stop = threading.Event()
         # counters, for reports
         self.read_errors = 0
@@ -185,6 +186,7 @@ class EnergyMonitor:
         thread (a simulated GPU in virtual time: a thread would read the clock standing still)."""
         self._poll_once()
         clock.every(self.poll_interval_s, self._poll_once)
+        self._virtual = clock
         return self
 
     def stop(self) -> None:
@@ -433,6 +435,14 @@ class EnergyMonitor:
         is answerable only after the next update. Raises at once for a stalled or
         failing counter, and on timeout, naming why.
         """
+        if self._thread is None and self._virtual is not None:
+            # Virtual time moves only when slept on: the device waits (idles) for its counter's next
+            # update, as a host would wait on a real GPU, up to a few update periods.
+            limit = self._virtual.now() + max(1.0, 5 * (self.counter_period_s or STEPPED_COUNTER_PERIOD_S))
+            while self.covered_until() is None or self.covered_until() < t - self.edge_tolerance_s:
+                if self._stall_from is not None or self._virtual.now() >= limit:
+                    break
+                self._virtual.sleep(self.poll_interval_s)
         if self._thread is None:
             with self._lock:
                 if self._times and self._times[-1] >= t - self.edge_tolerance_s:

@@ -23,6 +23,7 @@ from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.gpu.base import PERMISSION_HINT, GpuDevice, GpuPermissionError
 from megatron_envpipe.gpu.clock_proof import ClockProof, ProofOutcome, prove_clock_control
 from megatron_envpipe.gpu.safety import ClockGuard, default_guard
+from megatron_envpipe.gpu.simulated import SimulatedGpu
 
 __all__ = ["ClockDecision", "DeviceFacts", "StageDevice", "clock_control", "combine_stage_devices"]
 
@@ -53,7 +54,10 @@ def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int, guard: Cloc
         log.warning("EnvPipe: no GPU clock control (%s): the schedule is EnvPipe's, clocks stay as they are",
                     info.name)
         return ClockDecision(False)
-    proof = prove_clock_control(device, guard if guard is not None else default_guard(), load=load)
+    # Wait for the lock on the device's own time: a simulated GPU in virtual time moves only when slept on.
+    timebase = device.timebase if isinstance(device, SimulatedGpu) else {}
+    proof = prove_clock_control(device, guard if guard is not None else default_guard(), load=load,
+                                **({"clock": timebase[0], "sleep": timebase[1]} if timebase else {}))
     if proof.outcome == ProofOutcome.NOT_REACHED:
         # Logged once, by the hooks' clock controller falling back (GpuHooks(lost=...)).
         return ClockDecision(False, lost=f"clock check at start-up: {proof.message}", proof=proof)
