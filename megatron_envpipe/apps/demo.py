@@ -209,8 +209,11 @@ def training_runs(cfg: DemoConfig, gpu: str, out: Path) -> list[tuple[str, list[
               "--envpipe-profile-cache", str(out / "profiles"), "--envpipe-on-no-permission", "monitor"]
     clocks = len(range(855, 1741, cfg.profile_step_mhz)) if cfg.profile_step_mhz > 0 else 0  # else refused below
     sweep_iters = 2 + clocks * cfg.profile_iterations
+    # Both runs last equally long: a GPU warms up over minutes (drawing a few % more power), so each
+    # run's last iterations, the ones compared, are measured at the same time since a cold start.
     return [
-        ("baseline", ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b", *common], cfg.iterations + 2),
+        ("baseline", ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b", *common],
+         sweep_iters + cfg.iterations + 2),
         ("envpipe", ["--envpipe-type", cfg.plan_type, "--envpipe-scheduling", cfg.scheduling,
                      "--envpipe-reconfig", cfg.reconfig, "--envpipe-profile-step", str(cfg.profile_step_mhz),
                      "--envpipe-profile-iterations", str(cfg.profile_iterations), *common],
@@ -383,16 +386,16 @@ def training_failure(name: str, code: int, log: Path, ranks: Path) -> DemoTraini
     return DemoTrainingError(f"the {name} run failed: {exited}, with no error message (log: {log})")
 
 
-def _steady(run: dict[str, Any]) -> tuple[float, float, int]:
+def _steady(run: dict[str, Any], after: int = 0) -> tuple[float, float, int, int]:
     """Median (time_s, energy_j) per iteration over the last STEADY_ITERATIONS after the plan took over
-    (skipping its first)."""
+    (skipping its first) and after iteration ``after``; also the first iteration counted."""
     env = run.get("envpipe_run", {})
-    first = (env.get("planned_at_iteration") or 0) + 1
+    first = max((env.get("planned_at_iteration") or 0) + 1, after)
     reports = [e for e in env.get("energy", []) if e["iteration"] > first][-STEADY_ITERATIONS:]
     if not reports:
         raise DemoError(f"no energy was measured after iteration {first} (log {run['log']})")
     return (statistics.median(e["time_s"] for e in reports),
-            statistics.median(e["energy_j"] for e in reports), len(reports))
+            statistics.median(e["energy_j"] for e in reports), len(reports), reports[0]["iteration"] - 1)
 
 
 def _stock_losses(run: dict[str, Any]) -> list[float]:
@@ -460,8 +463,9 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     print(f"  done in {env['wall_s']:.0f} s (log {env['log']})\n")
 
     # 3. Results.
-    bt, be, bn = _steady(base)
-    et, ee, en = _steady(env)
+    et, ee, en, since = _steady(env)
+    # The same iterations of both runs: a GPU that warms up is compared at the same age.
+    bt, be, bn, _ = _steady(base, after=since)
     stock = [x.hex() for x in _stock_losses(base)]
     same = stock == [x.hex() for x in base["losses"]] == [x.hex() for x in env["losses"][: len(stock)]]
     what = "simulated" if simulated else "measured"
