@@ -55,6 +55,12 @@ ENVPIPE_PREFETCH=${ENVPIPE_PREFETCH:-2}                  # receives posted ahead
 ENVPIPE_COMM_TIMEOUT=${ENVPIPE_COMM_TIMEOUT:-300}        # s before a stuck P2P transfer raises
 ENVPIPE_SIM_TIME_SCALE=${ENVPIPE_SIM_TIME_SCALE:-0.02}   # simulated GPU: wall s per simulated s
 ENVPIPE_SIM_JITTER=${ENVPIPE_SIM_JITTER:-}               # simulated GPU: unit-time noise, e.g. 0.03; empty: none
+ENVPIPE_SIM_TIME=${ENVPIPE_SIM_TIME:-}                   # simulated GPU: virtual | wall; empty: virtual
+ENVPIPE_SIM_DYNAMICS=${ENVPIPE_SIM_DYNAMICS:-}           # simulated GPU: exact | realistic | FILE; empty: exact
+ENVPIPE_SIM_CLOCK_LATENCY_MS=${ENVPIPE_SIM_CLOCK_LATENCY_MS:-}    # simulated GPU: clock latency, ms; empty: the preset's
+ENVPIPE_SIM_COUNTER_PERIOD_MS=${ENVPIPE_SIM_COUNTER_PERIOD_MS:-}  # simulated GPU: energy-counter period, ms; empty: the preset's
+ENVPIPE_SIM_THERMAL_DRIFT=${ENVPIPE_SIM_THERMAL_DRIFT:-}          # simulated GPU: heat drift, e.g. 0.03; empty: the preset's
+ENVPIPE_CLOCK_LEAD=${ENVPIPE_CLOCK_LEAD:-on}             # request clock raises ahead of the boundary by the latency: on | off
 ENVPIPE_SIM_MEMORY=${ENVPIPE_SIM_MEMORY:-}               # memory model for max-inflight auto off CUDA: GIB_FREE,MIB_PER_MICROBATCH
 ENVPIPE_LOG_INTERVAL=${ENVPIPE_LOG_INTERVAL:-}           # plan/energy line every N iterations; empty: LOG_INTERVAL
 ENVPIPE_VERBOSE=${ENVPIPE_VERBOSE:-0}                    # 1: print each stage's instruction program
@@ -281,6 +287,12 @@ envpipe_compose_args() {
     _envpipe_opt --envpipe-timing-margin "$ENVPIPE_TIMING_MARGIN"
     _envpipe_opt --envpipe-reconfig-window "$ENVPIPE_RECONFIG_WINDOW"
     _envpipe_opt --envpipe-sim-jitter "$ENVPIPE_SIM_JITTER"
+    _envpipe_opt --envpipe-sim-time "$ENVPIPE_SIM_TIME"
+    _envpipe_opt --envpipe-sim-dynamics "$ENVPIPE_SIM_DYNAMICS"
+    _envpipe_opt --envpipe-sim-clock-latency-ms "$ENVPIPE_SIM_CLOCK_LATENCY_MS"
+    _envpipe_opt --envpipe-sim-counter-period-ms "$ENVPIPE_SIM_COUNTER_PERIOD_MS"
+    _envpipe_opt --envpipe-sim-thermal-drift "$ENVPIPE_SIM_THERMAL_DRIFT"
+    _envpipe_opt --envpipe-clock-lead "$ENVPIPE_CLOCK_LEAD"
     case "$ENVPIPE_VERBOSE" in
         1 | yes | true) ENVPIPE_ARGS+=(--envpipe-verbose) ;;
     esac
