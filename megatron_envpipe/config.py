@@ -15,6 +15,7 @@ Pure Python.
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -249,9 +250,9 @@ class EnvPipeConfig:
         except DeviceDynamicsError as exc:
             raise EnvPipeConfigError(f"--envpipe-sim-dynamics {self.sim_dynamics}: {exc}") from None
 
-    @property
+    @functools.cached_property
     def device_dynamics(self) -> DeviceDynamics:
-        """The simulated GPU's dynamics: ``--envpipe-sim-dynamics`` with the single-figure flags over it."""
+        """``--envpipe-sim-dynamics`` with the single-figure flags over it (file read once, by validate())."""
         return load_dynamics(self.sim_dynamics, configs_dir()).with_overrides(
             clock_latency_s=_ms_to_s(self.sim_clock_latency_ms), counter_period_s=_ms_to_s(self.sim_counter_period_ms),
             thermal_drift=self.sim_thermal_drift)

@@ -55,9 +55,10 @@ def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int, guard: Cloc
                     info.name)
         return ClockDecision(False)
     # Wait for the lock on the device's own time: a simulated GPU in virtual time moves only when slept on.
-    timebase = device.timebase if isinstance(device, SimulatedGpu) else {}
-    proof = prove_clock_control(device, guard if guard is not None else default_guard(), load=load,
-                                **({"clock": timebase[0], "sleep": timebase[1]} if timebase else {}))
+    timebase: dict[str, Callable] = {}
+    if isinstance(device, SimulatedGpu):
+        timebase["clock"], timebase["sleep"] = device.timebase
+    proof = prove_clock_control(device, guard if guard is not None else default_guard(), load=load, **timebase)
     if proof.outcome == ProofOutcome.NOT_REACHED:
         # Logged once, by the hooks' clock controller falling back (GpuHooks(lost=...)).
         return ClockDecision(False, lost=f"clock check at start-up: {proof.message}", proof=proof)
