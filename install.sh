@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # One-command set-up on a fresh machine: megatron-envpipe with its test, plot,
-# Megatron and NVML extras. torch is pinned first: an unpinned `torch` can pull
-# a multi-GB CUDA build, and 2.13.0 resolves to the local CPU wheel here.
-# On a GPU machine, install your CUDA torch first and run with TORCH_SPEC="".
+# Megatron and NVML extras, pip-installed into the current Python (nothing else).
+# torch is pinned to the version the tests ran with (2.13.0). The pin picks the
+# version, not the build: from PyPI on Linux torch 2.13.0 IS the CUDA build (GBs
+# of nvidia-* wheels, which also run on CPU); you get the CPU build only where pip
+# is configured with a CPU wheel source (a local wheelhouse, or
+# PIP_INDEX_URL=https://download.pytorch.org/whl/cpu). To keep the torch you
+# have (e.g. your own CUDA build), run with TORCH_SPEC="".
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

@@ -32,6 +32,9 @@ setup(
         "plot": ["matplotlib>=3.7"],
         # torch is pinned by the caller (CPU build in CI); any >=2.6 works.
         "megatron": ["torch>=2.6", "megatron-core>=0.16", "sentencepiece>=0.2"],
+        # `-m megatron_envpipe.megatron.pretrain_gpt --megatron-lm DIR`: what a Megatron-LM checkout imports beyond
+        # megatron-core (its own `mlm` extra: tokenizers, wandb; triton, which CPU builds of torch lack).
+        "megatron-lm": ["torch>=2.6", "megatron-core[mlm]>=0.16", "sentencepiece>=0.2", "triton; sys_platform == 'linux'"],
         "gpu": ["nvidia-ml-py>=12"],
         # --type optimal: the time-cost LP (HiGHS; scipy's linprog is the fallback).
         "optimal": ["numpy", "highspy>=1.7"],

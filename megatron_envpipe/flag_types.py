@@ -98,6 +98,7 @@ TRAINING_NUMBERS: dict[str, tuple[str, FlagRange, str]] = {
     "timing_margin": ("--envpipe-timing-margin", RANGES["timing_margin"], "0.01 (1 %)"),
     "reconfig_window": ("--envpipe-reconfig-window", RANGES["reconfig_window"], "3"),
     "log_interval": ("--envpipe-log-interval", RANGES["log_interval"], "1"),
+    "baseline_iterations": ("--envpipe-baseline-iterations", RANGES["baseline_iterations"], "2"),
     "max_slowdown": ("--envpipe-max-slowdown", RANGES["max_slowdown"], "0.05 (or 5%)"),
     "target_time_s": ("--envpipe-target-time", RANGES["target_time_s"], "8.5"),
     "switch_cost_j": ("--envpipe-switch-cost-j", RANGES["switch_cost_j"], "0.7"),
@@ -105,7 +106,7 @@ TRAINING_NUMBERS: dict[str, tuple[str, FlagRange, str]] = {
 }
 OPTIONAL_NUMBERS = frozenset({"p2p_power_w", "reconfig_step_mhz", "profile_step_mhz",
                               "target_time_s", "switch_cost_j", "max_clock_changes", "sim_clock_latency_ms",
-                              "sim_counter_period_ms", "sim_thermal_drift"})
+                              "sim_counter_period_ms", "sim_thermal_drift", "log_interval"})
 
 
 def is_whole(value: Any) -> bool:

@@ -62,7 +62,9 @@ ENVPIPE_SIM_COUNTER_PERIOD_MS=${ENVPIPE_SIM_COUNTER_PERIOD_MS:-}  # simulated GP
 ENVPIPE_SIM_THERMAL_DRIFT=${ENVPIPE_SIM_THERMAL_DRIFT:-}          # simulated GPU: heat drift, e.g. 0.03; empty: the preset's
 ENVPIPE_CLOCK_LEAD=${ENVPIPE_CLOCK_LEAD:-on}             # request clock raises ahead of the boundary by the latency: on | off
 ENVPIPE_SIM_MEMORY=${ENVPIPE_SIM_MEMORY:-}               # memory model for max-inflight auto off CUDA: GIB_FREE,MIB_PER_MICROBATCH
-ENVPIPE_LOG_INTERVAL=${ENVPIPE_LOG_INTERVAL:-}           # plan/energy line every N iterations; empty: LOG_INTERVAL
+ENVPIPE_LOG_INTERVAL=${ENVPIPE_LOG_INTERVAL:-}           # energy line every N iterations; empty: Megatron's --log-interval (LOG_INTERVAL)
+ENVPIPE_BASELINE_ITERATIONS=${ENVPIPE_BASELINE_ITERATIONS:-}   # 1F1B iterations at f_max measured as the baseline; empty: 2
+ENVPIPE_ENERGY_CSV=${ENVPIPE_ENERGY_CSV:-}               # per-GPU energy rows appended to this CSV; empty: none
 ENVPIPE_VERBOSE=${ENVPIPE_VERBOSE:-0}                    # 1: print each stage's instruction program
 # After torchrun, on every node: `envpipe reset-clocks` repairs GPUs whose clocks
 # the run left locked. force: also GPUs whose locking process still runs (a
@@ -270,8 +272,10 @@ envpipe_compose_args() {
         --envpipe-prefetch "$ENVPIPE_PREFETCH"
         --envpipe-comm-timeout "$ENVPIPE_COMM_TIMEOUT"
         --envpipe-sim-time-scale "$ENVPIPE_SIM_TIME_SCALE"
-        --envpipe-log-interval "${ENVPIPE_LOG_INTERVAL:-$LOG_INTERVAL}"
     )
+    _envpipe_opt --envpipe-log-interval "$ENVPIPE_LOG_INTERVAL"
+    _envpipe_opt --envpipe-baseline-iterations "$ENVPIPE_BASELINE_ITERATIONS"
+    _envpipe_opt --envpipe-energy-csv "$ENVPIPE_ENERGY_CSV"
     _envpipe_opt --envpipe-profile "$ENVPIPE_PROFILE"
     _envpipe_opt --envpipe-profile-cache "$ENVPIPE_PROFILE_CACHE"
     _envpipe_opt --envpipe-profile-step "$ENVPIPE_PROFILE_STEP"

@@ -107,6 +107,8 @@ RANGES: dict[str, FlagRange] = {
     "reconfig_window": FlagRange("int", 1, 100, _ITERATIONS, "a step would wait that many iterations"),
     # -- / --envpipe-log-interval
     "log_interval": FlagRange("int", 1, 10**6, _ITERATIONS, _TYPO),
+    # -- / --envpipe-baseline-iterations (0: the predicted baseline)
+    "baseline_iterations": FlagRange("int", 0, 1_000, _ITERATIONS, "each one runs at the maximum clock"),
     # -- / --envpipe-sim-time-scale (wall seconds per simulated second)
     "sim_time_scale": FlagRange("float", 0.0, 10.0, "", "slower than the GPU it simulates", low_open=True),
     # -- / --envpipe-sim-jitter

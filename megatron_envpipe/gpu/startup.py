@@ -4,6 +4,8 @@ Whether a rank may lock clocks is proven by trying (:func:`clock_control`, with
 :func:`~megatron_envpipe.gpu.clock_proof.prove_clock_control`): a refused lock takes
 the no-permission path (``--envpipe-on-no-permission``: stop, or measure only); a
 lock accepted but not reached makes the rank monitor-only, with the reason logged once.
+A rank without clock control says so once, in one line: what EnvPipe still does there
+(Megatron's own order; energy where the GPU has a counter) and what to ask an administrator for.
 
 Every rank of a pipeline opens its own device, describes it as a
 :class:`StageDevice`, and the executor gathers those over the pipeline;
@@ -25,9 +27,17 @@ from megatron_envpipe.gpu.clock_proof import ClockProof, ProofOutcome, prove_clo
 from megatron_envpipe.gpu.safety import ClockGuard, default_guard
 from megatron_envpipe.gpu.simulated import SimulatedGpu
 
-__all__ = ["ClockDecision", "DeviceFacts", "StageDevice", "clock_control", "combine_stage_devices"]
+__all__ = ["HOOKS_BACKEND", "NO_CONTROL_ADVICE", "ClockDecision", "DeviceFacts", "StageDevice", "clock_control",
+           "combine_stage_devices"]
 
 log = logging.getLogger("megatron_envpipe")
+
+# The backend of a rank whose hooks were given to install(): the hooks apply the clocks, not EnvPipe.
+HOOKS_BACKEND = "hooks"
+# What a rank without clock control asks for. Locked clocks (nvmlDeviceSetGpuLockedClocks) need root or
+# CAP_SYS_ADMIN whatever `nvidia-smi -acp` says: that unrestricts only application clocks.
+NO_CONTROL_ADVICE = ("to save energy, ask an administrator to run the job as root or with CAP_SYS_ADMIN "
+                     "(containers: --cap-add SYS_ADMIN), which locking GPU clocks needs (README: Not root?)")
 
 
 @dataclass(frozen=True)
@@ -51,8 +61,9 @@ def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int, guard: Cloc
     if cfg.plan_type == PlanType.BASELINE:
         return ClockDecision(False)
     if device.backend == "none":
-        log.warning("EnvPipe: no GPU clock control (%s): the schedule is EnvPipe's, clocks stay as they are",
-                    info.name)
+        log.warning("EnvPipe stage %d: no GPU clock control (%s): EnvPipe runs Megatron's own order and nothing "
+                    "else (no extra warm-up, no clock plan, no energy counter to read); to save energy, train on "
+                    "GPUs whose clocks this job may lock", stage, info.name)
         return ClockDecision(False)
     # Wait for the lock on the device's own time: a simulated GPU in virtual time moves only when slept on.
     timebase: dict[str, Callable] = {}
@@ -67,8 +78,9 @@ def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int, guard: Cloc
         return ClockDecision(True, proof=proof)
     if cfg.on_no_permission == "fail":
         raise GpuPermissionError(f"EnvPipe stage {stage}: {info.label()}: {proof.message}; {PERMISSION_HINT}")
-    log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only "
-                "(--envpipe-on-no-permission monitor)", stage, info.label(), proof.message)
+    log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only, per iteration, in "
+                "Megatron's own order (no extra warm-up, no clock plan; --envpipe-on-no-permission monitor); %s",
+                stage, info.label(), proof.message, NO_CONTROL_ADVICE)
     return ClockDecision(False, proof=proof)
 
 
@@ -76,7 +88,7 @@ def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int, guard: Cloc
 class StageDevice:
     """One rank's device as it reports it to the rest of the pipeline."""
 
-    backend: str  # nvml | simulated | none
+    backend: str  # nvml | simulated | none | hooks (given to install(): they apply the clocks)
     name: str
     driver_version: str
     clocks_mhz: tuple[int, ...]  # supported SM clocks
@@ -96,14 +108,15 @@ class StageDevice:
     @classmethod
     def absent(cls) -> "StageDevice":
         """A rank whose hooks were given to ``install()``: it drives no device of its own."""
-        return cls(backend="none", name="none", driver_version="", clocks_mhz=(), control=False, energy=False)
+        return cls(backend=HOOKS_BACKEND, name="hooks given to install()", driver_version="", clocks_mhz=(),
+                   control=False, energy=False)
 
 
 @dataclass(frozen=True)
 class DeviceFacts:
     """What the executor learned about the pipeline's GPUs at the first iteration."""
 
-    backend: str  # nvml | simulated | none
+    backend: str  # nvml | simulated | none | hooks (the first stage's)
     name: str
     driver_version: str
     clocks_mhz: tuple[int, ...]  # supported by every stage, fastest first

@@ -8,6 +8,7 @@ The GPU hooks it creates replace the placeholder hooks in the executor state.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from megatron_envpipe.megatron.memory import memory_source
 from megatron_envpipe.megatron.state import ExecutorState
 
 __all__ = ["profile_layout_key", "setup_device"]
+
+log = logging.getLogger("megatron_envpipe")
 
 # Megatron config fields that change a stage's work, and so its profile.
 _MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -78,6 +81,9 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
             state.device_time = DeviceTimeLink.create(virtual, groups.pp_group, num_chunks, cfg.comm_timeout_s)
         mine = StageDevice.of(device, decision.control)
     facts = combine_stage_devices(groups.agree(groups.gather_stages(mine)))
+    if mine.control and not facts.control:  # the ranks without control said why, each in its own log
+        log.warning("EnvPipe stage %d: another stage cannot lock clocks (or they share no clock): the pipeline "
+                    "keeps Megatron's own order, no clock plan, clocks left to the driver", groups.stage)
     runtime.attach_device(facts, _profile_cache_key(layout_key, facts))
     runtime.attach_memory(memory_source(groups, torch_device, cfg))
     state.device_ready = True

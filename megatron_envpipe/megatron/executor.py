@@ -338,8 +338,9 @@ class StageIteration:
             self.sync = OneChunkSync(config, self.models[0], last_backward, self.first)
         self.sync.begin()
         self.hooks.iteration_begin(self.stage, self.runtime.iteration)
-        self.hooks.clock_plan(order, plan.plan.freqs_mhz[self.stage],
-                              plan.unit_times_s[self.stage] if plan.unit_times_s is not None else None)
+        if plan.plan is not None:  # None: no clock is set (no clock control)
+            self.hooks.clock_plan(order, plan.plan.freqs_mhz[self.stage],
+                                  plan.unit_times_s[self.stage] if plan.unit_times_s is not None else None)
         device_clock = self.device_time.clock.now if self.device_time is not None else None
         self.timer = UnitTimer(self.device, host_sync=plan.profiling, clock=device_clock) if plan.measure else None
         if plan.measure_memory:

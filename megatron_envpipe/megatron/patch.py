@@ -32,6 +32,7 @@ from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.vocabulary import Scheduling
 from megatron_envpipe.megatron.executor import envpipe_forward_backward, envpipe_interleaved_forward_backward
+from megatron_envpipe.megatron.reporting import summarize
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.megatron.state import STATE
 
@@ -88,7 +89,7 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
     if megatron_args is None:
         megatron_args = _parsed_megatron_args()
     if megatron_args is not None:
-        config.validate_with_megatron_args(megatron_args)
+        config = config.validate_with_megatron_args(megatron_args)  # follows Megatron's --log-interval
     runtime = EnvPipeRuntime(config)  # reads --envpipe-profile: a bad one fails before anything is rebound
     # Megatron-core is imported here, not at module level: this module loads with torch alone.
     from megatron.core.pipeline_parallel import schedules
@@ -147,6 +148,7 @@ def uninstall() -> None:
         from megatron.training import training as mtraining
 
         mtraining.get_forward_backward_func = _saved.pop("training_gffb")
+    summarize(STATE.runtime)  # the run's energy summary, once, on the last rank
     STATE.reset()
 
 

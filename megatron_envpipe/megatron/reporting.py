@@ -1,74 +1,295 @@
-"""Every log interval: the pipeline's energy and time, in the log and in TensorBoard.
+"""Every log window: the pipeline's energy and time against its baseline and plan, in the log,
+TensorBoard, W&B and (``--envpipe-energy-csv``) a per-GPU CSV; at exit, a summary.
 
-Each stage's energy is summed over its tensor/context-parallel GPUs, gathered
-over the pipeline and turned into an
-:class:`~megatron_envpipe.megatron.runtime.EnergyReport` by the run-time; the
-last rank (where Megatron prints training progress) logs it and writes it to
-Megatron's TensorBoard writer when ``megatron.training`` set one up. Intervals
-whose energy was not measured (:mod:`megatron_envpipe.gpu.hooks`) are counted in
-every line, by reason.
+Each GPU adds up its own iterations between log points (no collective per
+iteration): the window's iterations under the plan, or before it; the 1F1B
+iterations at the maximum clock before the plan (the measured baseline,
+:class:`~megatron_envpipe.core.energy_report.Baseline`); and its energy counter
+read at every log point (J/iter/GPU and W/GPU as Megatron's ``--log-energy``
+computes them: docs/energy-measurement.md). At each log point (Megatron's
+``--log-interval`` unless ``--envpipe-log-interval`` is given) the windows are
+summed over each stage's tensor/context-parallel GPUs, gathered over the
+pipeline and turned into an :class:`~megatron_envpipe.core.energy_report.EnergyReport`
+by the run-time; the last rank (where Megatron prints training progress) logs it,
+warns when the window ran more than 1 % slower than planned, and writes it to
+Megatron's TensorBoard and W&B writers when ``megatron.training`` set them up.
+Intervals whose energy was not measured (:mod:`megatron_envpipe.gpu.hooks`) are
+counted in every line, by reason.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
+import weakref
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from megatron_envpipe.core.energy_csv import append_report
+from megatron_envpipe.core.energy_report import Baseline, EnergyReport, GpuFigure, summary_line
 from megatron_envpipe.core.hooks import ExecutionHooks
-from megatron_envpipe.gpu.hooks import EnergyStatus, GpuHooks
+from megatron_envpipe.gpu.hooks import DEVICE_ERRORS, EnergyStatus, GpuHooks
 from megatron_envpipe.megatron.groups import StageGroups
-from megatron_envpipe.megatron.runtime import EnergyReport, EnvPipeRuntime
+from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
-__all__ = ["report_energy", "stage_energy", "tensorboard_writer", "unmeasured_summary", "write_tensorboard"]
+__all__ = ["Local", "counter_figure", "log_interval", "report_energy", "summarize", "tensorboard_writer", "unmeasured_summary",
+           "wandb_writer", "write_tensorboard", "write_wandb"]
 
 log = logging.getLogger("megatron_envpipe")
 
 
+@dataclass
+class _Sums:
+    """One GPU's iterations added up: measured ones' energy and time, and all of them."""
+
+    iterations: int = 0
+    measured: int = 0
+    energy_j: float = 0.0
+    time_s: float = 0.0
+
+    def add(self, energy: Any) -> None:
+        self.iterations += 1
+        if energy is not None:
+            self.measured += 1
+            self.energy_j += energy.energy_j
+            self.time_s += energy.time_s
+
+    def mean(self) -> tuple[float, float] | None:
+        return (self.energy_j / self.measured, self.time_s / self.measured) if self.measured else None
+
+
+@dataclass
+class Local:
+    """This process's bookkeeping between log points (one per run-time)."""
+
+    planned: _Sums = field(default_factory=_Sums)
+    before: _Sums = field(default_factory=_Sums)  # iterations before the plan
+    baseline: _Sums = field(default_factory=_Sums)  # of those, 1F1B at the maximum clock
+    counter: tuple[float, float] | None = None  # (time, cumulative mJ) at the last log point
+    counter_at: int | None = None  # the iteration count it was read after
+    num_gpus: int = 1
+    replicas: int = 1
+    last_rank: bool = False  # this process prints the lines (and the summary)
+    summarized: bool = False
+
+
+@dataclass(frozen=True)
+class _GpuWindow:
+    """What one GPU sends at a log point."""
+
+    status: EnergyStatus | None
+    window: tuple[float, float] | None  # mean (energy J, time s) per measured iteration
+    iterations: int
+    baseline: tuple[float, float, int] | None  # mean energy, mean time, measured iterations
+    figure: GpuFigure | None
+
+
+_LOCAL: "weakref.WeakKeyDictionary[EnvPipeRuntime, Local]" = weakref.WeakKeyDictionary()
+_WARNED: set[str] = set()
+
+
+def log_interval(runtime: EnvPipeRuntime) -> int:
+    """Iterations per energy line: --envpipe-log-interval, else Megatron's --log-interval (as parsed in
+    this process), else 1."""
+    if runtime.config.log_interval is not None:
+        return runtime.config.log_interval
+    megatron = getattr(_megatron_args(), "log_interval", None)
+    return megatron if isinstance(megatron, int) and megatron >= 1 else runtime.config.energy_log_interval
+
+
+def _megatron_args() -> Any:
+    global_vars = sys.modules.get("megatron.training.global_vars")  # looked up: never imported here
+    try:
+        return global_vars.get_args() if global_vars is not None else None
+    except Exception:  # noqa: BLE001 - Megatron has not parsed its arguments
+        return None
+
+
 def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageGroups,
                   iteration: int) -> EnergyReport | None:
-    """After iteration ``iteration`` (0-based): collective over the pipeline, on every rank.
+    """After iteration ``iteration`` (0-based), on every rank: add it up; at a log point, a collective
+    over the pipeline that reports the window.
 
-    A stage whose energy was not measured this iteration gets no pipeline sum: the
+    A stage whose energy was not measured in the window gets no pipeline sum: the
     line names it and why. Every line ends with how many intervals (one GPU's
     iteration) went unmeasured so far, by reason, and which GPUs lost clock control.
     """
     if not runtime.measures_energy:
         return None
-    if (iteration + 1) % runtime.config.log_interval:
+    status = hooks.energy_status() if isinstance(hooks, GpuHooks) else None
+    local = _LOCAL.setdefault(runtime, Local())
+    energy = status.energy if status is not None else None
+    if runtime.is_planned_iteration(iteration):
+        local.planned.add(energy)
+    else:
+        local.before.add(energy)
+        if runtime.is_baseline_iteration(iteration):
+            local.baseline.add(energy)
+    if (iteration + 1) % log_interval(runtime):
         return None
-    # Energy is measured only where the executor set up GPU hooks.
-    mine = stage_energy(groups, hooks.energy_status() if isinstance(hooks, GpuHooks) else None)
-    everyone = groups.gather_stages(mine)
-    if any(e is None for e in everyone):
+    window = local.planned if local.planned.iterations else local.before
+    mine = _GpuWindow(status, window.mean(), window.iterations, _baseline_of(local.baseline),
+                      counter_figure(local, getattr(hooks, "monitor", None), groups.stage, dist.get_rank(),
+                                     iteration + 1))
+    local.planned, local.before = _Sums(), _Sums()
+    parts = _gather_pipeline(groups, mine)
+    if any(p is None for p in parts):  # a GPU without energy hooks: nothing to report
         return None
-    measured = all(e.energy is not None for e in everyone)
-    report = runtime.report_energy(iteration + 1, [e.energy for e in everyone]) if measured else None
+    stages = [_stage_window(stage) for stage in parts]
+    _update_baseline(runtime, stages)
+    everyone = [s.status for s in stages]
+    measured = all(s.window is not None for s in stages)
+    report = None
+    if measured:
+        figures = [g.figure for stage in parts for g in stage]
+        report = runtime.report_energy(
+            iteration + 1, [_Mean(*s.window) for s in stages], max(s.iterations for s in stages),
+            tuple(f for f in figures if f is not None) if all(f is not None for f in figures) else ())
     # Megatron prints training progress on the last rank (print_rank_last).
     if dist.get_rank() != dist.get_world_size() - 1:
         return report
+    local.num_gpus = sum(len(stage) for stage in parts)
+    local.replicas = max(1, dist.get_world_size() // local.num_gpus)
+    if not local.last_rank:
+        local.last_rank = True
+        atexit.register(summarize, runtime)  # a run that never uninstalls still gets its summary
     if report is not None:
         line = report.line()
     else:
         label = " (simulated)" if runtime.device.simulated else ""
-        missing = ", ".join(f"{s} ({e.reason})" for s, e in enumerate(everyone) if e.energy is None)
+        missing = ", ".join(f"{s} ({st.status.reason if st.status else 'no hooks'})"
+                            for s, st in enumerate(stages) if st.window is None)
         line = f"EnvPipe energy{label} | iteration {iteration + 1} | not measured on stage {missing}"
-    log.info("%s%s", line, unmeasured_summary(everyone))
-    writer = tensorboard_writer()
-    if writer is not None:
-        try:
-            write_tensorboard(writer, report, iteration + 1, everyone)
-        except (OSError, RuntimeError, ValueError) as exc:  # a full disk must not stop training
-            if "tensorboard" not in _WARNED:
-                _WARNED.add("tensorboard")
-                log.warning("EnvPipe: writing the energy to TensorBoard failed: %s", exc)
+    log.info("%s%s", line, unmeasured_summary([e for e in everyone if e is not None]))
+    if report is not None:
+        warning = report.slower_than_planned()
+        if warning:
+            log.warning("%s", warning)
+        _write_outputs(runtime, report, everyone)
     return report
 
 
-_WARNED: set[str] = set()
+@dataclass(frozen=True)
+class _Mean:
+    energy_j: float
+    time_s: float
+
+
+@dataclass(frozen=True)
+class _StageWindow:
+    status: EnergyStatus | None
+    window: tuple[float, float] | None
+    iterations: int
+    baseline: tuple[float, float, int] | None
+
+
+def _baseline_of(sums: _Sums) -> tuple[float, float, int] | None:
+    mean = sums.mean()
+    return None if mean is None else (mean[0], mean[1], sums.measured)
+
+
+def counter_figure(local: Local, monitor: Any, stage: int, rank: int, done: int) -> GpuFigure | None:
+    """This GPU's energy counter since the last log point (read after ``done`` iterations), per
+    iteration: Megatron's --log-energy figure for this GPU (None at the first log point, or unread)."""
+    if monitor is None:
+        return None
+    try:
+        now = monitor.read()
+    except DEVICE_ERRORS:  # counted by the hooks' own reads; this window has no counter figure
+        local.counter = None
+        return None
+    before, at = local.counter, local.counter_at
+    local.counter, local.counter_at = now, done
+    if before is None or at is None or done <= at:
+        return None
+    n = done - at
+    return GpuFigure(stage, rank, (now[1] - before[1]) / 1000.0 / n, (now[0] - before[0]) / n)
+
+
+def _gather_pipeline(groups: StageGroups, mine: _GpuWindow) -> list[Any]:
+    """Every GPU's window, per stage (its TP/CP GPUs), in stage order; None for a stage lacking one."""
+    gpus: list[Any] = [mine]
+    for group in groups.model_parallel:  # TP, then CP: each rank ends up with its stage's GPUs
+        parts: list[Any] = [None] * group.size()
+        dist.all_gather_object(parts, gpus, group=group)
+        gpus = [g for part in parts for g in part]
+    stages = groups.gather_stages(gpus)
+    return [None if any(g.status is None for g in stage) else stage for stage in stages]
+
+
+def _stage_window(gpus: Sequence[_GpuWindow]) -> _StageWindow:
+    """A stage's window is that of all its GPUs: energy summed, time the slowest's (unmeasured if any is)."""
+    statuses = [g.status for g in gpus]
+    counts: dict[str, int] = {}
+    for st in statuses:
+        for why, n in st.unmeasured:
+            counts[why] = counts.get(why, 0) + n
+    status = EnergyStatus(
+        energy=statuses[0].energy, reason=next((st.reason for st in statuses if st.reason), None),
+        intervals=sum(st.intervals for st in statuses), unmeasured=tuple(sorted(counts.items())),
+        clock_control_lost=next((st.clock_control_lost for st in statuses if st.clock_control_lost), None))
+    window = None
+    if all(g.window is not None for g in gpus):
+        window = (sum(g.window[0] for g in gpus), max(g.window[1] for g in gpus))
+    base = None
+    if all(g.baseline is not None for g in gpus):
+        base = (sum(g.baseline[0] for g in gpus), max(g.baseline[1] for g in gpus),
+                min(g.baseline[2] for g in gpus))
+    return _StageWindow(status, window, max(g.iterations for g in gpus), base)
+
+
+def _update_baseline(runtime: EnvPipeRuntime, stages: Sequence[_StageWindow]) -> None:
+    """The measured baseline, from every stage's 1F1B iterations at f_max (kept once the plan runs)."""
+    if runtime.config.baseline_iterations == 0:  # asked for the predicted baseline
+        return
+    if runtime.baseline is not None and runtime.planned_at is not None:
+        return
+    if not stages or any(s.baseline is None for s in stages):
+        return
+    scale = runtime.device.time_scale
+    runtime.baseline = Baseline(sum(s.baseline[0] for s in stages), max(s.baseline[1] for s in stages) / scale,
+                                min(s.baseline[2] for s in stages), runtime.device.clocks_mhz[0])
+
+
+def summarize(runtime: EnvPipeRuntime | None) -> str | None:
+    """At the run's end, once, on the last rank: the planned windows' energy and time against the
+    baseline, and kWh saved per day at this pace (logged and returned)."""
+    local = _LOCAL.get(runtime) if runtime is not None else None
+    if local is None or local.summarized or not local.last_rank:
+        return None
+    local.summarized = True
+    planned = [r for r in runtime.energy_log if r.planned_time_s is not None]
+    line = summary_line(planned, runtime.baseline, runtime.device.simulated, local.num_gpus, local.replicas)
+    if line is not None:
+        log.info("%s", line)
+    return line
+
+
+def _write_outputs(runtime: EnvPipeRuntime, report: EnergyReport, everyone: Sequence[EnergyStatus | None]) -> None:
+    """TensorBoard, W&B and the CSV; a failure (a full disk, a dead W&B connection) never stops training."""
+    outputs = [("tensorboard", tensorboard_writer(), write_tensorboard), ("wandb", wandb_writer(), write_wandb)]
+    for name, writer, write in outputs:
+        if writer is None:
+            continue
+        try:
+            write(writer, report, report.iteration, [e for e in everyone if e is not None])
+        except Exception as exc:  # noqa: BLE001 - any writer error: warn once, keep training
+            _warn_once(name, f"writing the energy to {name} failed: {exc}")
+    if runtime.config.energy_csv:
+        try:
+            append_report(runtime.config.energy_csv, report)
+        except OSError as exc:
+            _warn_once("csv", f"writing --envpipe-energy-csv {runtime.config.energy_csv} failed: {exc}")
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("EnvPipe: %s", message)
 
 
 def unmeasured_summary(everyone: Sequence[EnergyStatus]) -> str:
@@ -88,53 +309,51 @@ def unmeasured_summary(everyone: Sequence[EnergyStatus]) -> str:
     return "".join(f" | {p}" for p in parts)
 
 
-def stage_energy(groups: StageGroups, mine: EnergyStatus | None) -> EnergyStatus | None:
-    """A stage's energy is that of all its GPUs: sum over its TP/CP ranks (unmeasured if any is)."""
-    for group in groups.model_parallel:
-        parts: list[Any] = [None] * group.size()
-        dist.all_gather_object(parts, mine, group=group)
-        if any(p is None for p in parts):
-            return None
-        energies = [p.energy for p in parts]
-        energy = None
-        if all(e is not None for e in energies):
-            energy = replace(energies[0], energy_j=sum(e.energy_j for e in energies),
-                             start_s=min(e.start_s for e in energies), end_s=max(e.end_s for e in energies))
-        counts: dict[str, int] = {}
-        for p in parts:
-            for why, n in p.unmeasured:
-                counts[why] = counts.get(why, 0) + n
-        mine = EnergyStatus(
-            energy=energy,
-            reason=next((p.reason for p in parts if p.reason), None),
-            intervals=sum(p.intervals for p in parts),
-            unmeasured=tuple(sorted(counts.items())),
-            clock_control_lost=next((p.clock_control_lost for p in parts if p.clock_control_lost), None),
-        )
-    return mine
-
-
-def write_tensorboard(writer: Any, report: EnergyReport | None, step: int,
-                      everyone: Sequence[EnergyStatus] = ()) -> None:
-    if report is not None:
-        writer.add_scalar("envpipe/iteration-energy-J", report.energy_j, step)
-        writer.add_scalar("envpipe/iteration-time-s", report.time_s, step)
-        if report.saving is not None:
-            writer.add_scalar("envpipe/energy-saving", report.saving, step)
-        for s, p in enumerate(report.stage_power_w):
-            writer.add_scalar(f"envpipe/stage{s}-power-W", p, step)
+def _scalars(report: EnergyReport, everyone: Sequence[EnergyStatus] = ()) -> dict[str, float]:
+    """The report's figures by name: pipeline, per stage and per GPU (rank)."""
+    out = {"envpipe/iteration-energy-J": report.energy_j, "envpipe/iteration-time-s": report.time_s}
+    if report.saving is not None:
+        out["envpipe/energy-saving"] = report.saving
+    if report.slowdown_vs_baseline is not None:
+        out["envpipe/time-vs-baseline"] = report.slowdown_vs_baseline
+    if report.slowdown_vs_plan is not None:
+        out["envpipe/time-vs-plan"] = report.slowdown_vs_plan
+    for s, p in enumerate(report.stage_power_w):
+        out[f"envpipe/stage{s}-power-W"] = p
+    for g in report.gpus:  # Megatron's --log-energy names: iter-energy/gpu, power/gpu
+        out[f"envpipe/iter-energy/gpu{g.rank}"] = g.energy_j
+        out[f"envpipe/power/gpu{g.rank}"] = g.power_w
     if everyone:
-        writer.add_scalar("envpipe/unmeasured-intervals", sum(n for e in everyone for _, n in e.unmeasured), step)
+        out["envpipe/unmeasured-intervals"] = sum(n for e in everyone for _, n in e.unmeasured)
+    return out
+
+
+def write_tensorboard(writer: Any, report: EnergyReport, step: int,
+                      everyone: Sequence[EnergyStatus] = ()) -> None:
+    for name, value in _scalars(report, everyone).items():
+        writer.add_scalar(name, value, step)
+
+
+def write_wandb(writer: Any, report: EnergyReport, step: int, everyone: Sequence[EnergyStatus] = ()) -> None:
+    writer.log(_scalars(report, everyone), step)
 
 
 def tensorboard_writer() -> Any:
     """Megatron's TensorBoard writer when megatron.training set one up."""
-    try:
-        # megatron.training is optional (absent below megatron-core 0.17, or on Python < 3.12).
-        from megatron.training.global_vars import get_tensorboard_writer
-    except Exception:  # noqa: BLE001 - no megatron.training here
+    return _megatron_writer("get_tensorboard_writer")
+
+
+def wandb_writer() -> Any:
+    """Megatron's W&B writer when megatron.training set one up."""
+    return _megatron_writer("get_wandb_writer")
+
+
+def _megatron_writer(getter: str) -> Any:
+    global_vars = sys.modules.get("megatron.training.global_vars")  # set up by Megatron's pretrain() only
+    get = getattr(global_vars, getter, None)
+    if get is None:
         return None
     try:
-        return get_tensorboard_writer()
+        return get()
     except Exception:  # noqa: BLE001 - not initialised
         return None

@@ -1,13 +1,18 @@
 """What the executor runs each iteration: schedule, clock plan, and when to measure.
 
-One :class:`EnvPipeRuntime` per process holds EnvPipe's phases (envpipe.md §1):
+One :class:`EnvPipeRuntime` per process holds EnvPipe's phases (envpipe.md §1).
+Without clock control (a stage's GPU refuses the lock, or no GPU at all) none of them
+runs: the pipeline keeps Megatron's own order (1F1B, or interleaved with model chunks),
+with no extra warm-up and no clock plan, since a plan whose clocks are never set saves
+nothing and its extra warm-up would only hold more activations. Otherwise:
 
 1. **profile** (clock control, no profile given, none cached): real training
    iterations sweep the SM clock in lockstep on every stage (1F1B order) and
    measure each stage's forward and backward time and energy per micro-batch
    and the P2P-blocking power, until energy rises below the valley; the
    profile is cached for the next run;
-   **measure** (no clock control, no profile): time 1F1B units at the one clock;
+   **measure** (no profile, clocks that EnvPipe does not set: hooks given to ``install()``, or
+   ``baseline`` with ``ours``/``interleaved``): time 1F1B units at the one clock, for the schedule;
    **memory** (``ours`` with ``--envpipe-max-inflight auto`` where memory can be measured):
    the activation memory per micro-batch and the memory free at 1F1B's peak, in the
    1F1B iterations above or, with a profile, in 1F1B iterations of their own; they
@@ -33,6 +38,7 @@ from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig, load_profile
 from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY
+from megatron_envpipe.core.energy_report import Baseline, EnergyReport
 from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
 from megatron_envpipe.core.instructions import StageProgram, build_programs
 from megatron_envpipe.core.interleaved import interleaved_schedule
@@ -41,9 +47,9 @@ from megatron_envpipe.core.memory import AUTO, Budget, StageMemory, budget_line,
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
 from megatron_envpipe.core.profile import Profile, ProfileError, ProfilePoint, instruction_of
 from megatron_envpipe.core.schedule import Schedule, one_f_one_b
-from megatron_envpipe.core.vocabulary import ReconfigPolicy, Scheduling
+from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
 from megatron_envpipe.gpu.profile_cache import ProfileCache
-from megatron_envpipe.gpu.startup import DeviceFacts
+from megatron_envpipe.gpu.startup import HOOKS_BACKEND, DeviceFacts
 from megatron_envpipe.gpu.sweep import ClockSweep, startup_sweep
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
 from megatron_envpipe.planning.planner import plan_envpipe
@@ -51,8 +57,11 @@ from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
 
 log = logging.getLogger("megatron_envpipe")
 
-# Label of the one clock a run without clock control has; it is never set.
+# Label of the one clock of a profile timed where the clock is not known (no device facts, or hooks
+# given to install() on no GPU of the table); never logged by a run whose clocks EnvPipe does not set.
 NOMINAL_CLOCK_MHZ = 1000
+# The phase of every iteration without clock control.
+MEGATRON_ORDER = "Megatron's order (no clock control)"
 # 1F1B iterations whose memory the activation budget is derived from. CUDA: two, because
 # optimizer state (Adam's moments) is allocated by the first optimizer step, after iteration 1.
 MEMORY_ITERATIONS = {"cuda": 2, "model": 1}
@@ -63,7 +72,7 @@ class IterationPlan:
     """Everything the executor needs for one iteration of one stage."""
 
     schedule: Schedule
-    plan: FrequencyPlan
+    plan: FrequencyPlan | None  # None: no clock is set (the programs hold no SetFrequency)
     programs: tuple[StageProgram, ...]
     measure: bool  # time every unit and hand the measurement back
     phase: str
@@ -72,42 +81,6 @@ class IterationPlan:
     # Per stage, each unit's predicted time (s) at its planned clock, from the profile planned with;
     # None where not known (profiling and measuring iterations): the GPU hooks' clock lead needs it.
     unit_times_s: tuple[tuple[float, ...], ...] | None = None
-
-
-@dataclass
-class EnergyReport:
-    """One logged iteration's energy, summed over the pipeline."""
-
-    iteration: int
-    time_s: float
-    energy_j: float
-    stage_power_w: tuple[float, ...]
-    predicted_baseline_j: float | None
-    simulated: bool
-    planned_time_s: float | None = None  # the plan's iteration time (its deadline for 'optimal')
-    planned_saving: float | None = None  # what the plan predicted it saves
-
-    @property
-    def saving(self) -> float | None:
-        if not self.predicted_baseline_j:
-            return None
-        return 1.0 - self.energy_j / self.predicted_baseline_j
-
-    def line(self) -> str:
-        label = " (simulated)" if self.simulated else ""
-        parts = [
-            f"EnvPipe energy{label} | iteration {self.iteration} | {self.energy_j:.1f} J over the pipeline "
-            f"in {self.time_s:.3f} s",
-            "avg power per stage [" + ", ".join(f"{p:.0f}" for p in self.stage_power_w) + "] W",
-        ]
-        if self.saving is not None:
-            planned = f" (planned {100 * self.planned_saving:.2f}%)" if self.planned_saving is not None else ""
-            parts.append(f"saving {100 * self.saving:.2f}%{planned} vs the baseline plan's "
-                         f"{self.predicted_baseline_j:.1f} J")
-        if self.planned_time_s:
-            parts.append(f"time {100 * (self.time_s / self.planned_time_s - 1):+.2f}% vs the plan's "
-                         f"{self.planned_time_s:.3f} s")
-        return " | ".join(parts)
 
 
 class EnvPipeRuntime:
@@ -128,6 +101,11 @@ class EnvPipeRuntime:
         self.last_result: PlanResult | None = None
         self.planned_at: int | None = None  # iteration count when the plan took over
         self.energy_log: list[EnergyReport] = []
+        # The measured baseline (core.energy_report): 1F1B iterations at the maximum clock before the plan,
+        # counted as they are handed out; the reporting sets ``baseline`` from their energy.
+        self.baseline: Baseline | None = None
+        self.baseline_runs = 0
+        self._last_clock_mhz: int | None = None  # the uniform clock of the last pre-plan iteration
         self.memory_source: str | None = None  # "cuda" when every stage can measure its memory
         self._memory: dict[tuple[int, int], list[tuple[StageMemory, ...]]] = {}
         self.budgets: dict[tuple[int, int], Budget] = {}  # the activation budget each plan was made with
@@ -159,6 +137,20 @@ class EnvPipeRuntime:
         return self.device is not None and self.device.energy
 
     @property
+    def sets_clocks(self) -> bool:
+        """Whether the plan's clocks reach a GPU: every stage locks clocks, or hooks given to ``install()``
+        take them (and with no device facts, offline, they are assumed to)."""
+        d = self.device
+        return d is None or d.control or d.backend == HOOKS_BACKEND
+
+    @property
+    def keeps_megatron_order(self) -> bool:
+        """No clock control where the plan would change clocks: run Megatron's own order, plan nothing.
+
+        ``baseline`` changes no clock, so it plans its schedule (e.g. ``ours``) as with control."""
+        return not self.sets_clocks and self.config.plan_type != PlanType.BASELINE
+
+    @property
     def profiling(self) -> bool:
         return self._sweep is not None and not self._sweep.done
 
@@ -187,6 +179,8 @@ class EnvPipeRuntime:
         key = (num_stages, num_microbatches)
         self.check_pipeline(num_stages, num_microbatches)
         state = self._by_m.get(key)
+        if state is None and self.keeps_megatron_order:  # nothing to measure or plan
+            state = self._by_m[key] = _PlanState(self._megatron_schedule(num_stages, num_microbatches), None, None)
         if state is None:
             memory = self._memory_wanted(num_stages, num_microbatches)
             if self.profile is None and not self.config.is_stock:
@@ -209,20 +203,30 @@ class EnvPipeRuntime:
                 return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=False,
                                      measure_memory=True, phase=f"measure activation memory {done + 1}/"
                                      f"{MEMORY_ITERATIONS[self._memory_kind()]}")
+            if self._baseline_wanted():  # the energy lines' baseline, where the phases above ran too few
+                return self._uniform(num_stages, num_microbatches, self.device.clocks_mhz[0], measure=False,
+                                     phase=f"baseline {self.baseline_runs + 1}/{self.config.baseline_iterations}")
             state = self._make_state(num_stages, num_microbatches)
             self._by_m[key] = state
         rc = state.reconfigurer
         measure = rc is not None and not rc.finished
         plan = rc.plan if rc is not None else state.plan
         programs = state.programs_for(plan, self.config.prefetch)
-        return IterationPlan(state.schedule, plan, programs, measure, "reconfigure" if measure else "steady",
-                             unit_times_s=state.unit_times_for(plan))
+        phase = "reconfigure" if measure else MEGATRON_ORDER if self.keeps_megatron_order else "steady"
+        return IterationPlan(state.schedule, plan, programs, measure, phase, unit_times_s=state.unit_times_for(plan))
+
+    def _megatron_schedule(self, p: int, m: int) -> Schedule:
+        """Megatron's own order: 1F1B, or interleaved with model chunks."""
+        return (one_f_one_b(p, m) if self.num_chunks == 1
+                else interleaved_schedule(p, m, self.num_chunks, self.microbatch_group_size))
 
     def _uniform(self, p: int, m: int, freq: int, *, measure: bool, phase: str, profiling: bool = False,
                  measure_memory: bool = False) -> IterationPlan:
-        sched = (one_f_one_b(p, m) if self.num_chunks == 1
-                 else interleaved_schedule(p, m, self.num_chunks, self.microbatch_group_size))
-        plan = FrequencyPlan.constant(sched, [freq] * p)
+        self._last_clock_mhz = freq
+        if self._at_max_clock(freq):
+            self.baseline_runs += 1
+        sched = self._megatron_schedule(p, m)
+        plan = FrequencyPlan.constant(sched, [freq] * p) if self.sets_clocks else None
         return IterationPlan(sched, plan, tuple(build_programs(sched, plan, self.config.prefetch)),
                              measure, phase, profiling, measure_memory)
 
@@ -264,21 +268,47 @@ class EnvPipeRuntime:
                          "%d possible):\n%s", rc.iterations, rc.raises, rc.lowers, rc.change_bound(),
                          format_envpipe(rc.plan))
 
-    def report_energy(self, iteration: int, stage_energy: Sequence[Any]) -> EnergyReport | None:
-        """Per-stage :class:`~megatron_envpipe.gpu.energy.IterationEnergy` of one iteration -> a report."""
+    # -- energy reports ------------------------------------------------------------------
+    def _at_max_clock(self, freq_mhz: int) -> bool:
+        d = self.device
+        return d is not None and d.control and d.energy and bool(d.clocks_mhz) and freq_mhz == d.clocks_mhz[0]
+
+    def _baseline_wanted(self) -> bool:
+        """Whether to run one more baseline iteration (1F1B at f_max) before planning: clocks under
+        control, energy measured, a plan that changes something, fewer than --envpipe-baseline-iterations."""
+        d = self.device
+        return (d is not None and d.control and d.energy and bool(d.clocks_mhz) and not self.config.is_stock
+                and self.baseline_runs < self.config.baseline_iterations)
+
+    def is_baseline_iteration(self, iteration: int) -> bool:
+        """Whether iteration ``iteration`` (0-based, just finished) ran Megatron's order at the maximum clock
+        before the plan took over: one the measured baseline is made of."""
+        before_plan = self.planned_at is None or iteration < self.planned_at
+        return before_plan and self._last_clock_mhz is not None and self._at_max_clock(self._last_clock_mhz)
+
+    def is_planned_iteration(self, iteration: int) -> bool:
+        """Whether iteration ``iteration`` (0-based) ran under the plan (the comparison's subject)."""
+        return self.planned_at is not None and iteration >= self.planned_at and self.last_result is not None
+
+    def report_energy(self, iteration: int, stage_energy: Sequence[Any], iterations: int = 1,
+                      gpus: Sequence[Any] = ()) -> EnergyReport | None:
+        """Per-stage means per iteration (``time_s``, ``energy_j``) of a window of ``iterations`` ending
+        at ``iteration`` (1-based) -> a report against :attr:`baseline` and the plan; ``gpus``: each GPU's
+        :class:`~megatron_envpipe.core.energy_report.GpuFigure`."""
         if not stage_energy or not self.measures_energy:
             return None
         scale = self.device.time_scale  # the device's, not the flag's: 1 in virtual time
         time_s = max(e.time_s for e in stage_energy) / scale
         energy = sum(e.energy_j for e in stage_energy)
         power = tuple(e.energy_j / (e.time_s / scale) if e.time_s > 0 else 0.0 for e in stage_energy)
-        result = self.last_result
+        result = self.last_result if self.is_planned_iteration(iteration - 1) else None
         predicted = result.baseline_energy_j if result is not None else None
         planned_time = None
         if result is not None:
             planned_time = result.deadline_s if result.deadline_s is not None else result.score.iteration_time_s
         report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated,
-                              planned_time, result.energy_saving if result is not None else None)
+                              planned_time, result.energy_saving if result is not None else None,
+                              self.baseline if result is not None else None, iterations, tuple(gpus))
         self.energy_log.append(report)
         return report
 
@@ -410,9 +440,9 @@ class EnvPipeRuntime:
                     times = [t.end_s - t.start_s for run in runs for t in run.stages[s]
                              if t.unit.kind == kind and t.unit.chunk == chunk]
                     mean = sum(times) / len(times)
-                    # Energy is unknown without clock control: time only.
+                    # Energy is unknown at one clock: time only.
                     points[(s, ins, chunk)] = [ProfilePoint(clock, max(mean, 1e-9), 0.0)]
-        return Profile(points, source=f"<measured at one clock over {len(runs)} iteration(s): no clock control>")
+        return Profile(points, source=f"<timed at one clock over {len(runs)} iteration(s)>")
 
     def _make_state(self, num_stages: int, num_microbatches: int) -> "_PlanState":
         cfg = self.config
@@ -438,6 +468,12 @@ class EnvPipeRuntime:
         result = self._plan_within(profile, num_microbatches, pcfg)
         self.last_result = result
         self.planned_at = self.iteration
+        if not self.sets_clocks:  # baseline without control: a schedule, no clock reaches a GPU
+            log.info("EnvPipe schedule %s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, peak "
+                     "in-flight activations %s; clocks stay as the driver sets them", cfg.plan_type, cfg.scheduling,
+                     num_stages, num_microbatches, profile.source, list(result.schedule.extra_warmup),
+                     list(result.schedule.peak_inflight()))
+            return _PlanState(result.schedule, None, None)
         log.info(
             "EnvPipe plan %s/%s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, "
             "peak in-flight activations %s, %s, iteration time %+.2f%% (%s)",
@@ -472,22 +508,22 @@ def _table_spec(key: str | None) -> GpuSpec | None:
 @dataclass
 class _PlanState:
     schedule: Schedule
-    plan: FrequencyPlan
+    plan: FrequencyPlan | None  # None: no clock is set
     reconfigurer: Reconfigurer | None
     profile: Profile | None = None  # planned with (one row per model chunk): predicted unit times
     _programs: dict = field(default_factory=dict)
     _times: dict = field(default_factory=dict)
 
-    def programs_for(self, plan: FrequencyPlan, prefetch: int) -> tuple[StageProgram, ...]:
+    def programs_for(self, plan: FrequencyPlan | None, prefetch: int) -> tuple[StageProgram, ...]:
         progs = self._programs.get(plan)
         if progs is None:
             progs = tuple(build_programs(self.schedule, plan, prefetch))
             self._programs = {plan: progs}  # keep only the current plan's programs
         return progs
 
-    def unit_times_for(self, plan: FrequencyPlan) -> tuple[tuple[float, ...], ...] | None:
-        """Each unit's predicted time at its clock in ``plan`` (None: a clock the profile lacks)."""
-        if self.profile is None:
+    def unit_times_for(self, plan: FrequencyPlan | None) -> tuple[tuple[float, ...], ...] | None:
+        """Each unit's predicted time at its clock in ``plan`` (None: a clock the profile lacks, or no plan)."""
+        if self.profile is None or plan is None:
             return None
         if plan not in self._times:
             try:

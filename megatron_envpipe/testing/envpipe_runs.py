@@ -154,7 +154,7 @@ def _run_planned(config: EnvPipeConfig, record_dir: str, iterations: int, replic
     final = _prepare(runtime, p, m, kwargs)
     record = {
         "phases": phases,
-        "plan": final.plan.to_dict(),
+        "plan": final.plan.to_dict() if final.plan is not None else None,
         "profile": runtime.profile.to_csv_text() if runtime.profile is not None else None,
         "profile_p2p_power_w": runtime.profile_p2p_power_w,
         "planned_at": runtime.planned_at,

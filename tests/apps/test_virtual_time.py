@@ -91,9 +91,12 @@ def test_training_in_virtual_time_holds_the_plan_exactly(tmp_path: Path) -> None
     csv = tmp_path / "p4.csv"
     Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(4).to_csv(csv)
     lines = _energy_lines(["--envpipe-type", "optimal", "--envpipe-scheduling", "ours", "--envpipe-profile", str(csv),
-                           "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-log-interval", "1"], tmp_path, 4)
-    assert len(lines) == 4
-    for line in lines:
+                           "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-log-interval", "1"], tmp_path, 6)
+    # Two baseline iterations (1F1B at f_max, --envpipe-baseline-iterations) come first; the saving is
+    # against them, measured, and equals the planned one (against the predicted baseline) too.
+    assert len(lines) == 6 and all("(planned " not in line for line in lines[:2])
+    for line in lines[2:]:
+        assert "vs the measured baseline's" in line, line
         time_pct = re.search(r"time ([-+]\d+\.\d+)% vs the plan's", line)
         saving = re.search(r"saving (-?\d+\.\d+)% \(planned (-?\d+\.\d+)%\)", line)
         assert time_pct and saving, line
@@ -110,7 +113,9 @@ def test_training_with_realistic_dynamics_holds_the_plan(tmp_path: Path, order: 
     GPU has warmed up by then: a cold one reads ~3 % low, so early iterations would read ~2 points high)."""
     lines = _energy_lines(["--envpipe-type", "optimal", *order, "--envpipe-profile-cache", "off",
                            "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-clock-latency-ms", "15",
-                           "--envpipe-sim-counter-period-ms", "100", "--envpipe-sim-thermal-drift", "0.03"],
+                           "--envpipe-sim-counter-period-ms", "100", "--envpipe-sim-thermal-drift", "0.03",
+                           # against the predicted baseline: the measured one is the cold GPU's (~3 % low)
+                           "--envpipe-baseline-iterations", "0"],
                           tmp_path, 22)
     planned = [line for line in lines if "(planned " in line]
     assert len(planned) >= 4, lines[-3:]

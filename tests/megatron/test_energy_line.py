@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from megatron_envpipe.megatron.runtime import EnergyReport
+from megatron_envpipe.core.energy_report import EnergyReport
 
 
 def test_line_compares_time_and_saving_with_the_plan():
     report = EnergyReport(iteration=12, time_s=3.838, energy_j=900.0, stage_power_w=(60.0, 70.0),
                           predicted_baseline_j=1000.0, simulated=True, planned_time_s=3.80, planned_saving=0.105)
     line = report.line()
-    assert "saving 10.00% (planned 10.50%) vs the baseline plan's 1000.0 J" in line
+    # No measured baseline: the predicted one, and the line says so.
+    assert "saving 10.00% (planned 10.50%) vs the predicted baseline's 1000.0 J (baseline: predicted)" in line
     assert "time +1.00% vs the plan's 3.800 s" in line
     assert line.startswith("EnvPipe energy (simulated) | iteration 12 |")
 

@@ -79,8 +79,11 @@ def test_megatrons_own_parse_is_checked_too(monkeypatch, capsys):
     arguments.parse_args = parse_args
     training.arguments = arguments
     training.pretrain = lambda *args, **kwargs: None  # >= 0.18: no extra_args_provider
+    initialize = types.ModuleType("megatron.training.initialize")  # binds nothing to wrap here
+    training.initialize = initialize
     monkeypatch.setitem(sys.modules, "megatron.training", training)
     monkeypatch.setitem(sys.modules, "megatron.training.arguments", arguments)
+    monkeypatch.setitem(sys.modules, "megatron.training.initialize", initialize)
     pretrain_gpt._teach_megatron_parser(add_envpipe_args)
     with pytest.raises(SystemExit) as info:
         arguments.parse_args()

@@ -2,13 +2,19 @@
 # A real one-node SLURM cluster on this machine, for tests/slurm/test_slurm_job.py:
 # munged, slurmctld and slurmd from Debian's slurm-wlm, with a minimal slurm.conf
 # (one node with this machine's CPUs and memory, one partition, no cgroups, no
-# accounting database), all running as root.
+# accounting database), all running as root; and shellcheck, which the test
+# lints the launch scripts with.
 #
-#   bash tests/slurm/setup_slurm.sh        # exit 0 once `sinfo` shows the node idle
+#   bash tests/slurm/setup_slurm.sh        # as root; exit 0 once `sinfo` shows the node idle
 #
-# Idempotent and fast when the cluster is already up (no apt-get, no restart).
-# Packages are installed only when missing (`apt-get update` once, then
-# `apt-get install -y slurm-wlm munge`).
+# System set-up, run by .ci/run (which then exports ENVPIPE_CI_SLURM=1) or by
+# hand: the tests never run it, they only use a cluster that is up and skip
+# otherwise, naming this command. It installs packages, writes /etc/munge and
+# /etc/slurm and leaves three root daemons running.
+#
+# Idempotent and fast when the cluster is already up and shellcheck installed
+# (no apt-get, no restart). Packages are installed only when missing
+# (`apt-get update` once, then `apt-get install -y slurm-wlm munge shellcheck`).
 #
 # Exit status: 0 ready; 2 SLURM cannot be installed or started here (not root,
 # no apt-get, no package), with the reason as the last line on stderr;
@@ -59,44 +65,42 @@ cluster_ready() {
 }
 
 # ---------------------------------------------------------------- fast path
-if cluster_ready; then
-    log "already up: node $(node_name) $(node_state) (sinfo), nothing to do"
+if cluster_ready && command -v shellcheck >/dev/null 2>&1; then
+    log "already up: node $(node_name) $(node_state) (sinfo), shellcheck installed, nothing to do"
     exit 0
 fi
 
 # ---------------------------------------------------------------- packages
 if [ "$(id -u)" -ne 0 ]; then
-    cannot "not root (needs root to install slurm-wlm and munge and to start slurmctld/slurmd)"
+    cannot "not root (needs root to install slurm-wlm, munge and shellcheck and to start slurmctld/slurmd)"
 fi
-need_slurm=0
+missing=()
 for cmd in slurmctld slurmd sbatch munged; do
-    command -v "$cmd" >/dev/null 2>&1 || need_slurm=1
-done
-if [ "$need_slurm" = 1 ] || ! command -v shellcheck >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null 2>&1; then
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get update -qq >/dev/null 2>&1 || [ "$need_slurm" = 0 ] \
-            || cannot "apt-get update failed (no package repository reachable?)"
-        # Optional: the test lints the launch scripts with it when present.
-        if ! command -v shellcheck >/dev/null 2>&1; then
-            apt-get install -y -qq --no-install-recommends shellcheck >/dev/null 2>&1 \
-                || log "shellcheck not installable: the scripts are checked with bash -n only"
-        fi
-    elif [ "$need_slurm" = 1 ]; then
-        cannot "SLURM is not installed and there is no apt-get to install slurm-wlm and munge"
+    if ! command -v "$cmd" >/dev/null 2>&1; then
+        missing=(slurm-wlm munge)
     fi
+done
+if ! command -v shellcheck >/dev/null 2>&1; then
+    missing+=(shellcheck)
 fi
-if [ "$need_slurm" = 1 ]; then
-    log "installing slurm-wlm and munge (apt-get)"
+if [ "${#missing[@]}" -gt 0 ]; then
+    command -v apt-get >/dev/null 2>&1 || cannot "${missing[*]} not installed and there is no apt-get to install them"
+    export DEBIAN_FRONTEND=noninteractive
+    log "installing ${missing[*]} (apt-get)"
+    apt-get update -qq >/dev/null 2>&1 || cannot "apt-get update failed (no package repository reachable?)"
     # No service is started by the packages' scripts here: there is no init
     # system in a container, and we start the daemons ourselves below.
-    if ! apt-get install -y -qq --no-install-recommends slurm-wlm munge >"${TMPDIR:-/tmp}/envpipe-slurm-apt.log" 2>&1; then
+    if ! apt-get install -y -qq --no-install-recommends "${missing[@]}" >"${TMPDIR:-/tmp}/envpipe-slurm-apt.log" 2>&1; then
         tail -n 20 "${TMPDIR:-/tmp}/envpipe-slurm-apt.log" >&2
-        cannot "apt-get install slurm-wlm munge failed (log above)"
+        cannot "apt-get install ${missing[*]} failed (log above)"
     fi
-    for cmd in slurmctld slurmd sbatch munged; do
-        command -v "$cmd" >/dev/null 2>&1 || cannot "$cmd not found after installing slurm-wlm and munge"
+    for cmd in slurmctld slurmd sbatch munged shellcheck; do
+        command -v "$cmd" >/dev/null 2>&1 || cannot "$cmd not found after installing ${missing[*]}"
     done
+fi
+if cluster_ready; then
+    log "ready: node $(node_name) $(node_state) (sinfo), shellcheck installed"
+    exit 0
 fi
 
 # ---------------------------------------------------------------- munge

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
@@ -13,7 +15,7 @@ from megatron_envpipe.core.memory import show_budget
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
-from megatron_envpipe.core.schedule import ScheduleError, check_extra_warmup
+from megatron_envpipe.core.schedule import ScheduleError, check_extra_warmup, clamp_extra_warmup
 from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
 from megatron_envpipe.errors import UsageError
@@ -71,6 +73,69 @@ def check_extra_warmup_flag(args: argparse.Namespace, num_stages: int, schedulin
         check_extra_warmup(num_stages, args.extra_warmup)
     except ScheduleError as exc:
         raise CliError(f"--extra-warmup {text}: {exc}") from None
+
+
+def given_flags(args: argparse.Namespace) -> frozenset[str]:
+    """The flags of ``parser.Given`` the user wrote on the command line (not left at their defaults)."""
+    return getattr(args, "given_flags", None) or frozenset()
+
+
+def note(args: argparse.Namespace, text: str) -> None:
+    """One line on stderr, ``envpipe <command>: note: ...``: the command runs, but not quite as asked."""
+    print(f"envpipe {args.command}: note: {text}", file=sys.stderr)
+
+
+def warmup_clamp_text(num_stages: int, num_microbatches: int, raw: Sequence[int], clamped: Sequence[int],
+                      max_inflight: Any = None) -> str | None:
+    """Why ``clamp_extra_warmup`` lowered ``--extra-warmup`` (None where it did not), stage by stage, on one line.
+
+    Its limits, in its order: the activation budget, the ``M - (P - s)`` forwards left after 1F1B's own
+    ``P - s`` warm-up, 0 on the last stage, and never more than the stage before (a larger r after a
+    smaller one can deadlock)."""
+    if list(raw) == list(clamped):
+        return None
+    p, m = num_stages, num_microbatches
+    budgets = list(max_inflight) if isinstance(max_inflight, Sequence) else [max_inflight] * p
+    reasons: list[tuple[str, list[str]]] = []  # (why, ["stage s r->c", ...]), stages with one reason grouped
+    for s in range(p):
+        if clamped[s] == raw[s]:
+            continue
+        left = max(0, m - (p - s))
+        base = min(m, p - s)
+        budget_cap = None if budgets[s] is None else budgets[s] - base
+        before_order = min(raw[s], left, budget_cap if budget_cap is not None else raw[s])
+        if s == p - 1:
+            why = "the last stage has no extra warm-up"
+        elif clamped[s] == before_order and budget_cap is not None and budget_cap < min(raw[s], left):
+            why = (f"activation budget {budgets[s]} (--max-inflight) less 1F1B's own {base} "
+                   f"leaves {budget_cap}")
+        elif clamped[s] == before_order:
+            why = f"only M - (P - s) = {m} - {p - s} = {left} forwards are left after 1F1B's own warm-up"
+        else:
+            why = (f"no more than the stage before ({clamped[s - 1]}): r never grows down the pipeline, "
+                   "which could deadlock")
+        cell = f"stage {s} {raw[s]}->{clamped[s]}"
+        if reasons and reasons[-1][0] == why:
+            reasons[-1][1].append(cell)
+        else:
+            reasons.append((why, [cell]))
+    return (f"--extra-warmup {','.join(map(str, raw))} runs as {','.join(map(str, clamped))} "
+            f"({m} micro-batches, {p} stages): "
+            + "; ".join(f"{', '.join(cells)}: {why}" for why, cells in reasons))
+
+
+def note_warmup_clamp(args: argparse.Namespace, num_stages: int, num_microbatches: int,
+                      max_inflight: Any = None) -> None:
+    """Say on stderr when --extra-warmup is clamped (the plan, simulation or schedule runs the clamped r)."""
+    if args.extra_warmup is None:
+        return
+    try:
+        clamped = clamp_extra_warmup(num_stages, num_microbatches, args.extra_warmup, max_inflight)
+    except ScheduleError:
+        return  # a budget below 1F1B's own: the command reports it in its own words
+    text = warmup_clamp_text(num_stages, num_microbatches, args.extra_warmup, clamped, max_inflight)
+    if text is not None:
+        note(args, text)
 
 
 def check_flags_apply(args: argparse.Namespace) -> None:

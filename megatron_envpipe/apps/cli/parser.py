@@ -9,6 +9,7 @@ from megatron_envpipe.apps.cli.demo_cmd import cmd_demo
 from megatron_envpipe.apps.cli.gpu_cmds import cmd_gpus, cmd_reset_clocks
 from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, cmd_simulate
 from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
+from megatron_envpipe.apps.cli.rows import ROW_LIMIT_CHARS, ROWS_CHOICES
 from megatron_envpipe.config import fraction as parse_fraction
 from megatron_envpipe.config import int_list, max_inflight_arg
 from megatron_envpipe.core.flag_ranges import RANGES, FlagRange
@@ -87,6 +88,24 @@ def budget_arg(text: str) -> Budget:
     return value
 
 
+class Given(argparse.Action):
+    """Stores the value like ``store`` and records the flag in ``namespace.given_flags``: a flag left at its
+    default is then told apart from one the user gave (an error names only flags on the command line)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        given = getattr(namespace, "given_flags", None)
+        namespace.given_flags = (given or frozenset()) | {self.option_strings[0]}
+
+
+def add_rows_arg(p: argparse.ArgumentParser) -> None:
+    """--rows of 'plan', 'simulate' and 'show': every unit of every stage, or a summary of long rows."""
+    p.add_argument("--rows", choices=ROWS_CHOICES, default="auto",
+                   help="per-stage rows: full (every unit, clock and receive wait), summary (clock runs such as "
+                        f"1740x1 1230x159, total wait), auto (default: full up to {ROW_LIMIT_CHARS} characters a "
+                        "row, else summary); --json always has every unit")
+
+
 class EnvpipeArgumentParser(argparse.ArgumentParser):
     """argparse, with a bad flag reported on one line like every other envpipe error (no usage block),
     by the command it belongs to (``envpipe plan: error: ...``, also for an unknown flag)."""
@@ -144,8 +163,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True,
                    help="micro-batches per iteration")
     p.add_argument("--stages", type=ranged("stages"), help="pipeline stages (checked against the profile)")
-    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.OURS.value,
-                   help="unit order (default ours); interleaved: Megatron's virtual pipeline, with --virtual-stages")
+    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.OURS.value, action=Given,
+                   help="unit order (default ours; 1f1b with --compat perseus); interleaved: Megatron's virtual pipeline, with --virtual-stages")
     _add_virtual_stages(p)
     p.add_argument("--max-inflight", type=budget_arg, metavar="N|b0,b1,...|none",
                    help="activation budget of ours, in micro-batch activations: N for every stage or one per "
@@ -184,9 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan per-unit SM clocks from a profile and compare with the baseline")
     add_profile_args(p)
     add_pipeline_args(p)
-    p.add_argument("--type", choices=PLAN_TYPE_NAMES, default=PlanType.ENVELOPE.value,
+    p.add_argument("--type", choices=PLAN_TYPE_NAMES, default=PlanType.ENVELOPE.value, action=Given,
                    help="initial plan (default envelope)")
-    p.add_argument("--reconfig", choices=RECONFIG_NAMES, default=ReconfigPolicy.BALANCED.value,
+    p.add_argument("--reconfig", choices=RECONFIG_NAMES, default=ReconfigPolicy.BALANCED.value, action=Given,
                    help="policy (default balanced)")
     p.add_argument("--reconfig-step", type=ranged("clock_mhz"),
                    help="MHz per reconfiguration step (default: GPU table)")
@@ -199,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-margin", type=ranged("timing_margin"), metavar="FRACTION",
                    help="keep this fraction of every slowed unit's time as slack against unit-time jitter, e.g. "
                         "0.01 (default 0 here; training's --envpipe-timing-margin defaults to 0.01)")
-    p.add_argument("--compat", choices=("perseus",), help="reproduce Perseus's EnvPipe re-implementation")
+    p.add_argument("--compat", choices=("perseus",),
+                   help="reproduce Perseus's EnvPipe re-implementation (envelope, 1f1b, balanced)")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan and its scores as JSON")
+    add_rows_arg(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("frontier", help="the iteration-time vs energy Pareto frontier of optimal plans")
@@ -217,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print a plan written by 'envpipe plan --out'")
     p.add_argument("plan", help="PLAN.json")
     p.add_argument("--json", action="store_true", help="print the stored JSON")
+    add_rows_arg(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("simulate", help="simulate one iteration of a plan or schedule on a profile")
@@ -229,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-warmup", type=warmup_list, help="r_s for --scheduling ours, one per stage, e.g. 4,3,1,0")
     p.add_argument("--freq", type=ranged("clock_mhz"),
                    help="one clock for every unit (default: the profile's max)")
+    add_rows_arg(p)
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("schedule", help="print a schedule's per-stage unit order")

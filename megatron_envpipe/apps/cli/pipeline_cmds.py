@@ -11,14 +11,16 @@ from megatron_envpipe.apps.cli.common import (
     check_flags_apply,
     gpu_for,
     load_profile,
+    note_warmup_clamp,
     p2p_power,
     plan_from_file,
 )
 from megatron_envpipe.apps.cli.outputs import check_outputs, write_outputs
-from megatron_envpipe.apps.cli.render import print_json, recv_wait_ms, score_dict
+from megatron_envpipe.apps.cli.render import critical_path, print_json, recv_wait_ms, score_dict
+from megatron_envpipe.apps.cli.rows import plan_rows
 from megatron_envpipe.apps.plot import image_format, timelines_image
 from megatron_envpipe.core.instructions import DeadlockError, build_programs, check_deadlock
-from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
+from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import ProfileError
 from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup
 from megatron_envpipe.core.sizes import MAX_SIMULATED_SIZE, check_schedule_size
@@ -65,6 +67,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             r = clamp_extra_warmup(p, args.microbatches, args.extra_warmup)
         check_schedule_size(p, args.microbatches, args.virtual_stages or 1, MAX_SIMULATED_SIZE, "a simulation")
         schedule = _build(scheduling, p, args.microbatches, r, args.virtual_stages)
+        note_warmup_clamp(args, p, args.microbatches)
         profile = _chunk_profile(profile, schedule.num_chunks)
         freq = args.freq or profile.max_frequency()
         plan = FrequencyPlan.constant(schedule, [freq] * p)
@@ -78,7 +81,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         **score_dict(score),
         "stage_idle_s": timeline.idle_s(),
         "peak_inflight_activations": list(schedule.peak_inflight()),
-        "critical_path": [f"S{s} {u}" for s, u in reversed(crit)],
+        "critical_path": critical_path(timeline),
     }
     if args.plot is not None:
         write_outputs([(args.plot, timelines_image([(f"simulated {schedule.name}", plan, timeline)],
@@ -96,7 +99,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         )
     print(f"critical path ({len(crit)} units): " + " -> ".join(data["critical_path"]))
     print()
-    print(format_envpipe(plan, recv_wait_ms(timeline), crit))
+    print(plan_rows(plan, recv_wait_ms(timeline), crit, args.rows))
     if args.plot:
         print(f"timeline drawn to {args.plot}")
     return 0
@@ -108,7 +111,9 @@ def _schedule_from_flags(args: argparse.Namespace, max_inflight: Any = None) -> 
     r = None
     if args.scheduling == Scheduling.OURS:
         r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages, max_inflight)
-    return _build(args.scheduling, args.stages, args.microbatches, r, args.virtual_stages).validate()
+    schedule = _build(args.scheduling, args.stages, args.microbatches, r, args.virtual_stages).validate()
+    note_warmup_clamp(args, args.stages, args.microbatches, max_inflight)  # once the schedule is sure to run
+    return schedule
 
 
 def _build(scheduling: str, num_stages: int, num_microbatches: int, r, virtual_stages: int | None) -> Schedule:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from megatron_envpipe.apps.cli.common import (
@@ -10,23 +11,31 @@ from megatron_envpipe.apps.cli.common import (
     check_extra_warmup_flag,
     check_flags_apply,
     check_stages,
+    given_flags,
     gpu_for,
     load_profile,
+    note_warmup_clamp,
     p2p_power,
     plan_from_file,
     planner_config,
 )
 from megatron_envpipe.apps.cli.outputs import check_outputs, json_text, write_outputs
 from megatron_envpipe.apps.cli.render import print_json, print_result, result_to_dict
+from megatron_envpipe.apps.cli.rows import plan_rows
 from megatron_envpipe.apps.plot import frontier_image, image_format, timelines_image
-from megatron_envpipe.core.plan import format_envpipe
+from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.schedule import ScheduleError
 from megatron_envpipe.core.sizes import check_plan_size
+from megatron_envpipe.core.units import Unit
 from megatron_envpipe.core.vocabulary import CommModel, PlanType, ReconfigPolicy, Scheduling
 from megatron_envpipe.planning.basis import PlanResult
 from megatron_envpipe.planning.compat_perseus import plan_envpipe_perseus
 from megatron_envpipe.planning.frontier import Frontier, compute_frontier
 from megatron_envpipe.planning.planner import plan_envpipe
+
+_PERSEUS = {"--type": PlanType.ENVELOPE.value, "--scheduling": Scheduling.ONE_F_ONE_B.value,
+            "--reconfig": ReconfigPolicy.BALANCED.value}
 
 
 def _check_plan_flags(args: argparse.Namespace) -> None:
@@ -39,12 +48,18 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
                 raise CliError(f"{flag} needs --type optimal (--type {args.type} plans have no deadline): "
                                f"add --type optimal or drop {flag}")
     if args.compat == "perseus":
-        if (args.type != PlanType.ENVELOPE or args.scheduling != Scheduling.ONE_F_ONE_B
-                or args.reconfig != ReconfigPolicy.BALANCED):
+        # Perseus's EnvPipe is envelope/1f1b/balanced: flags left at their defaults take those values;
+        # a flag given with another value is named (only flags the user wrote).
+        given = given_flags(args)
+        clash = [f"{flag} {getattr(args, flag[2:])}" for flag, value in _PERSEUS.items()
+                 if flag in given and getattr(args, flag[2:]) != value]
+        if clash:
             raise CliError(
-                "--compat perseus reproduces Perseus's EnvPipe (envelope, 1f1b, balanced); "
-                "drop --type/--scheduling/--reconfig or set them to those values"
+                "--compat perseus reproduces Perseus's EnvPipe (--type envelope --scheduling 1f1b --reconfig "
+                f"balanced), not {', '.join(clash)}: drop {'it' if len(clash) == 1 else 'them'} or give those values"
             )
+        for flag, value in _PERSEUS.items():
+            setattr(args, flag[2:], value)
         ignored = [flag for flag, given in (
             ("--max-inflight", args.max_inflight is not None), ("--reconfig-step", args.reconfig_step is not None),
             ("--switch-cost-j", args.switch_cost_j is not None),
@@ -90,6 +105,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 max_slowdown=max_slowdown, target_time_s=args.target_time,
                                 switch_cost_j=args.switch_cost_j, max_clock_changes=args.max_clock_changes)
         result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
+        note_warmup_clamp(args, profile.num_stages, args.microbatches, args.max_inflight)  # once it planned
     data = result_to_dict(result, profile, extra)
     picture = None
     if args.plot is not None:
@@ -105,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print_json(data)
     else:
-        print_result(result, profile)
+        print_result(result, profile, rows=args.rows)
         if "perseus_reported" in extra:
             rep = extra["perseus_reported"]
             print(
@@ -183,6 +199,7 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     config = planner_config(args, gpu, PlanType.OPTIMAL, ReconfigPolicy.DEFAULT, switch_cost_j=args.switch_cost_j,
                             max_clock_changes=args.max_clock_changes)
     fr = compute_frontier(profile, args.microbatches, config, points=args.points, num_stages=args.stages)
+    note_warmup_clamp(args, profile.num_stages, args.microbatches, args.max_inflight)
     picked = fr.pick(args.target_time) if args.target_time is not None else None
     picture = None
     if args.plot is not None:
@@ -227,5 +244,35 @@ def cmd_show(args: argparse.Namespace) -> int:
         for w in data.get("warnings", []):
             print(f"WARNING: {w}")
     print(f"clock changes per stage per iteration {list(plan.clock_changes())}")
-    print(format_envpipe(plan))
+    waits, critical = _stored_timeline(args.plan, data, plan)
+    if waits is None:
+        print("receive waits: not in this file (a bare plan, or written before envpipe stored them): "
+              f"'envpipe simulate --plan {args.plan} --profile ...' simulates them")
+    print(plan_rows(plan, waits, critical, args.rows))
     return 0
+
+
+def _stored_timeline(path: str, data: dict[str, Any], plan: FrequencyPlan) -> tuple[list[list[float]] | None, list]:
+    """The receive waits (ms, per stage, per unit) and critical units 'envpipe plan --out' stored with the
+    plan's clocks, checked against them; (None, []) for a file without them."""
+    body = data.get("plan") if isinstance(data.get("plan"), dict) else data
+    waits, path_units = body.get("recv_wait_ms"), body.get("critical_path", [])
+    if waits is None:
+        return None, []
+    fix = f"{path}: recv_wait_ms must hold one list of finite waits >= 0 (ms) per stage, one per unit: " \
+          "write the plan again with 'envpipe plan --out'"
+    orders = plan.schedule.orders
+    if not (isinstance(waits, list) and len(waits) == len(orders)
+            and all(isinstance(row, list) and len(row) == len(order) for row, order in zip(waits, orders))
+            and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+                    for row in waits for w in row)):
+        raise CliError(fix)
+    critical = []
+    for cell in path_units if isinstance(path_units, list) else [None]:
+        stage, _, unit = cell.partition(" ") if isinstance(cell, str) else ("", "", "")
+        try:
+            critical.append((int(stage.removeprefix("S")), Unit.parse(unit)))
+        except (ValueError, ScheduleError):
+            raise CliError(f"{path}: critical_path entry {cell!r} is not like \"S0 F0\": "
+                           "write the plan again with 'envpipe plan --out'") from None
+    return waits, critical

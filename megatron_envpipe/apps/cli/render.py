@@ -7,8 +7,8 @@ import sys
 from typing import Any, TextIO
 
 from megatron_envpipe.apps.cli.common import CliError
+from megatron_envpipe.apps.cli.rows import plan_rows
 from megatron_envpipe.core.memory import show_budget
-from megatron_envpipe.core.plan import format_envpipe
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanScore, Timeline
 from megatron_envpipe.core.vocabulary import Scheduling
@@ -55,6 +55,11 @@ def recv_wait_ms(timeline: Timeline) -> list[list[float]]:
     return rows
 
 
+def critical_path(timeline: Timeline) -> list[str]:
+    """The critical units from first to last, ``["S0 F0", "S1 F0", ...]``."""
+    return [f"S{s} {u}" for s, u in reversed(timeline.critical_units())]
+
+
 def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """``envpipe plan --json`` / ``--out``: the plan, its baseline and how it was found."""
     cfg = result.config
@@ -70,6 +75,9 @@ def result_to_dict(result: PlanResult, profile: Profile, extra: dict[str, Any] |
             "clock_changes_per_stage": list(result.plan.clock_changes()),
             "charged_clock_changes_per_stage": list(result.charged_clock_changes),
             "frequencies": result.plan.to_dict()["stages"],
+            # The simulated timeline's waits and critical path, for 'envpipe show' (the clocks alone lack them).
+            "recv_wait_ms": recv_wait_ms(result.timeline),
+            "critical_path": critical_path(result.timeline),
         }
     )
     data: dict[str, Any] = {
@@ -144,8 +152,9 @@ def clock_changes_text(result: PlanResult) -> str:
     return text
 
 
-def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None) -> None:
-    """``envpipe plan``'s text report: sizes, clocks, baseline vs plan, then EnvPipe's printout."""
+def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None, rows: str = "auto") -> None:
+    """``envpipe plan``'s text report: sizes, clocks, baseline vs plan, then EnvPipe's printout (``rows``:
+    see :func:`~megatron_envpipe.apps.cli.rows.plan_rows`)."""
     out = out or sys.stdout
     b, p = result.baseline, result.score
     cfg = result.config
@@ -195,6 +204,6 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
         print(f"WARNING: {w}", file=out)
     print("", file=out)
     print(
-        format_envpipe(result.plan, recv_wait_ms(result.timeline), result.timeline.critical_units()),
+        plan_rows(result.plan, recv_wait_ms(result.timeline), result.timeline.critical_units(), rows),
         file=out,
     )

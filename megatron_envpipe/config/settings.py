@@ -1,25 +1,25 @@
-"""EnvPipe's run-time settings, and the ``--envpipe-*`` command-line flags.
+"""EnvPipe's run-time settings: :class:`EnvPipeConfig`, checked alone and against Megatron's flags.
 
-``add_envpipe_args(parser)`` adds the flags to any argparse parser (Megatron's
-included); ``EnvPipeConfig.from_args(args)`` turns them into a validated
-config (every number finite and in range, names known, combinations
-possible); ``validate_with_megatron_args(args)`` adds what needs Megatron's
-flags (pipeline size, micro-batches: the profile's stage count, the extra
-warm-up's length, the activation budget), so that every entry point fails at
-argument parsing with one :class:`EnvPipeConfigError` line instead of at the
-first iteration; ``EnvPipeConfig.planner_config(gpu)`` is the planner's view
-of it. ``fraction`` is the argparse type of fraction flags (``0.05``, ``5%``).
-Pure Python.
+``EnvPipeConfig.from_args(args)`` turns the ``--envpipe-*`` flags
+(:mod:`~megatron_envpipe.config.flags`) into a validated config (every number
+finite and in range, names known, combinations possible);
+``validate_with_megatron_args(args)`` adds what needs Megatron's flags (pipeline
+size, micro-batches: the profile's stage count, the extra warm-up's length, the
+activation budget; the log interval it follows), so that every entry point fails
+at argument parsing with one :class:`EnvPipeConfigError` line instead of at the
+first iteration; ``EnvPipeConfig.planner_config(gpu)`` is the planner's view of
+it. Pure Python.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import functools
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_envpipe.core.atomic import OutputPathError, check_writable
 from megatron_envpipe.core.device_dynamics import DeviceDynamics, DeviceDynamicsError, load_dynamics
 from megatron_envpipe.core.flag_ranges import RANGES
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
@@ -36,11 +36,8 @@ from megatron_envpipe.core.resources import configs_dir, shipped_profile, shippe
 from megatron_envpipe.core.schedule import ScheduleError
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.vocabulary import (
-    PLAN_TYPE_NAMES,
     PLAN_TYPES,
-    RECONFIG_NAMES,
     RECONFIG_POLICIES,
-    SCHEDULING_NAMES,
     SCHEDULINGS,
     PlanType,
     ReconfigPolicy,
@@ -52,21 +49,15 @@ from megatron_envpipe.flag_types import (
     TRAINING_NUMBERS,
     VIRTUAL_PIPELINE_ARGS,
     EnvPipeConfigError,
-    fraction,
-    int_list,
     is_whole,
-    max_inflight_arg,
-    memory_model_arg,
     num_microbatches_of,
     show,
     show_list,
     virtual_stages_of,
 )
 from megatron_envpipe.planning.basis import PlannerConfig
-from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S
 
-__all__ = ["EnvPipeConfig", "EnvPipeConfigError", "add_envpipe_args", "fraction", "int_list", "load_profile",
-           "max_inflight_arg", "memory_model_arg", "num_microbatches_of", "virtual_stages_of"]
+__all__ = ["EnvPipeConfig", "load_profile"]
 
 
 @dataclass(frozen=True)
@@ -108,7 +99,11 @@ class EnvPipeConfig:
     # within 0.2 points at 3-5 % unit jitter on GPT-3/Bloom at P = 4 and 8 (bench/robust_plans.py).
     timing_margin: float = 0.01
     reconfig_window: int = 3  # online correction: median of this many iterations decides a step
-    log_interval: int = 1
+    log_interval: int | None = None  # energy lines every N iterations; None: Megatron's --log-interval
+    # Measured 1F1B iterations at the maximum clock before the plan (pre-plan ones at f_max count): the
+    # baseline each energy line compares with; 0: the planner's predicted baseline.
+    baseline_iterations: int = 2
+    energy_csv: str | None = None  # one row per GPU per logged window (megatron/energy_csv.py)
     verbose: bool = False
     max_slowdown: float = 0.0  # --envpipe-type optimal: allowed iteration-time increase (fraction)
     target_time_s: float | None = None  # --envpipe-type optimal: plan for iterations lasting this long
@@ -177,6 +172,11 @@ class EnvPipeConfig:
             if not self.profile_cache or Path(self.profile_cache).exists() and not Path(self.profile_cache).is_dir():
                 bad(f"--envpipe-profile-cache {self.profile_cache!r} is not a directory: give a directory "
                     "(created on first use) or 'off'")
+        if self.energy_csv is not None:
+            try:  # fails at start-up, not at the first energy line
+                check_writable(self.energy_csv, "--envpipe-energy-csv")
+            except OutputPathError as exc:
+                bad(f"{exc}: give a file in a writable directory, or drop --envpipe-energy-csv")
         if self.on_no_permission not in ("fail", "monitor"):
             bad(f"--envpipe-on-no-permission {self.on_no_permission!r}: choose fail or monitor")
         if self.max_slowdown and self.target_time_s is not None:
@@ -303,6 +303,7 @@ class EnvPipeConfig:
         attributes it lacks are not checked.
         """
         self.validate()
+        resolved = self._follow_log_interval(args)
         stock = "--envpipe-type baseline --envpipe-scheduling 1f1b --envpipe-reconfig default"
         settings = " ".join(f"{flag} {value}" for flag, value, default in (
             ("--envpipe-type", self.plan_type, PlanType.BASELINE),
@@ -336,7 +337,7 @@ class EnvPipeConfig:
         simulated = load_profile(source, f"--envpipe-gpu {self.gpu}", "give another profile") if source else None
         pp = getattr(args, "pipeline_model_parallel_size", None)
         if not is_whole(pp):
-            return self
+            return resolved
         if pp < 2 and not self.is_stock:
             raise EnvPipeConfigError(
                 f"EnvPipe needs pipeline parallelism: --pipeline-model-parallel-size is {pp}, so Megatron runs no "
@@ -351,7 +352,20 @@ class EnvPipeConfig:
                 for flag, given in (("--envpipe-profile", profile), (f"--envpipe-gpu {self.gpu}", simulated)):
                     if given is not None:
                         _fit_profile(flag, given, pp, virtual)
-        return self
+        return resolved
+
+    def _follow_log_interval(self, args: Any) -> "EnvPipeConfig":
+        """This config with Megatron's ``--log-interval`` as the energy log's interval, unless
+        ``--envpipe-log-interval`` was given (or ``args`` has none)."""
+        megatron_interval = getattr(args, "log_interval", None)
+        if self.log_interval is not None or not is_whole(megatron_interval) or megatron_interval < 1:
+            return self
+        return dataclasses.replace(self, log_interval=int(megatron_interval))
+
+    @property
+    def energy_log_interval(self) -> int:
+        """Iterations per energy line: the flag's, Megatron's (resolved at argument parsing), else 1."""
+        return self.log_interval or 1
 
     def check_pipeline(self, num_stages: int, num_microbatches: int | None = None,
                        profile: Profile | None = None, virtual_stages: int = 1) -> None:
@@ -497,103 +511,3 @@ def _fit_profile(flag: str, profile: Profile, num_stages: int, virtual_stages: i
                                  f"{virtual_stages} model chunk(s) per rank)") from None
 
 
-# argparse lists its choices with repr() in "invalid choice" errors: give it the plain names.
-
-
-def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--envpipe-*`` flags; returns the parser (Megatron's extra_args_provider shape)."""
-    d = EnvPipeConfig()
-    g = parser.add_argument_group("EnvPipe", "energy-saving pipeline schedule and GPU clock plan")
-    g.add_argument("--envpipe-type", dest="envpipe_plan_type", choices=PLAN_TYPE_NAMES, default=d.plan_type.value,
-                   help="initial clock plan: all at f_max (baseline), each stage at its energy-valley clock "
-                        "(uniform), outer envelope at f_max and the rest at the valley (envelope), or the "
-                        "minimum-energy plan meeting the baseline's iteration time (optimal; needs highspy or scipy)")
-    g.add_argument("--envpipe-scheduling", dest="envpipe_scheduling", choices=SCHEDULING_NAMES,
-                   default=d.scheduling.value,
-                   help="unit order: Megatron's 1F1B, or EnvPipe's extended warm-up (ours)")
-    g.add_argument("--envpipe-reconfig", dest="envpipe_reconfig", choices=RECONFIG_NAMES, default=d.reconfig.value,
-                   help="online reconfiguration from measured critical paths")
-    g.add_argument("--envpipe-gpu", dest="envpipe_gpu", default=d.gpu,
-                   help="auto (default: NVML on CUDA devices, else none), none, nvml, "
-                        "simulated:<profile> (a GPU model on CPU driven by a profile), or a GPU table "
-                        "entry of configs/gpus.toml (NVML with that table's steps and P2P power)")
-    g.add_argument("--envpipe-profile", dest="envpipe_profile", default=d.profile,
-                   help="Perseus-format time/energy profile CSV; default: measure at start-up")
-    g.add_argument("--envpipe-max-inflight", dest="envpipe_max_inflight", type=max_inflight_arg,
-                   default=d.max_inflight,
-                   help="activation-memory budget for 'ours', in micro-batch activations: auto (default: from the "
-                        "activation memory and free memory measured in the first 1F1B iterations on CUDA, or "
-                        "--envpipe-sim-memory; no limit where neither exists), none, N for every stage, or one per "
-                        "stage, e.g. 4,3,2,2")
-    g.add_argument("--envpipe-sim-memory", dest="envpipe_sim_memory", type=memory_model_arg, default=None,
-                   metavar="GIB_FREE,MIB_PER_MICROBATCH",
-                   help="memory model for --envpipe-max-inflight auto in place of measuring the device (CPU, "
-                        "simulated GPU): GiB free per stage at 1F1B's peak, MiB of activations per micro-batch")
-    g.add_argument("--envpipe-extra-warmup", dest="envpipe_extra_warmup", type=int_list, default=None,
-                   help="override EnvPipe's extra warm-up forwards per stage, e.g. 4,3,1,0 (clamped)")
-    g.add_argument("--envpipe-p2p-power", dest="envpipe_p2p_power_w", type=float, default=d.p2p_power_w,
-                   help="power of a GPU blocked in P2P, W (default: GPU table)")
-    g.add_argument("--envpipe-reconfig-step", dest="envpipe_reconfig_step_mhz", type=int,
-                   default=d.reconfig_step_mhz, help="MHz per reconfiguration step (default: GPU table)")
-    g.add_argument("--envpipe-finish-limit", dest="envpipe_finish_limit", type=int, default=d.finish_limit,
-                   help="stop reconfiguring after this many iterations without progress")
-    g.add_argument("--envpipe-threshold-scale", dest="envpipe_threshold_scale", type=float,
-                   default=d.threshold_scale, help="critical-path receive-wait threshold (x min last-stage wait)")
-    g.add_argument("--envpipe-prefetch", dest="envpipe_prefetch", type=int, default=d.prefetch,
-                   help="receives posted ahead of use per channel")
-    g.add_argument("--envpipe-comm-timeout", dest="envpipe_comm_timeout_s", type=float, default=d.comm_timeout_s,
-                   help="seconds before a stuck P2P transfer raises an error naming stage, instruction, peer")
-    g.add_argument("--envpipe-measure-iterations", dest="envpipe_measure_iterations", type=int,
-                   default=d.measure_iterations, help="iterations timed before planning when no profile is given")
-    g.add_argument("--envpipe-on-no-permission", dest="envpipe_on_no_permission", choices=("fail", "monitor"),
-                   default=d.on_no_permission,
-                   help="without permission to lock clocks: fail at start-up (default) or only measure energy")
-    g.add_argument("--envpipe-profile-step", dest="envpipe_profile_step_mhz", type=int, default=None,
-                   help="start-up profiler: MHz between profiled clocks (default: GPU table, 90)")
-    g.add_argument("--envpipe-profile-iterations", dest="envpipe_profile_iterations", type=int,
-                   default=d.profile_iterations, help="start-up profiler: iterations per clock until two agree "
-                   "(then one per clock, plus clocks near the valley); 1: one per clock, nothing more")
-    g.add_argument("--envpipe-profile-cache", dest="envpipe_profile_cache", default=None,
-                   help="profile cache directory, or 'off' (default ~/.cache/megatron-envpipe/profiles)")
-    g.add_argument("--envpipe-sim-time", dest="envpipe_sim_time", choices=("virtual", "wall"), default=d.sim_time,
-                   help="simulated GPU: virtual (default: each GPU's own clock, kept consistent by timestamps over "
-                        "the pipeline; host speed takes no GPU time) or wall (scaled wall time)")
-    g.add_argument("--envpipe-sim-time-scale", dest="envpipe_sim_time_scale", type=float, default=d.sim_time_scale,
-                   help="simulated GPU with --envpipe-sim-time wall: wall seconds per simulated second (default 0.02)")
-    g.add_argument("--envpipe-sim-jitter", dest="envpipe_sim_jitter", type=fraction, default=d.sim_jitter,
-                   help="simulated GPU: unit-time noise as a fraction of the unit's time, e.g. 0.03 or 3%% "
-                        "(normal, clipped at 3 sigma, seeded per stage; default 0)")
-    g.add_argument("--envpipe-sim-dynamics", dest="envpipe_sim_dynamics", default=d.sim_dynamics,
-                   help="simulated GPU: exact (default: clocks change at once, exact energy counter, no heat), "
-                        "realistic (configs/realistic-gpu.toml: published A100/H100-class figures) or a TOML file "
-                        "with a [dynamics] table; see docs/simulated-gpu.md")
-    g.add_argument("--envpipe-sim-clock-latency-ms", dest="envpipe_sim_clock_latency_ms", type=float, default=None,
-                   help="simulated GPU: ms from a clock-lock request until the SMs run at the new clock")
-    g.add_argument("--envpipe-sim-counter-period-ms", dest="envpipe_sim_counter_period_ms", type=float,
-                   default=None, help="simulated GPU: energy-counter update period, ms (0: exact at every read)")
-    g.add_argument("--envpipe-sim-thermal-drift", dest="envpipe_sim_thermal_drift", type=fraction, default=None,
-                   help="simulated GPU: a cold GPU draws this fraction less power than a hot one, e.g. 0.03")
-    g.add_argument("--envpipe-clock-lead", dest="envpipe_clock_lead", choices=("on", "off"), default=d.clock_lead,
-                   help="request a clock raise ahead of the unit boundary by the clock-change latency, so the "
-                        "next unit starts at its clock (default on; off: every change at the boundary)")
-    g.add_argument("--envpipe-timing-margin", dest="envpipe_timing_margin", type=fraction, default=None,
-                   help="slack kept behind every unit planned below the maximum clock, as a fraction of its time, "
-                        "so unit-time jitter does not slow the iteration (default 0.01 = 1%%; 0: none)")
-    g.add_argument("--envpipe-reconfig-window", dest="envpipe_reconfig_window", type=int, default=d.reconfig_window,
-                   help="online reconfiguration: iterations whose median decides each raise or lowering "
-                        "(default 3; 1: EnvPipe's one-iteration rule)")
-    g.add_argument("--envpipe-log-interval", dest="envpipe_log_interval", type=int, default=d.log_interval,
-                   help="print the EnvPipe plan/energy line every N iterations")
-    g.add_argument("--envpipe-verbose", dest="envpipe_verbose", action="store_true",
-                   help="print each stage's instruction program")
-    g.add_argument("--envpipe-max-slowdown", dest="envpipe_max_slowdown", type=fraction, default=d.max_slowdown,
-                   help="--envpipe-type optimal: allowed iteration-time increase over 1F1B at f_max, "
-                        "e.g. 0.05 or 5%%")
-    g.add_argument("--envpipe-target-time", dest="envpipe_target_time_s", type=float, default=None,
-                   help="--envpipe-type optimal: plan for iterations lasting this many seconds anyway (e.g. a "
-                        "straggler sets the pace); the GPUs block at P2P power until then")
-    g.add_argument("--envpipe-switch-cost-j", dest="envpipe_switch_cost_j", type=float, default=None, help="joules a "
-                   f"clock change must save to be kept (default 0: off; envpipe plan's: {DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x P2P power)")
-    g.add_argument("--envpipe-max-clock-changes", dest="envpipe_max_clock_changes", type=int, default=None,
-                   help="at most this many clock changes per stage per iteration, where the deadline allows")
-    return parser

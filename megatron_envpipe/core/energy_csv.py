@@ -1,0 +1,59 @@
+"""``--envpipe-energy-csv PATH``: one row per GPU per energy line, appended as training goes.
+
+Each window's rows go out in one ``write`` on a file opened ``O_APPEND``, flushed
+to disk: a reader (or a crash) sees whole windows only, never a torn row, and a
+rerun appends below the rows of the last run (the header is written once, to an
+empty file). The figures are those of the energy line
+(:mod:`megatron_envpipe.core.energy_report`). Pure Python.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_envpipe.core.energy_report import EnergyReport
+
+__all__ = ["CSV_COLUMNS", "append_report", "report_rows"]
+
+CSV_COLUMNS = ("iteration", "iterations", "stage", "rank", "energy_j_per_iteration", "power_w",
+               "time_s_per_iteration", "pipeline_energy_j_per_iteration", "pipeline_time_s_per_iteration",
+               "planned_time_s", "saving", "simulated")
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def report_rows(report: EnergyReport) -> list[Sequence[object]]:
+    """One row per GPU of the report (none when its window has no GPU counter figures yet)."""
+    return [(report.iteration, report.iterations, g.stage, g.rank, g.energy_j, g.power_w, g.time_s,
+             report.energy_j, report.time_s, report.planned_time_s, report.saving, int(report.simulated))
+            for g in report.gpus]
+
+
+def append_report(path: str | os.PathLike[str], report: EnergyReport) -> int:
+    """Append the report's rows (header first into an empty file); returns the rows written."""
+    rows = report_rows(report)
+    if not rows:
+        return 0
+    text = "".join(",".join(_fmt(v) for v in row) + "\n" for row in rows)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if os.fstat(fd).st_size == 0:
+            text = ",".join(CSV_COLUMNS) + "\n" + text
+        data = text.encode()
+        written = os.write(fd, data)
+        if written != len(data):  # a full disk: say so rather than leave half a window
+            raise OSError(f"wrote {written} of {len(data)} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(rows)
