@@ -441,7 +441,7 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
           f"(1F1B {list(plan.baseline_plan.schedule.peak_inflight())})\n")
     print(f"Plan {cfg.plan_type}/{cfg.scheduling}/{cfg.reconfig} on {profile.source} "
           "(unit, SM clock MHz, receive wait ms; [critical path]):")
-    print(format_envpipe(plan.plan, None, plan.timeline.critical_units()))
+    print(format_envpipe(plan.plan, plan.timeline.recv_wait_ms_rows(), plan.timeline.critical_units()))
     print(f"predicted: energy -{100 * plan.energy_saving:.1f}% at {100 * plan.slowdown:+.2f}% iteration time\n")
     try:
         png = draw_timelines([("baseline: 1F1B, every unit at f_max", plan.baseline_plan, plan.baseline_timeline),

@@ -157,16 +157,16 @@ def format_envpipe(
 ) -> str:
     """EnvPipe's plan printout: ``Stage 0 | [F0 1740 0.0]  F1 1050 0.0  ...``.
 
-    Each unit shows kind+micro-batch, clock (MHz) and receive wait (ms);
-    units on the critical path are bracketed, the others padded to line up.
+    Each unit shows kind+micro-batch, clock (MHz) and receive wait (ms) where the waits are
+    known (a simulated timeline); without them the wait is left out rather than shown as 0.0.
+    Units on the critical path are bracketed, the others padded to line up.
     """
     crit = set(critical)
     lines = []
     for s, (order, freqs) in enumerate(zip(plan.schedule.orders, plan.freqs_mhz)):
         cells = []
         for i, (unit, f) in enumerate(zip(order, freqs)):
-            wait = recv_wait_ms[s][i] if recv_wait_ms is not None else 0.0
-            body = f"{unit} {f} {wait:.1f}"
+            body = f"{unit} {f} {recv_wait_ms[s][i]:.1f}" if recv_wait_ms is not None else f"{unit} {f}"
             cells.append(f"[{body}]" if (s, unit) in crit else f" {body} ")
         lines.append(f"Stage {s} | " + " ".join(cells))
     return "\n".join(lines)

@@ -128,6 +128,13 @@ class Timeline:
         free_at = self.end_s[sp] if sp >= 0 else 0.0
         return max(0.0, self.start_s[v] - free_at)
 
+    def recv_wait_ms_rows(self) -> list[list[float]]:
+        """Per stage, per unit in order: how long it waited for its input, ms (EnvPipe's printout)."""
+        rows: list[list[float]] = [[] for _ in range(self.graph.schedule.num_stages)]
+        for v, (s, _) in enumerate(self.graph.nodes):
+            rows[s].append(1000.0 * self.recv_wait_s(v))
+        return rows
+
     def measurement(self) -> IterationMeasurement:
         """This iteration as the executor would measure it: every stage's units in order, with their
         start, end and receive wait (what the online reconfigurer is fed)."""

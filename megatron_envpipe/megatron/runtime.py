@@ -481,7 +481,8 @@ class EnvPipeRuntime:
             list(result.schedule.extra_warmup), list(result.schedule.peak_inflight()),
             result.saving_text(), 100 * result.slowdown, result.stop_reason,
         )
-        log.info("EnvPipe plan:\n%s", format_envpipe(result.plan))
+        log.info("EnvPipe plan (unit, SM clock MHz, predicted receive wait ms; [critical path]):\n%s",
+                 format_envpipe(result.plan, result.timeline.recv_wait_ms_rows(), result.timeline.critical_units()))
         rc = None
         control = self.device is None or self.device.control
         if cfg.reconfig != ReconfigPolicy.DEFAULT and len(profile.common_frequencies()) > 1 and control:

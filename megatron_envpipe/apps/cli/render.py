@@ -48,11 +48,7 @@ def score_dict(score: PlanScore, switch_energy_j: float | None = None) -> dict[s
 
 def recv_wait_ms(timeline: Timeline) -> list[list[float]]:
     """Per stage, per unit in order: how long it waited for its input, ms (EnvPipe's printout)."""
-    graph = timeline.graph
-    rows: list[list[float]] = [[] for _ in range(graph.schedule.num_stages)]
-    for v, (s, _) in enumerate(graph.nodes):
-        rows[s].append(1000.0 * timeline.recv_wait_s(v))
-    return rows
+    return timeline.recv_wait_ms_rows()
 
 
 def critical_path(timeline: Timeline) -> list[str]:
