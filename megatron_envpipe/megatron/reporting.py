@@ -224,13 +224,9 @@ def _gather_pipeline(groups: StageGroups, mine: _GpuWindow) -> list[Any]:
 def _stage_window(gpus: Sequence[_GpuWindow]) -> _StageWindow:
     """A stage's window is that of all its GPUs: energy summed, time the slowest's (unmeasured if any is)."""
     statuses = [g.status for g in gpus]
-    counts: dict[str, int] = {}
-    for st in statuses:
-        for why, n in st.unmeasured:
-            counts[why] = counts.get(why, 0) + n
     status = EnergyStatus(
         energy=statuses[0].energy, reason=next((st.reason for st in statuses if st.reason), None),
-        intervals=sum(st.intervals for st in statuses), unmeasured=tuple(sorted(counts.items())),
+        intervals=sum(st.intervals for st in statuses), unmeasured=tuple(sorted(_unmeasured_counts(statuses).items())),
         clock_control_lost=next((st.clock_control_lost for st in statuses if st.clock_control_lost), None))
     window = None
     if all(g.window is not None for g in gpus):
@@ -292,13 +288,19 @@ def _warn_once(key: str, message: str) -> None:
         log.warning("EnvPipe: %s", message)
 
 
+def _unmeasured_counts(statuses: Sequence[EnergyStatus]) -> dict[str, int]:
+    """Unmeasured intervals by reason, added up over ``statuses``."""
+    counts: dict[str, int] = {}
+    for st in statuses:
+        for why, n in st.unmeasured:
+            counts[why] = counts.get(why, 0) + n
+    return counts
+
+
 def unmeasured_summary(everyone: Sequence[EnergyStatus]) -> str:
     """`` | N of M intervals unmeasured (reason: n, ...)`` and lost clock control; '' when all is well."""
     total = sum(e.intervals for e in everyone)
-    counts: dict[str, int] = {}
-    for e in everyone:
-        for why, n in e.unmeasured:
-            counts[why] = counts.get(why, 0) + n
+    counts = _unmeasured_counts(everyone)
     parts = []
     if counts:
         reasons = ", ".join(f"{why}: {n}" for why, n in sorted(counts.items()))
