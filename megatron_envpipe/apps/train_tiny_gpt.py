@@ -28,7 +28,12 @@ start-up (``envpipe demo`` checks both of its runs against it).
 
 ``--device cpu`` runs over gloo with ``megatron_compat.cpu_shims``;
 ``--device cuda`` runs over NCCL, one GPU per local rank, with Megatron
-unmodified. Everything is fp32 with dropout off, so a run is a pure function
+unmodified. ``--p2p-transport host`` runs over gloo on either device, with
+every point-to-point tensor staged through host memory
+(``megatron_envpipe.megatron.host_p2p``, applied alike to stock and EnvPipe
+runs): on CUDA several local ranks may then share one GPU (rank r uses GPU
+r mod count), e.g. a 4-stage pipeline on a one-GPU machine; stages sharing a
+GPU cannot own its clocks, so EnvPipe then needs ``--envpipe-gpu simulated:...``. Everything is fp32 with dropout off, so a run is a pure function
 of its flags: ``--no-envpipe`` and any EnvPipe schedule give the same losses bit
 for bit (``--losses-out``).
 
@@ -58,6 +63,7 @@ from megatron_envpipe.apps.tiny_data import DEFAULT_VOCAB_SIZE, Batch, build_dat
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
 from megatron_envpipe.core.atomic import same_file, write_json_atomic
 from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims, model_parallel_manual_seed
+from megatron_envpipe.megatron.host_p2p import current_counts, host_p2p
 from megatron_envpipe.megatron.localhost import free_port
 from megatron_envpipe.megatron.state import STATE
 
@@ -93,7 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--train-iters", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234, help="model init (seed + 100 x stage) and data order")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: gloo + CPU shims; cuda: NCCL, one GPU per local rank")
+                   help="cpu: gloo + CPU shims; cuda: NCCL, one GPU per local rank (or gloo with "
+                        "--p2p-transport host)")
+    g.add_argument("--p2p-transport", choices=("direct", "host"), default="direct",
+                   help="direct: the process group's own transport (NCCL on cuda, gloo on cpu); host: gloo "
+                        "with every point-to-point tensor staged through host memory, so local ranks may share "
+                        "a GPU (rank r on GPU r mod count); EnvPipe then needs --envpipe-gpu simulated:<profile>")
     g.add_argument("--log-interval", type=int, default=1)
     d = parser.add_argument_group("data")
     d.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="SentencePiece BPE vocabulary")
@@ -152,11 +163,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def shared_gpu_problem(args: argparse.Namespace, local_ranks: int, device_count: int) -> str | None:
+    """Why this run cannot go ahead with ``local_ranks`` ranks on ``device_count`` GPUs, or None.
+
+    Stages sharing a GPU share its clock: no stage can lock it for its own plan,
+    so an EnvPipe run there must drive the simulated GPU (timing and energy
+    from its profile, arithmetic still on the real device).
+    """
+    if args.device != "cuda" or local_ranks <= max(device_count, 1):
+        return None
+    if args.p2p_transport != "host":
+        return (f"--device cuda puts {local_ranks} local ranks on {device_count} GPU(s): NCCL needs one GPU per "
+                f"rank; add --p2p-transport host (gloo, tensors staged through host memory) to share a GPU")
+    gpu = getattr(args, "envpipe_gpu", None) or ""
+    if not args.no_envpipe and not gpu.startswith("simulated:"):
+        return (f"--p2p-transport host puts {local_ranks} local ranks on {device_count} GPU(s): stages sharing a "
+                f"GPU cannot control its clocks (--envpipe-gpu {gpu or 'auto'}); add --envpipe-gpu "
+                f"simulated:<profile>, e.g. simulated:a40/gpt3-175b, or run --no-envpipe")
+    return None
+
+
 # --------------------------------------------------------------------------- distributed
 
 
 def init_distributed(args: argparse.Namespace) -> torch.device:
-    """Process group (gloo on CPU, NCCL on CUDA) and Megatron's model-parallel groups."""
+    """Process group (gloo on CPU or with --p2p-transport host, else NCCL on CUDA) and Megatron's
+    model-parallel groups."""
     from megatron.core import parallel_state
 
     if "RANK" not in os.environ:  # started without torchrun: a single-process job
@@ -172,11 +204,19 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device visible (use --device cpu)")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        # Bound to the device: NCCL communicators are created eagerly, at group creation, not
-        # lazily inside the first iteration (EnvPipe's channels then split the pipeline group).
-        dist.init_process_group(backend="nccl", device_id=device)
+        count = torch.cuda.device_count()
+        problem = shared_gpu_problem(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), count)
+        if problem is not None:
+            raise SystemExit(f"{Path(sys.argv[0]).name}: error: {problem}")
+        device = torch.device("cuda", local_rank % count)
+        torch.cuda.set_device(device)
+        if args.p2p_transport == "host":
+            # gloo moves host tensors only: host_p2p stages every transfer (several ranks may share the GPU).
+            dist.init_process_group(backend="gloo")
+        else:
+            # Bound to the device: NCCL communicators are created eagerly, at group creation, not
+            # lazily inside the first iteration (EnvPipe's channels then split the pipeline group).
+            dist.init_process_group(backend="nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group(backend="gloo")
@@ -320,7 +360,8 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
             + (f" x {len(models)} model chunks" if len(models) > 1 else "") + ", "
             f"parameters per stage {counts} | {args.num_microbatches} micro-batches of {args.micro_batch_size} | "
             f"{len(dataset.tokens)} corpus tokens | megatron-core {megatron.core.__version__}, torch "
-            f"{torch.__version__}, {device.type}/{dist.get_backend()} | " + (
+            f"{torch.__version__}, {device.type}/{dist.get_backend()}"
+            + (" (P2P staged through host memory)" if args.p2p_transport == "host" else "") + " | " + (
                 "EnvPipe off: Megatron's own schedule" if args.no_envpipe else
                 f"envpipe type {args.envpipe_plan_type}, scheduling {args.envpipe_scheduling}, "
                 f"reconfig {args.envpipe_reconfig}"),
@@ -381,8 +422,12 @@ def _function_name(fn: Any) -> str:
 
 def _gather_schedules(ran: list[str], records: list[dict[str, Any]]) -> None:
     """Every rank's schedule functions, EnvPipe state and loaded executor, onto the last stage's records."""
-    mine = {"functions": ran, "envpipe_installed": _envpipe_installed(),
-            "executor_imported": "megatron_envpipe.megatron.executor" in sys.modules}
+    mine: dict[str, Any] = {"functions": ran, "envpipe_installed": _envpipe_installed(),
+                            "executor_imported": "megatron_envpipe.megatron.executor" in sys.modules}
+    counts = current_counts()
+    if counts is not None:  # --p2p-transport host: what this rank staged so far (P2P messages, not objects)
+        mine["host_staged"] = {"sends": counts.sends, "recvs": counts.recvs, "collectives": counts.collectives,
+                               "bytes": counts.bytes_staged}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for record in records:
@@ -416,6 +461,7 @@ def write_losses(path: Path, args: argparse.Namespace, records: list[dict[str, A
         "num_microbatches": args.num_microbatches,
         "seed": args.seed,
         "device": args.device,
+        "p2p_transport": args.p2p_transport,
     }
     if stock_reference:
         payload["stock_reference"] = {"losses": [r["lm_loss"] for r in stock_reference],
@@ -469,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         reference: list[dict[str, Any]] = []
         if args.stock_reference_iters:
             # Before install(): Megatron's own schedule. train() builds model, optimizer and data afresh.
-            with cpu_shims(device):
+            with cpu_shims(device), host_p2p(args.p2p_transport == "host"):
                 reference = train(args, device, reference_iters=args.stock_reference_iters)
             if reference:
                 print(f"stock reference (Megatron's own schedule, before EnvPipe was installed): "
@@ -479,8 +525,9 @@ def main(argv: list[str] | None = None) -> int:
             megatron_envpipe.install(envpipe_config)
         try:
             # On CPU: route Megatron's CUDA placement/synchronisation to the CPU.
-            # On CUDA: a no-op, Megatron runs unmodified.
-            with cpu_shims(device):
+            # On CUDA: a no-op, Megatron runs unmodified. --p2p-transport host: the transport, alike for
+            # stock and EnvPipe runs (copies only, never arithmetic).
+            with cpu_shims(device), host_p2p(args.p2p_transport == "host"):
                 records = train(args, device)
             envpipe_run = _envpipe_summary()
         finally:

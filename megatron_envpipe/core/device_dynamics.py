@@ -20,6 +20,10 @@ the clock-lead rule and the energy measurement read. Every figure is in seconds 
   (the profile is the hot, steady state), approaching it as ``1 - drift * exp(-t / tau)``
   with ``thermal_tau_s`` seconds since the device started (power rises as the GPU heats
   over minutes; a cold start reads lower: ml.energy, same post).
+* ``blocking_power_w``: the power of a GPU waiting on P2P (spinning on a flag, as NCCL's
+  receive does), measured by ``envpipe gpu-check`` step 4; when given, the simulated GPU
+  charges it outside units instead of the GPU table's P2P power. None (the default) keeps
+  the table's.
 
 :data:`EXACT` is today's ideal GPU (what exactness tests use); :func:`load_dynamics` reads
 a named preset (``configs/realistic-gpu.toml``) or a TOML file. Pure Python.
@@ -44,6 +48,7 @@ MAX_COUNTER_PERIOD_S = 5.0
 MAX_POWER_AVERAGE_S = 10.0
 MAX_THERMAL_DRIFT = 0.5
 MAX_THERMAL_TAU_S = 3600.0
+MAX_BLOCKING_POWER_W = 2000.0  # above any single GPU's board power
 
 # Preset name -> file in configs/ (the key ``realistic`` in that file's [dynamics] table).
 PRESETS = {"exact": None, "realistic": "realistic-gpu.toml"}
@@ -74,6 +79,7 @@ class DeviceDynamics:
     thermal_drift: float = 0.0
     thermal_tau_s: float = 60.0
     source: str = "exact: clock changes at once, exact energy counter, no heat"
+    blocking_power_w: float | None = None  # None: the simulated GPU's own P2P power (the GPU table's)
 
     def __post_init__(self) -> None:
         for name, (low, high) in _RANGES.items():
@@ -83,6 +89,13 @@ class DeviceDynamics:
                 raise DeviceDynamicsError(f"device dynamics ({self.source}): {name} must be a number in "
                                           f"[{low:g}, {high:g}], got {value!r}")
             object.__setattr__(self, name, float(value))
+        power = self.blocking_power_w
+        if power is not None:
+            if isinstance(power, bool) or not isinstance(power, int | float) or not math.isfinite(power) \
+                    or not 0.0 <= power <= MAX_BLOCKING_POWER_W:
+                raise DeviceDynamicsError(f"device dynamics ({self.source}): blocking_power_w must be a number in "
+                                          f"[0, {MAX_BLOCKING_POWER_W:g}] W, got {power!r}")
+            object.__setattr__(self, "blocking_power_w", float(power))
         if self.nvml_call_s > self.clock_latency_s:
             raise DeviceDynamicsError(
                 f"device dynamics ({self.source}): nvml_call_s ({self.nvml_call_s:g} s) is part of clock_latency_s "
@@ -135,6 +148,7 @@ _TOML_KEYS = {
     "power_average_ms": ("power_average_s", 1e-3),
     "thermal_drift": ("thermal_drift", 1.0),
     "thermal_tau_s": ("thermal_tau_s", 1.0),
+    "blocking_power_w": ("blocking_power_w", 1.0),
     "source": ("source", None),
 }
 
@@ -151,7 +165,7 @@ def preset_path(configs: Path, name: str) -> Path | None:
 def load_dynamics(spec: str, configs: Path) -> DeviceDynamics:
     """``exact``, ``realistic`` (a file in ``configs``) or a path to a TOML file whose ``[dynamics]``
     table gives the figures (keys ``clock_latency_ms``, ``nvml_call_ms``, ``counter_period_ms``,
-    ``power_average_ms``, ``thermal_drift``, ``thermal_tau_s``, ``source``)."""
+    ``power_average_ms``, ``thermal_drift``, ``thermal_tau_s``, ``source``; optional ``blocking_power_w``)."""
     if spec in PRESETS:
         path = preset_path(configs, spec)
         if path is None:

@@ -471,7 +471,11 @@ def pareto_filter(
     return kept
 
 
-KNOWN_COLUMNS = (*RANK_COLUMNS, *REQUIRED_COLUMNS, CHUNK_COLUMN)
+# Optional, written by ``envpipe gpu-check`` step 5 and ignored when read: the clock the SMs actually
+# ran at (median NVML reading during the row's windows) and its spread, and the row's relative
+# uncertainties. Rows whose clock was not reached are never written (docs/gpu-probe.md).
+MEASUREMENT_COLUMNS = ("reached_mhz", "reached_spread_mhz", "time_rel_unc", "energy_rel_unc")
+KNOWN_COLUMNS = (*RANK_COLUMNS, *REQUIRED_COLUMNS, CHUNK_COLUMN, *MEASUREMENT_COLUMNS)
 
 
 def _check_header(header: list[str], source: str, lineno: int) -> None:
@@ -492,7 +496,8 @@ def _check_header(header: list[str], source: str, lineno: int) -> None:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ProfileError(
             f"{source}:{lineno}: unknown column(s) {', '.join(hints)}{more}; a profile has the columns "
-            f"{','.join(REQUIRED_COLUMNS)}, optionally {CHUNK_COLUMN} and Merak's {','.join(RANK_COLUMNS)}"
+            f"{','.join(REQUIRED_COLUMNS)}, optionally {CHUNK_COLUMN}, Merak's {','.join(RANK_COLUMNS)} and "
+            f"gpu-check's {','.join(MEASUREMENT_COLUMNS)}"
         )
 
 

@@ -482,7 +482,7 @@ class NvmlGpu(GpuDevice):
 
     @property
     def handle(self) -> Any:
-        """The raw NVML handle (for tools such as bench/gpu_probe.py)."""
+        """The raw NVML handle (for tools such as the gpu-check steps)."""
         return self._h
 
     def __repr__(self) -> str:

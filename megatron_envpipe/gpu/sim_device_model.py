@@ -83,7 +83,7 @@ class EnergyModel:
         return power_w * (span + cold) * 1000.0
 
     def energy_after(self, energy_mj: float, a_wall_s: float, b_wall_s: float, unit_power_w: float | None,
-                     unit_end_wall_s: float) -> float:
+                     unit_end_wall_s: float, idle_power_w: float | None = None) -> float:
         """``energy_mj`` at ``a`` plus, up to ``b``, a unit's power until its end (if one runs) and P2P
         blocking power after (summed in this order: without dynamics, bit for bit the same as before)."""
         energy = energy_mj
@@ -92,7 +92,8 @@ class EnergyModel:
             busy_end = min(b_wall_s, unit_end_wall_s)
             energy += self.segment_mj(unit_power_w, t, busy_end)
             t = busy_end
-        energy += self.segment_mj(self.p2p_power_w, t, max(t, b_wall_s))
+        idle_w = self.p2p_power_w if idle_power_w is None else idle_power_w  # clock-dependent blocking power
+        energy += self.segment_mj(idle_w, t, max(t, b_wall_s))
         return energy
 
 
@@ -104,6 +105,7 @@ class EnergyMark:
     energy_mj: float
     unit_power_w: float | None  # None: no unit open
     unit_end_wall_s: float
+    idle_power_w: float | None = None  # blocking power from here on (None: the model's p2p_power_w)
 
 
 class PowerHistory:
@@ -130,7 +132,8 @@ class PowerHistory:
                 mark = m
                 break
         wall_s = max(wall_s, mark.wall_s)
-        return model.energy_after(mark.energy_mj, mark.wall_s, wall_s, mark.unit_power_w, mark.unit_end_wall_s)
+        return model.energy_after(mark.energy_mj, mark.wall_s, wall_s, mark.unit_power_w, mark.unit_end_wall_s,
+                                  mark.idle_power_w)
 
 
 def last_tick_wall_s(now_wall_s: float, t0_wall_s: float, phase_s: float, period_s: float,

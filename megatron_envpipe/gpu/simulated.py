@@ -31,7 +31,8 @@ waiting (the clock worker thread absorbs the call); a unit running then continue
 remaining work at the new clock's time and power. The energy counter moves only at
 update ticks every ``counter_period_s`` (phase seeded per stage); power readings are
 averages over ``power_average_s``; every power is scaled by the heat factor
-``power_factor(seconds since the device was created)`` (unit times do not drift).
+``power_factor(seconds since the device was created)`` (unit times do not drift); a
+``blocking_power_w`` in the dynamics (measured by ``envpipe gpu-check``) replaces ``p2p_power_w``.
 :meth:`SimulatedGpu.true_energy_mj` is the exact integral, the ground truth a real GPU
 does not have. See docs/simulated-gpu.md.
 """
@@ -80,6 +81,7 @@ class SimulatedGpu(GpuDevice):
         lock_refusal: str | None = None,
         sm_clock_range_mhz: tuple[int, int] | None = None,
         dynamics: DeviceDynamics = EXACT,
+        blocking_power_w_at: Callable[[int], float] | None = None,
     ) -> None:
         if not 0 <= stage < profile.num_stages:
             raise GpuError(f"simulated GPU: stage {stage} is not in the profile (stages 0..{profile.num_stages - 1})")
@@ -100,7 +102,8 @@ class SimulatedGpu(GpuDevice):
         self.profile = profile
         self.stage = stage
         self.time_scale = float(time_scale)
-        self.p2p_power_w = float(p2p_power_w)
+        # A measured blocking power (gpu-check step 4, in the dynamics preset) replaces the table's P2P power.
+        self.p2p_power_w = float(p2p_power_w if dynamics.blocking_power_w is None else dynamics.blocking_power_w)
         label = name or "Simulated GPU"
         # Always visibly simulated, whatever name the caller chose.
         self._name = label if label.lower().startswith("simulated") else f"Simulated {label}"
@@ -119,9 +122,13 @@ class SimulatedGpu(GpuDevice):
         self.lock_refusal = lock_refusal
         self.sm_clock_range_mhz = self._check_range(sm_clock_range_mhz)
         self.dynamics = dynamics
+        # Blocking (P2P wait) power at the SMs' clock: a GPU spinning on a flag draws more at a
+        # higher clock (gpu-check step 4). None: p2p_power_w at every clock, as before.
+        self._blocking_at = blocking_power_w_at
         self._lock = threading.Lock()
         self._locked: int | None = None
         self._model_clock = self._running_clock(clocks[0])  # unlocked: the driver boosts to the maximum
+        self._idle_power_w = self._blocking_power_w(self._model_clock)
         self._energy_mj = 0.0  # integrated up to _ref_wall_s
         self._ref_wall_s = clock()
         self._t0_wall_s = self._ref_wall_s
@@ -132,7 +139,8 @@ class SimulatedGpu(GpuDevice):
         # The counter's update ticks: every counter_period_s from a per-stage seeded phase.
         self._counter_phase_s = random.Random(f"{seed}|stage{stage}|counter").random() * dynamics.counter_period_s
         keep_s = max(dynamics.counter_period_s, dynamics.power_average_s) * self.time_scale
-        self._history = PowerHistory(keep_s, EnergyMark(self._ref_wall_s, 0.0, None, self._ref_wall_s)) \
+        self._history = PowerHistory(keep_s, EnergyMark(self._ref_wall_s, 0.0, None, self._ref_wall_s,
+                                                        self._idle_power_w)) \
             if keep_s > 0 else None
         self._unit: UnitRun | None = None
         self._last_window: tuple[str, float, float] | None = None
@@ -322,7 +330,10 @@ class SimulatedGpu(GpuDevice):
     def _request_clock(self, running_mhz: int) -> None:
         """A lock or reset request now (lock held): issued when the driver is free, landing the latency later."""
         if self.dynamics.clock_latency_s == 0.0:
+            if self._blocking_at is not None:
+                self._integrate_to(self._clock())  # the blocking power so far was the old clock's
             self._model_clock = running_mhz  # at once; a unit already running keeps its clock (as before)
+            self._set_idle_power(running_mhz)
             return
         now = self._clock()
         self._advance(now)
@@ -332,7 +343,7 @@ class SimulatedGpu(GpuDevice):
 
     def _power_at(self, wall_s: float) -> float:
         unit = self._unit
-        power = self.p2p_power_w
+        power = self._idle_power_w
         if unit is not None and unit.begin_wall_s <= wall_s < unit.end_wall_s:
             power = unit.power_w
         return power * self._model.factor_at(wall_s)
@@ -343,8 +354,9 @@ class SimulatedGpu(GpuDevice):
         wall_s = max(wall_s, self._ref_wall_s)  # a clock read racing _advance never goes back
         unit = self._unit
         if unit is None:
-            return self._model.energy_after(self._energy_mj, self._ref_wall_s, wall_s, None, 0.0)
-        return self._model.energy_after(self._energy_mj, self._ref_wall_s, wall_s, unit.power_w, unit.end_wall_s)
+            return self._model.energy_after(self._energy_mj, self._ref_wall_s, wall_s, None, 0.0, self._idle_power_w)
+        return self._model.energy_after(self._energy_mj, self._ref_wall_s, wall_s, unit.power_w, unit.end_wall_s,
+                                        self._idle_power_w)
 
     def _energy_at_past(self, wall_s: float) -> float:
         """Energy at a time up to the history's horizon back (the stepped counter, averaged power)."""
@@ -359,6 +371,7 @@ class SimulatedGpu(GpuDevice):
             at = max(at, self._ref_wall_s)
             self._integrate_to(at)
             self._model_clock = running_mhz
+            self._set_idle_power(running_mhz)
             unit = self._unit
             if unit is not None:
                 full_wall_s = self.profile.time_s(self.stage, unit.instruction, running_mhz) \
@@ -379,9 +392,9 @@ class SimulatedGpu(GpuDevice):
             return
         unit = self._unit
         if unit is None:
-            mark = EnergyMark(self._ref_wall_s, self._energy_mj, None, self._ref_wall_s)
+            mark = EnergyMark(self._ref_wall_s, self._energy_mj, None, self._ref_wall_s, self._idle_power_w)
         else:
-            mark = EnergyMark(self._ref_wall_s, self._energy_mj, unit.power_w, unit.end_wall_s)
+            mark = EnergyMark(self._ref_wall_s, self._energy_mj, unit.power_w, unit.end_wall_s, self._idle_power_w)
         self._history.mark(mark)
 
     def _sleep_until(self, target_wall_s: float) -> None:
@@ -415,6 +428,21 @@ class SimulatedGpu(GpuDevice):
         lo, hi = self.sm_clock_range_mhz
         held = min(max(wanted_mhz, lo), hi)
         return min((c for c in self._clocks if lo <= c <= hi), key=lambda c: (abs(c - held), -c))
+
+    def _blocking_power_w(self, freq_mhz: int) -> float:
+        if self._blocking_at is None:
+            return self.p2p_power_w
+        power_w = float(self._blocking_at(freq_mhz))
+        if not (math.isfinite(power_w) and power_w >= 0):
+            raise GpuError(f"{self._name}: blocking power at {freq_mhz} MHz must be a finite number of W >= 0, "
+                           f"got {power_w}")
+        return power_w
+
+    def _set_idle_power(self, freq_mhz: int) -> None:
+        """The clock changed at the reference time (lock held): so does the blocking power."""
+        if self._blocking_at is not None:
+            self._idle_power_w = self._blocking_power_w(freq_mhz)
+            self._mark()
 
     def _check_stage(self, stage: int) -> None:
         if stage != self.stage:

@@ -1,6 +1,7 @@
 """One middle pipeline stage of a Megatron GPT, alone on one device, with its forward/backward kernels.
 
-``bench/gpu_stage_replay.py`` profiles and replays it: a stack of Megatron-core
+``envpipe gpu-check`` steps 5 and 6 profile and replay it
+(``megatron_envpipe/apps/gpu_check/profile_step.py``, ``replay_step.py``): a stack of Megatron-core
 GPT layers (``TransformerBlock`` with the local, non-Transformer-Engine layer
 spec, so it also runs on the CPU), fed a received activation of shape
 ``[seq, micro-batch, hidden]`` and, in backward, the gradient of its output:
@@ -116,6 +117,9 @@ def open_stage(spec: StageSpec, device: torch.device | str = "cpu") -> Iterator[
                 use_cpu_initialization=True,
                 hidden_dropout=0.0,
                 attention_dropout=0.0,
+                # Older megatron-core defaults to True, and bf16 on CUDA then imports the optional
+                # scaled_masked_softmax_cuda extension (ModuleNotFoundError without Megatron's kernels).
+                masked_softmax_fusion=False,
             )
             block: Any = TransformerBlock(config, get_gpt_layer_local_spec(), pre_process=False,
                                           post_process=False)

@@ -36,7 +36,7 @@ settle time x the P2P blocking power, a GPU whose clock is being changed being a
 settle time doing nothing useful at blocking power. The default settle time (10 ms,
 ``DEFAULT_SWITCH_LATENCY_S``) is an assumption, not a measurement of ours (EnvPipe's code neither
 measures nor states a latency; Velicka et al., arXiv 2502.20075, show it differs markedly between
-GPUs): measure it with ``bench/gpu_probe.py`` and pass ``--switch-cost-j`` (latency x power) for your GPU.
+GPUs): measure it with ``envpipe gpu-check`` (step 3) and pass ``--switch-cost-j`` (latency x power) for your GPU.
 
 **What a plan is worth.** A plan's energy is its simulated energy plus ``switch_cost_j`` x its
 :func:`steady_clock_changes`; its baseline (every unit at f_max) makes none. See

@@ -38,7 +38,7 @@ MAPPED = {
     "bash install.sh": ".ci/run",
     "envpipe demo": ".ci/run",
     "python3 -m pytest -q -rs tests": ".ci/run",
-    "python3 -m pytest -q tests/apps/test_gpu_stage_replay.py": "tests/apps/test_gpu_stage_replay.py",
+    "bash bench/gpu_check.sh --out out/gpu-check": "tests/apps/test_gpu_check_runner.py",
     "ENVPIPE_EXAMPLE=tiny-cpu GPUS_PER_NODE=4 sbatch --nodes=1 --gpus-per-node=0 "
     "examples/slurm/pretrain_gpt_envpipe.sbatch": "tests/slurm/test_slurm_job.py",
     "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 "

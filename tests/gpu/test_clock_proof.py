@@ -8,7 +8,6 @@ injected where the trial waits, so nothing depends on how fast the host is.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
 import types
@@ -277,61 +276,3 @@ def test_setup_device_uses_the_proof(profile, monkeypatch, guard):
         assert "the SMs ran at 1410 MHz" in seen["hooks"].clock_control_lost
     finally:
         seen["hooks"].close()
-
-
-# ---------------------------------------------------------------------------
-# the bench scripts fail fast
-# ---------------------------------------------------------------------------
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"envpipe_bench_{name}_proof", REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _fake_torch(spins: list[int]) -> types.SimpleNamespace:
-    """Just enough CUDA for gpu_probe.py to reach its trial lock (no tensors: profiling would fail)."""
-    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1B, pci_device_id=0)
-    cuda = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1, set_device=lambda i: None,
-                                 current_device=lambda: 0, get_device_properties=lambda i: props,
-                                 is_bf16_supported=lambda: True, _sleep=spins.append)
-    return types.SimpleNamespace(cuda=cuda, version=types.SimpleNamespace(cuda="12.4"), __version__="fake",
-                                 bfloat16="bf16", float32="fp32")
-
-
-@pytest.mark.parametrize("changes, status, words", [
-    ({"permission": False}, 3, "cannot lock clocks: the lock to 1050 MHz was refused"),
-    ({"sm_clock_range": [1400, 1740]}, 4, "clock lock not reached"),
-])
-def test_gpu_probe_fails_fast(use, monkeypatch, tmp_path, capsys, changes, status, words):
-    double, gpu = use(**changes)
-    spins: list[int] = []
-    monkeypatch.setitem(sys.modules, "torch", _fake_torch(spins))
-    probe = _load("gpu_probe")
-    monkeypatch.setattr(probe, "ProbeKernel", lambda *a, **k: pytest.fail("profiling began after a failed check"))
-    with pytest.raises(SystemExit) as ended:
-        probe.main(["--state-dir", str(tmp_path / "probe-state"), "--out", str(tmp_path / "p.csv")])
-    assert ended.value.code == status
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and words in err[0]
-    fake = double.gpu(gpu.uuid)
-    assert fake.lock_count == (status == 4) and fake.locked is None  # only the trial lock, and it was reset
-    assert (spins != []) == (status == 4)  # the GPU was kept busy while the clock was read
-
-
-@pytest.mark.parametrize("setting, status, words", [
-    ({"lock_refusal": "NVML_ERROR_NO_PERMISSION"}, 3, "was refused"),
-    ({"sm_clock_range_mhz": (1410, 1740)}, 4, "the SMs ran at 1410 MHz"),
-])
-def test_gpu_stage_replay_fails_fast(profile, monkeypatch, capsys, setting, status, words):
-    pytest.importorskip("torch")
-    replay = _load("gpu_stage_replay")
-    gpu = SimulatedGpu(profile, 0, time_scale=0.001, **setting)
-    monkeypatch.setattr(replay, "open_device", lambda args: (gpu, False, 0.001))
-    for step in ("measure_idle", "profile_stage", "open_stage"):
-        monkeypatch.setattr(replay, step, lambda *a, _step=step, **k: pytest.fail(f"{_step} ran after the check"))
-    assert replay.cli(["--hidden", "32", "--heads", "4"]) == status
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and words in err[0] and gpu.locked_clock_mhz() is None

@@ -1,4 +1,4 @@
-"""The ``envpipe`` command line: plan, frontier, show, simulate, schedule, programs, reset-clocks, demo, gpus.
+"""The ``envpipe`` command line: plan, frontier, show, simulate, schedule, programs, reset-clocks, demo, gpus, gpu-check.
 
 ``parser`` defines the flags; ``planning_cmds`` (plan, frontier, show),
 ``pipeline_cmds`` (simulate, schedule, programs), ``gpu_cmds`` (gpus,

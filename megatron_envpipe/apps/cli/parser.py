@@ -10,6 +10,7 @@ from megatron_envpipe.apps.cli.gpu_cmds import cmd_gpus, cmd_reset_clocks
 from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, cmd_simulate
 from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
 from megatron_envpipe.apps.cli.rows import ROW_LIMIT_CHARS, ROWS_CHOICES
+from megatron_envpipe.apps.gpu_check.cli import add_gpu_check_args, cmd_gpu_check
 from megatron_envpipe.config import fraction as parse_fraction
 from megatron_envpipe.config import int_list, max_inflight_arg
 from megatron_envpipe.core.flag_ranges import RANGES, FlagRange
@@ -279,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a demo config (default configs/demo.toml)")
     p.add_argument("--gpu", help="device backend (default: NVML with >= 2 GPUs, else simulated:<profile>)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("gpu-check", help="one command, under 8 minutes: what only a GPU can tell (clocks, energy "
+                       "counter, clock changes, blocking power, profile, replay, executor, a calibrated preset)")
+    add_gpu_check_args(p)
+    p.set_defaults(func=cmd_gpu_check)
 
     p = sub.add_parser("gpus", help="list the GPU clock table")
     p.set_defaults(func=cmd_gpus)
