@@ -187,11 +187,12 @@ def pick_clock_pairs(supported_mhz: Sequence[int]) -> list[tuple[int, int]]:
     return pairs or [(top, low)]
 
 
-def clock_step(supported_mhz: Sequence[int]) -> int:
-    """The most common gap between neighbouring supported clocks (15 MHz on recent GPUs)."""
+def clock_step(supported_mhz: Sequence[int], default: int | None = 15) -> int | None:
+    """The most common gap between neighbouring supported clocks (15 MHz on recent GPUs);
+    ``default`` when there is no gap (fewer than two clocks)."""
     clocks = sorted({int(c) for c in supported_mhz}, reverse=True)
     gaps = [a - b for a, b in zip(clocks, clocks[1:], strict=False) if a > b]
-    return statistics.mode(gaps) if gaps else 15
+    return int(statistics.mode(gaps)) if gaps else default
 
 
 def trace_csv(changes: Sequence[tuple[str, ClockChange, Sequence[TraceKernel], float]]) -> str:

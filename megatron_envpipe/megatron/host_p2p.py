@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_envpipe.megatron.compat import ShimHandle
+
 __all__ = ["StagingCounts", "current_counts", "host_p2p"]
 
 # The names patched on ``torch.distributed``, restored in reverse order on exit.
@@ -228,12 +230,13 @@ def host_p2p(enabled: bool = True) -> Iterator[StagingCounts | None]:
     transport = _Transport(real, counts)
     staged = {name: getattr(transport, name) for name in _PATCHED if name != "P2POp"}
     staged["P2POp"] = transport.p2p_op_class()
+    handle = ShimHandle()  # the CPU shims' patch record: restored last first, also on error
     _ACTIVE.append(counts)
     try:
         for name, value in staged.items():
+            handle.record(dist, name)
             setattr(dist, name, value)
         yield counts
     finally:
-        for name in reversed(_PATCHED):
-            setattr(dist, name, real[name])
+        handle.uninstall()
         _ACTIVE.remove(counts)

@@ -15,6 +15,7 @@ from nvml_double import NvmlDouble, node  # noqa: E402
 
 from megatron_envpipe.apps.gpu_check import facts_step  # noqa: E402
 from megatron_envpipe.apps.gpu_check.step_api import StepContext  # noqa: E402
+from megatron_envpipe.core.clock_trace import clock_step  # noqa: E402
 
 
 def _ctx(tmp_path: Path, device: str = "cuda") -> StepContext:
@@ -86,8 +87,10 @@ def test_on_cpu_the_simulated_gpu_proves_its_lock(tmp_path):
     f = result.figures
     assert result.status == "ok" and f["simulated"] is True and f["lock"] == "ok" and f["cuda_available"] is True
     assert f["gpu_name"].startswith("Simulated GPU") and f["max_sm_clock_mhz"] == 1740
+    assert f["clock_step_mhz"] == 15
 
 
 def test_typical_step_is_the_most_common_gap():
-    assert facts_step.typical_step_mhz((1980, 1965, 1950, 1935, 1900)) == 15
-    assert facts_step.typical_step_mhz((1500,)) is None
+    # step 1 reports the same figure step 3 uses (one function), None without a gap
+    assert clock_step((1980, 1965, 1950, 1935, 1900), default=None) == 15
+    assert clock_step((1500,), default=None) is None

@@ -11,18 +11,18 @@ torch itself).
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 from megatron_envpipe.apps.gpu_check.device import open_check_device
 from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
+from megatron_envpipe.core.clock_trace import clock_step
 from megatron_envpipe.gpu.base import GpuDevice, GpuError
 from megatron_envpipe.gpu.clock_proof import cuda_spin_load, prove_clock_control
 from megatron_envpipe.gpu.nvml import NvmlGpu, nvml_module
 from megatron_envpipe.gpu.safety import ClockGuard
 
-__all__ = ["cuda_status", "nvml_extras", "run", "typical_step_mhz"]
+__all__ = ["cuda_status", "nvml_extras", "run"]
 
 
 def cuda_status(device_index: int) -> tuple[bool, str]:
@@ -36,12 +36,6 @@ def cuda_status(device_index: int) -> tuple[bool, str]:
     if device_index >= torch.cuda.device_count():
         return False, f"CUDA device {device_index} does not exist ({torch.cuda.device_count()} visible)"
     return True, f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-
-
-def typical_step_mhz(clocks: tuple[int, ...]) -> int | None:
-    """The most common gap between neighbouring supported clocks (15 MHz on most data-centre GPUs)."""
-    gaps = [a - b for a, b in zip(clocks, clocks[1:]) if a > b]
-    return int(statistics.mode(gaps)) if gaps else None
 
 
 def nvml_extras(device: GpuDevice) -> dict[str, Any]:
@@ -75,7 +69,7 @@ def run(ctx: StepContext) -> StepResult:
             "gpu_name": info.name, "driver": info.driver_version, "uuid": info.uuid, "pci_bus_id": info.pci_bus_id,
             "simulated": bool(info.simulated), **nvml_extras(device),
             "supported_sm_clocks_mhz": list(clocks), "max_sm_clock_mhz": clocks[0], "min_sm_clock_mhz": clocks[-1],
-            "clock_step_mhz": typical_step_mhz(clocks), "cuda_available": cuda_ok, "cuda_detail": cuda_detail,
+            "clock_step_mhz": clock_step(clocks, default=None), "cuda_available": cuda_ok, "cuda_detail": cuda_detail,
             "can_set_clocks": device.can_set_clocks(), "permission": device.permission_reason(),
             "clock_event_reasons_before": _list(device.clock_event_reasons()),
         }
