@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_envpipe.core.flag_ranges import RANGES, FlagRange
@@ -77,6 +78,54 @@ def memory_model_arg(text: str) -> MemoryModel:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+
+# The simulated straggler's slowdown: 1 (none) to 4 (a GPU throttled to a quarter of its speed).
+STRAGGLER_FACTOR_RANGE = (1.0, 4.0)
+_STRAGGLER_EXAMPLE = "give REPLICA:FACTOR[@ITER], e.g. 1:1.15 or 1:1.2@10"
+
+
+@dataclass(frozen=True)
+class SimStraggler:
+    """``--envpipe-sim-straggler``: the simulated GPUs of data-parallel replica ``replica`` run every unit
+    ``factor`` times longer (at unchanged power, so energy x factor) from iteration ``start_iteration`` on."""
+
+    replica: int
+    factor: float
+    start_iteration: int = 0
+
+    def problem(self) -> str | None:
+        """What is wrong with it alone (the replica's range needs the data-parallel size), or None."""
+        low, high = STRAGGLER_FACTOR_RANGE
+        if not is_whole(self.replica) or self.replica < 0:
+            return f"replica {show(self.replica)} must be a whole number >= 0 (a data-parallel rank)"
+        if not isinstance(self.factor, int | float) or not math.isfinite(self.factor) \
+                or not low <= self.factor <= high:
+            return f"factor {show(self.factor)} must be in [{low:g}, {high:g}] (1.15: 15 % slower)"
+        if not is_whole(self.start_iteration) or self.start_iteration < 0:
+            return f"start iteration {show(self.start_iteration)} must be a whole number >= 0"
+        return None
+
+    def __str__(self) -> str:
+        at = f"@{self.start_iteration}" if self.start_iteration else ""
+        return f"{self.replica}:{self.factor:g}{at}"
+
+
+def sim_straggler_arg(text: str) -> SimStraggler:
+    """argparse type of ``--envpipe-sim-straggler``: ``REPLICA:FACTOR[@ITER]``, e.g. ``1:1.15@10``."""
+    body, _, at = text.strip().partition("@")
+    replica, colon, factor = body.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        value = SimStraggler(int(replica), float(factor), int(at) if at else 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not REPLICA:FACTOR[@ITER]: {_STRAGGLER_EXAMPLE}") from None
+    problem = value.problem()
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}; {_STRAGGLER_EXAMPLE}")
+    return value
+
+
 # -- the training flags' numbers ------------------------------------------------------
 
 # EnvPipeConfig field -> (flag, its range in core.flag_ranges, example).
@@ -97,6 +146,7 @@ TRAINING_NUMBERS: dict[str, tuple[str, FlagRange, str]] = {
     "sim_thermal_drift": ("--envpipe-sim-thermal-drift", RANGES["sim_thermal_drift"], "0.03 (3 %)"),
     "timing_margin": ("--envpipe-timing-margin", RANGES["timing_margin"], "0.01 (1 %)"),
     "reconfig_window": ("--envpipe-reconfig-window", RANGES["reconfig_window"], "3"),
+    "straggler_window": ("--envpipe-straggler-window", RANGES["straggler_window"], "3"),
     "log_interval": ("--envpipe-log-interval", RANGES["log_interval"], "1"),
     "baseline_iterations": ("--envpipe-baseline-iterations", RANGES["baseline_iterations"], "2"),
     "max_slowdown": ("--envpipe-max-slowdown", RANGES["max_slowdown"], "0.05 (or 5%)"),

@@ -66,6 +66,10 @@ ENVPIPE_LOG_INTERVAL=${ENVPIPE_LOG_INTERVAL:-}           # energy line every N i
 ENVPIPE_BASELINE_ITERATIONS=${ENVPIPE_BASELINE_ITERATIONS:-}   # 1F1B iterations at f_max measured as the baseline; empty: 2
 ENVPIPE_ENERGY_CSV=${ENVPIPE_ENERGY_CSV:-}               # per-GPU energy rows appended to this CSV; empty: none
 ENVPIPE_VERBOSE=${ENVPIPE_VERBOSE:-0}                    # 1: print each stage's instruction program
+ENVPIPE_FOLLOW_STRAGGLERS=${ENVPIPE_FOLLOW_STRAGGLERS:-}       # 0: never follow a slower data-parallel pipeline; empty: follow
+ENVPIPE_STRAGGLER_THRESHOLD=${ENVPIPE_STRAGGLER_THRESHOLD:-}   # follow when the slowest is this fraction slower; empty: 0.02
+ENVPIPE_STRAGGLER_WINDOW=${ENVPIPE_STRAGGLER_WINDOW:-}         # agree on the slowest pace every N iterations; empty: 3
+ENVPIPE_SIM_STRAGGLER=${ENVPIPE_SIM_STRAGGLER:-}               # simulated GPU: REPLICA:FACTOR[@ITER], e.g. 1:1.15; empty: none
 # After torchrun, on every node: `envpipe reset-clocks` repairs GPUs whose clocks
 # the run left locked. force: also GPUs whose locking process still runs (a
 # straggler; right on exclusive nodes); yes: only those of dead processes; no: skip.
@@ -300,6 +304,13 @@ envpipe_compose_args() {
     case "$ENVPIPE_VERBOSE" in
         1 | yes | true) ENVPIPE_ARGS+=(--envpipe-verbose) ;;
     esac
+    case "$ENVPIPE_FOLLOW_STRAGGLERS" in
+        1 | yes | true) ENVPIPE_ARGS+=(--envpipe-follow-stragglers) ;;
+        0 | no | false) ENVPIPE_ARGS+=(--no-envpipe-follow-stragglers) ;;
+    esac
+    _envpipe_opt --envpipe-straggler-threshold "$ENVPIPE_STRAGGLER_THRESHOLD"
+    _envpipe_opt --envpipe-straggler-window "$ENVPIPE_STRAGGLER_WINDOW"
+    _envpipe_opt --envpipe-sim-straggler "$ENVPIPE_SIM_STRAGGLER"
     if envpipe_disabled; then
         # Stock Megatron: EnvPipe is never installed, so nothing of it can touch the run.
         if [ "$ENVPIPE_EXAMPLE" = megatron-lm ]; then

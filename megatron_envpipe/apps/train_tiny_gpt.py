@@ -6,7 +6,9 @@
         --device cpu --train-iters 3
 
 A plain Megatron-core training loop (no ``megatron.training``): one rank per
-pipeline stage (TP = DP = 1), a ``GPTModel`` with the local layer spec built
+pipeline stage (TP = 1); more processes than stages are data-parallel replicas
+(DP = processes / stages: each replica trains on its own micro-batches, gradients
+averaged over the replicas before the optimizer step), a ``GPTModel`` with the local layer spec built
 per stage, real text (docstrings of Python's standard library, shipped in
 ``data/corpus/``) tokenized by a small SentencePiece model that is trained on
 first use and cached (``--cache-dir``). Every iteration calls whatever
@@ -51,7 +53,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,16 @@ import torch.distributed as dist
 
 import megatron_envpipe
 from megatron_envpipe.apps.tiny_data import DEFAULT_VOCAB_SIZE, Batch, build_dataset, ensure_tokenizer
+from megatron_envpipe.apps.tiny_parallel import (
+    average_over_replicas,
+    init_distributed,
+    sum_over_replicas,
+)
+from megatron_envpipe.apps.tiny_records import envpipe_summary, function_name, gather_schedules, write_losses
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
-from megatron_envpipe.core.atomic import same_file, write_json_atomic
+from megatron_envpipe.core.atomic import same_file
 from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims, model_parallel_manual_seed
-from megatron_envpipe.megatron.host_p2p import current_counts, host_p2p
-from megatron_envpipe.megatron.localhost import free_port
-from megatron_envpipe.megatron.state import STATE
+from megatron_envpipe.megatron.host_p2p import host_p2p
 
 # CPU runs have neither Transformer Engine nor apex; Megatron says so once per module.
 warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
@@ -163,67 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def shared_gpu_problem(args: argparse.Namespace, local_ranks: int, device_count: int) -> str | None:
-    """Why this run cannot go ahead with ``local_ranks`` ranks on ``device_count`` GPUs, or None.
-
-    Stages sharing a GPU share its clock: no stage can lock it for its own plan,
-    so an EnvPipe run there must drive the simulated GPU (timing and energy
-    from its profile, arithmetic still on the real device).
-    """
-    if args.device != "cuda" or local_ranks <= max(device_count, 1):
-        return None
-    if args.p2p_transport != "host":
-        return (f"--device cuda puts {local_ranks} local ranks on {device_count} GPU(s): NCCL needs one GPU per "
-                f"rank; add --p2p-transport host (gloo, tensors staged through host memory) to share a GPU")
-    gpu = getattr(args, "envpipe_gpu", None) or ""
-    if not args.no_envpipe and not gpu.startswith("simulated:"):
-        return (f"--p2p-transport host puts {local_ranks} local ranks on {device_count} GPU(s): stages sharing a "
-                f"GPU cannot control its clocks (--envpipe-gpu {gpu or 'auto'}); add --envpipe-gpu "
-                f"simulated:<profile>, e.g. simulated:a40/gpt3-175b, or run --no-envpipe")
-    return None
-
-
-# --------------------------------------------------------------------------- distributed
-
-
-def init_distributed(args: argparse.Namespace) -> torch.device:
-    """Process group (gloo on CPU or with --p2p-transport host, else NCCL on CUDA) and Megatron's
-    model-parallel groups."""
-    from megatron.core import parallel_state
-
-    if "RANK" not in os.environ:  # started without torchrun: a single-process job
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    world_size = int(os.environ["WORLD_SIZE"])
-    if world_size != args.pipeline_model_parallel_size:
-        raise SystemExit(
-            f"this example runs one rank per pipeline stage (TP = DP = 1): start "
-            f"{args.pipeline_model_parallel_size} processes, not {world_size}"
-        )
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device visible (use --device cpu)")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        count = torch.cuda.device_count()
-        problem = shared_gpu_problem(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), count)
-        if problem is not None:
-            raise SystemExit(f"{Path(sys.argv[0]).name}: error: {problem}")
-        device = torch.device("cuda", local_rank % count)
-        torch.cuda.set_device(device)
-        if args.p2p_transport == "host":
-            # gloo moves host tensors only: host_p2p stages every transfer (several ranks may share the GPU).
-            dist.init_process_group(backend="gloo")
-        else:
-            # Bound to the device: NCCL communicators are created eagerly, at group creation, not
-            # lazily inside the first iteration (EnvPipe's channels then split the pipeline group).
-            dist.init_process_group(backend="nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group(backend="gloo")
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
-    return device
+# --------------------------------------------------------------------------- data
 
 
 def prepare_data(args: argparse.Namespace) -> Any:
@@ -340,6 +285,7 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
 
     tokenizer, dataset = prepare_data(args)
     stage = parallel_state.get_pipeline_model_parallel_rank()
+    replica, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     is_last = parallel_state.is_pipeline_last_stage()
     models = build_model(args, tokenizer.vocab_size, device)
     params = [p for model in models for p in model.parameters() if p.requires_grad]
@@ -376,12 +322,12 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         forward_backward_func = get_forward_backward_func()
-        name = _function_name(forward_backward_func)
+        name = function_name(forward_backward_func)
         if name not in ran:
             ran.append(name)
-        # One iterator per model chunk, each over the iteration's micro-batches.
-        iterators = [dataset.microbatches(iteration, args.num_microbatches, args.micro_batch_size)
-                     for _ in models]
+        # One iterator per model chunk, each over the iteration's micro-batches (this replica's share).
+        iterators = [dataset.microbatches(iteration * dp_size + replica, args.num_microbatches,
+                                          args.micro_batch_size) for _ in models]
         reports = forward_backward_func(
             forward_step_func=forward_step,
             data_iterator=iterators if len(models) > 1 else iterators[0],
@@ -392,6 +338,7 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
             decoder_seq_length=None,
             forward_only=False,
         )
+        average_over_replicas(params, dp_size)
         optimizer.step()
         _sync(device)
         elapsed = time.perf_counter() - start
@@ -399,12 +346,15 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
             continue
         if len(reports) != args.num_microbatches:
             raise RuntimeError(f"stage {stage}: {len(reports)} loss reports for {args.num_microbatches} micro-batches")
-        # Per-token mean over the iteration's micro-batches, summed in micro-batch order.
+        # Per-token mean over the iteration's micro-batches, summed in micro-batch order (and over replicas).
         loss_sum = sum(float(report["lm loss"]) for report in reports)
         tokens = sum(int(report["num_tokens"]) for report in reports)
+        loss_sum, tokens = sum_over_replicas(loss_sum, tokens, device, dp_size)
         record = {"iteration": iteration + 1, "lm_loss": loss_sum / tokens, "tokens": tokens, "elapsed_s": elapsed}
         records.append(record)
         if reference_iters:
+            continue
+        if dist.get_rank() != dist.get_world_size() - 1:  # one line per iteration: the last rank's
             continue
         if (iteration + 1) % args.log_interval == 0 or iteration + 1 == train_iters:
             print(
@@ -412,85 +362,9 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
                 f"tokens {tokens} | elapsed {elapsed:.3f} s | {tokens / elapsed:.0f} tokens/s",
                 flush=True,
             )
-    _gather_schedules(ran, records)
-    return records
-
-
-def _function_name(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _gather_schedules(ran: list[str], records: list[dict[str, Any]]) -> None:
-    """Every rank's schedule functions, EnvPipe state and loaded executor, onto the last stage's records."""
-    mine: dict[str, Any] = {"functions": ran, "envpipe_installed": _envpipe_installed(),
-                            "executor_imported": "megatron_envpipe.megatron.executor" in sys.modules}
-    counts = current_counts()
-    if counts is not None:  # --p2p-transport host: what this rank staged so far (P2P messages, not objects)
-        mine["host_staged"] = {"sends": counts.sends, "recvs": counts.recvs, "collectives": counts.collectives,
-                               "bytes": counts.bytes_staged}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for record in records:
-        record["schedule"] = everyone
-
-
-def _envpipe_installed() -> bool:
-    # Looked up, not imported: a --no-envpipe run must not load the patch or the executor.
-    patch = sys.modules.get("megatron_envpipe.megatron.patch")
-    return bool(patch is not None and patch.is_installed())
-
-
-def write_losses(path: Path, args: argparse.Namespace, records: list[dict[str, Any]],
-                 envpipe_run: dict[str, Any] | None = None,
-                 stock_reference: list[dict[str, Any]] | None = None) -> None:
-    """JSON with ``losses`` (per-iteration per-token mean, exact floats) and context; atomic."""
-    payload: dict[str, Any] = {
-        "envpipe_run": envpipe_run or {},
-        "losses": [r["lm_loss"] for r in records],
-        "tokens": [r["tokens"] for r in records],
-        "elapsed_s": [r["elapsed_s"] for r in records],
-        # None: --no-envpipe, stock Megatron.
-        "envpipe": None if args.no_envpipe else {"type": args.envpipe_plan_type,
-                                                 "scheduling": args.envpipe_scheduling,
-                                                 "reconfig": args.envpipe_reconfig},
-        # Per rank: the schedule functions it called (module.qualname), whether EnvPipe was
-        # installed at the end of training, and whether EnvPipe's executor was imported at all.
-        "schedule": records[0]["schedule"] if records else [],
-        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-        "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
-        "num_microbatches": args.num_microbatches,
-        "seed": args.seed,
-        "device": args.device,
-        "p2p_transport": args.p2p_transport,
-    }
-    if stock_reference:
-        payload["stock_reference"] = {"losses": [r["lm_loss"] for r in stock_reference],
-                                      "tokens": [r["tokens"] for r in stock_reference],
-                                      "schedule": stock_reference[0]["schedule"]}
-    write_json_atomic(path, payload)
-
-
-def _envpipe_summary() -> dict[str, Any]:
-    """What EnvPipe planned and measured in this process (for --losses-out)."""
-    runtime = STATE.runtime
-    if runtime is None:
-        return {}
-    out: dict[str, Any] = {"energy": [dict(asdict(r), saving=r.saving) for r in runtime.energy_log],
-                           "planned_at_iteration": runtime.planned_at}
-    if runtime.device is not None:
-        out["device"] = asdict(runtime.device)
-    result = runtime.last_result
-    if result is not None:
-        out["plan"] = {
-            "extra_warmup": list(result.schedule.extra_warmup),
-            "peak_inflight_activations": list(result.schedule.peak_inflight()),
-            "predicted_saving": result.energy_saving,
-            "predicted_slowdown": result.slowdown,
-            "predicted_energy_j": result.score.energy_j,
-            "predicted_baseline_energy_j": result.baseline.energy_j,
-            "frequencies": result.plan.to_dict()["stages"],
-        }
-    return out
+    gather_schedules(ran, records)
+    # One process reports (the last rank, as Megatron's print_rank_last): losses are averaged over replicas.
+    return records if dist.get_rank() == dist.get_world_size() - 1 else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     # EnvPipe logs its plan and reconfiguration steps; show them once, from the last stage.
     rank = dist.get_rank()
     logging.basicConfig(format=f"[stage {rank}] %(message)s", level=logging.WARNING)
-    if rank == dist.get_world_size() - 1:
+    from megatron.core import parallel_state
+
+    if rank == dist.get_world_size() - 1 or parallel_state.is_pipeline_last_stage():  # each replica's
         logging.getLogger("megatron_envpipe").setLevel(logging.INFO)
     # 0.19 logs "GPTModel IS DEPRECATED" (use HybridModel); GPTModel still works.
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
@@ -529,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             # stock and EnvPipe runs (copies only, never arithmetic).
             with cpu_shims(device), host_p2p(args.p2p_transport == "host"):
                 records = train(args, device)
-            envpipe_run = _envpipe_summary()
+            envpipe_run = envpipe_summary()
         finally:
             if envpipe_config is not None:
                 megatron_envpipe.uninstall()

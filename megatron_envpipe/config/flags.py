@@ -9,7 +9,7 @@ import argparse
 
 from megatron_envpipe.config.settings import EnvPipeConfig
 from megatron_envpipe.core.vocabulary import PLAN_TYPE_NAMES, RECONFIG_NAMES, SCHEDULING_NAMES
-from megatron_envpipe.flag_types import fraction, int_list, max_inflight_arg, memory_model_arg
+from megatron_envpipe.flag_types import fraction, int_list, max_inflight_arg, memory_model_arg, sim_straggler_arg
 from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S
 
 __all__ = ["add_envpipe_args"]
@@ -121,4 +121,20 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    f"clock change must save to be kept (default 0: off; envpipe plan's: {DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x P2P power)")
     g.add_argument("--envpipe-max-clock-changes", dest="envpipe_max_clock_changes", type=int, default=None,
                    help="at most this many clock changes per stage per iteration, where the deadline allows")
+    g.add_argument("--envpipe-follow-stragglers", dest="envpipe_follow_stragglers",
+                   action=argparse.BooleanOptionalAction, default=d.follow_stragglers,
+                   help="with data parallelism, a pipeline faster than the slowest one runs the plan for the "
+                        "slowest one's pace instead of waiting for it at the gradient sync (default on)")
+    g.add_argument("--envpipe-straggler-threshold", dest="envpipe_straggler_threshold", type=fraction,
+                   default=d.straggler_threshold,
+                   help="follow when the slowest pipeline is more than this fraction slower (default 0.02 = 2%%; "
+                        "back to the own plan within half of it)")
+    g.add_argument("--envpipe-straggler-window", dest="envpipe_straggler_window", type=int,
+                   default=d.straggler_window,
+                   help="data-parallel pipelines agree on the slowest pace once every N iterations, over the "
+                        "mean of those N (default 3)")
+    g.add_argument("--envpipe-sim-straggler", dest="envpipe_sim_straggler", type=sim_straggler_arg, default=None,
+                   metavar="REPLICA:FACTOR[@ITER]",
+                   help="simulated GPU: the GPUs of data-parallel replica REPLICA run every unit FACTOR times longer "
+                        "(1..4, power unchanged) from iteration ITER on (default 0), e.g. 1:1.15")
     return parser

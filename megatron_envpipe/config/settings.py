@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from megatron_envpipe.flag_types import (
     TRAINING_NUMBERS,
     VIRTUAL_PIPELINE_ARGS,
     EnvPipeConfigError,
+    SimStraggler,
     is_whole,
     num_microbatches_of,
     show,
@@ -109,6 +111,12 @@ class EnvPipeConfig:
     target_time_s: float | None = None  # --envpipe-type optimal: plan for iterations lasting this long
     switch_cost_j: float | None = 0.0  # planning/switching.py (0: off; None: the default for optimal plans)
     max_clock_changes: int | None = None  # per rank per iteration; None: no budget
+    # Data-parallel stragglers (megatron/stragglers.py): follow the slowest pipeline's pace when it is
+    # more than straggler_threshold slower; the simulated GPU can make one replica slower.
+    follow_stragglers: bool = True
+    straggler_threshold: float = 0.02
+    straggler_window: int = 3  # iterations per pace agreement (its own flag: works with --envpipe-reconfig default)
+    sim_straggler: SimStraggler | None = None
 
     def __post_init__(self) -> None:
         # Flag strings become the vocabulary's members (equal to them); unknown names stay for validate().
@@ -148,6 +156,7 @@ class EnvPipeConfig:
             bad(f"--envpipe-sim-jitter {show(self.sim_jitter)} adds noise to the simulated GPU only: add "
                 "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-jitter")
         self._validate_dynamics()
+        self._validate_stragglers()
         for flag, value, choices in (("--envpipe-clock-lead", self.clock_lead, ("on", "off")),
                                      ("--envpipe-sim-time", self.sim_time, ("virtual", "wall"))):
             if value not in choices:
@@ -218,6 +227,31 @@ class EnvPipeConfig:
                 flag = TRAINING_NUMBERS[name][0] if name in TRAINING_NUMBERS else "--envpipe-max-inflight"
                 shown = show_budget(value) if name == "max_inflight" else show(value)
                 raise EnvPipeConfigError(f"{flag} {shown} {why}, so it would be ignored: {fix}")
+
+    def _validate_stragglers(self) -> None:
+        """``--envpipe-straggler-threshold`` a fraction in (0, 1); ``--envpipe-sim-straggler`` well formed, on a
+        simulated GPU (the replica's range is checked against the data-parallel size where it is known)."""
+        t = self.straggler_threshold
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or not 0 < t < 1:
+            raise EnvPipeConfigError(f"--envpipe-straggler-threshold {show(t)}: must be a fraction in (0, 1), the "
+                                     "slowest pipeline's lead that starts following; give e.g. 0.02 or 2%")
+        sim = self.sim_straggler
+        if sim is None:
+            return
+        problem = sim.problem() if isinstance(sim, SimStraggler) else "not REPLICA:FACTOR[@ITER]"
+        if problem:
+            raise EnvPipeConfigError(f"--envpipe-sim-straggler {sim}: {problem}; give e.g. 1:1.15 or 1:1.2@10")
+        if not (self.gpu or "").startswith("simulated"):
+            raise EnvPipeConfigError(f"--envpipe-sim-straggler {sim} slows the simulated GPU only: add --envpipe-gpu "
+                                     "simulated:<profile> or drop --envpipe-sim-straggler")
+
+    def check_replicas(self, data_parallel_size: int) -> None:
+        """``--envpipe-sim-straggler``'s replica against the data-parallel size (at start-up, where it is known)."""
+        sim = self.sim_straggler
+        if sim is not None and not sim.replica < data_parallel_size:
+            raise EnvPipeConfigError(
+                f"--envpipe-sim-straggler {sim}: replica {sim.replica} does not exist: the data-parallel size is "
+                f"{data_parallel_size} (replicas 0..{data_parallel_size - 1}); give a replica in that range")
 
     def _validate_numbers(self) -> None:
         """Each numeric flag: the right kind of number, finite, in its range (core.flag_ranges; nan, inf never pass)."""
@@ -344,6 +378,9 @@ class EnvPipeConfig:
                 f"pipeline schedule and {settings} would do nothing: set --pipeline-model-parallel-size >= 2, "
                 f"or run {stock}"
             )
+        dp = getattr(args, "data_parallel_size", None)
+        if is_whole(dp):
+            self.check_replicas(dp)
         if pp >= 2:
             profile = load_profile(self.profile) if self.profile is not None else None
             self.check_pipeline(pp, num_microbatches_of(args, pp), profile, virtual)

@@ -105,6 +105,8 @@ RANGES: dict[str, FlagRange] = {
     "profile_iterations": FlagRange("int", 1, 100, _ITERATIONS, "per clock, times every clock of the GPU"),
     # -- / --envpipe-reconfig-window
     "reconfig_window": FlagRange("int", 1, 100, _ITERATIONS, "a step would wait that many iterations"),
+    # -- / --envpipe-straggler-window
+    "straggler_window": FlagRange("int", 1, 100, _ITERATIONS, "a straggler would go unnoticed that long"),
     # -- / --envpipe-log-interval
     "log_interval": FlagRange("int", 1, 10**6, _ITERATIONS, _TYPO),
     # -- / --envpipe-baseline-iterations (0: the predicted baseline)

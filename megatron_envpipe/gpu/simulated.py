@@ -145,6 +145,9 @@ class SimulatedGpu(GpuDevice):
         self._unit: UnitRun | None = None
         self._last_window: tuple[str, float, float] | None = None
         self.overrun_units = 0  # units whose host work took longer than the model
+        # A straggler (--envpipe-sim-straggler): every unit from now on takes this many times longer at the
+        # profile's power (a throttled or slower GPU), so its energy grows by the same factor.
+        self.slowdown = 1.0
         digest = hashlib.sha1(f"{profile.source}|{stage}".encode()).hexdigest()[:12]
         self._info = GpuInfo(
             name=self._name,
@@ -246,7 +249,7 @@ class SimulatedGpu(GpuDevice):
             except ProfileError as exc:
                 raise GpuError(f"{self._name}: {exc}") from None
             # Jitter stretches or shrinks the unit at the profile's power: its energy scales with it.
-            factor = self._jitter.factor()
+            factor = self._jitter.factor() * self.slowdown
             duration_wall_s = point.time_s * factor * self.time_scale
             self._unit = UnitRun(kind, instr, now, factor, self._model_clock, point.power_w, duration_wall_s)
             self._mark()

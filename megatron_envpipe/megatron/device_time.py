@@ -19,7 +19,10 @@ virtual stage's B needs only its own F, which ran on the same device before it.
 
 At the iteration's end every stage idles until the pipeline's last unit finished
 (the max device time, one all-reduce), so every energy window ends at one point, as
-a wall-clock run's do.
+a wall-clock run's do. With data parallelism the pipelines then idle until the slowest
+one finished (a second all-reduce, over every rank): the wait at the gradient sync, where
+a straggler makes the others block. :attr:`DeviceTimeLink.own_time_s` is the pipeline's
+own iteration time, without that wait.
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ class DeviceTimeLink:
     """
 
     def __init__(self, clock: VirtualClock, group: Any, ranks: tuple[int, ...], stage: int, num_chunks: int,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, replicas: Any = None) -> None:
         self.clock = clock
+        self.replicas = replicas  # a gloo group of every rank (data parallelism), or None
         self.group = group
         self.ranks = ranks
         self.stage = stage
@@ -91,6 +95,9 @@ class DeviceTimeLink:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._sends: list[Any] = []  # isend handles (with their buffers) not yet known complete
         self.idle_s = 0.0  # device time spent waiting for stamps, for tests and reports
+        self._begin_s = clock.now()  # the device time the current iteration began
+        self.own_time_s: float | None = None  # the last iteration's, without the data-parallel wait
+        self.dp_wait_s = 0.0  # the last iteration's wait for slower pipelines at the gradient sync
 
     @classmethod
     def create(cls, clock: VirtualClock, pp_group: Any, num_chunks: int, timeout_s: float = 300.0) -> "DeviceTimeLink":
@@ -104,7 +111,11 @@ class DeviceTimeLink:
             group = dist.new_group(list(pipeline), backend="gloo", group_desc="ENVPIPE_DEVICE_TIME")
             if pipeline == ranks:
                 mine = group
-        return cls(clock, mine, ranks, ranks.index(dist.get_rank()), num_chunks, timeout_s)
+        # More pipelines than this one (data parallelism): they meet at the gradient sync. Every rank's
+        # maximum is the slowest pipeline's end: data-parallel groups join every pipeline.
+        replicas = (dist.new_group(backend="gloo", group_desc="ENVPIPE_DEVICE_TIME_DP")
+                    if dist.get_world_size() > len(ranks) else None)
+        return cls(clock, mine, ranks, ranks.index(dist.get_rank()), num_chunks, timeout_s, replicas)
 
     def before_unit(self, unit: Unit) -> None:
         """Wait for the producer's stamp and advance this device's clock to it (idle meanwhile)."""
@@ -143,7 +154,13 @@ class DeviceTimeLink:
             work.wait(self.timeout)
         self._sends = []
         end_s = float(end.item())
+        self.own_time_s = end_s - self._begin_s
+        if self.replicas is not None:  # the gradient sync: wait for the slowest pipeline
+            dist.all_reduce(end, op=dist.ReduceOp.MAX, group=self.replicas)
+            end_s = float(end.item())
+        self.dp_wait_s = end_s - self._begin_s - self.own_time_s
         self.clock.sleep(end_s - self.clock.now())
+        self._begin_s = end_s
         return end_s
 
     def abandon(self) -> None:

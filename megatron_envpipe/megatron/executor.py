@@ -34,6 +34,7 @@ harness import this module with torch alone, before Megatron is set up.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ from megatron_envpipe.megatron.memory import MemoryProbe
 from megatron_envpipe.megatron.reporting import report_energy
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.megatron.state import STATE
+from megatron_envpipe.megatron.stragglers import apply_sim_straggler, follow_stragglers
 from megatron_envpipe.megatron.support import default_pg_collection, interleaved_unsupported_reason, unsupported_reason
 from megatron_envpipe.megatron.timing import UnitTimer
 
@@ -259,6 +261,7 @@ class StageIteration:
         self.timer: UnitTimer | None = None  # set by run() when the plan measures
         self.device_time: DeviceTimeLink | None = None  # set by run(): a simulated GPU in virtual time
         self.memory: MemoryProbe | None = None  # set by run() when the plan measures memory
+        self.own_wall_s: float | None = None  # wall time up to the gradient sync (stragglers, no virtual time)
 
     def handler_table(self) -> dict[type[ins.Instruction], Handler]:
         """Instruction type -> bound handler; raises HandlerTableError if one is missing."""
@@ -317,6 +320,8 @@ class StageIteration:
             runtime.profile, runtime.profile_p2p_power_w = self.groups.agree(
                 self.groups.gather_stages((runtime.profile, runtime.profile_p2p_power_w)))[0]
         self.device_time = STATE.device_time
+        started = time.perf_counter()
+        apply_sim_straggler(self.runtime.config, self.hooks, self.groups, self.runtime.iteration)
         plan = self._prepare()
         self._check_deadlock(plan)
         program = plan.programs[self.stage].instructions
@@ -363,6 +368,7 @@ class StageIteration:
                 f"(pending {sorted(self.transfers.pending)}, inputs {sorted(self.inputs)}, "
                 f"outputs {sorted(self.outputs)})"
             )
+        self.own_wall_s = time.perf_counter() - started  # before the data-parallel gradient sync
         self.sync.finish()
         if config.finalize_model_grads_func is not None:
             self.schedules.finish_embedding_wgrad_compute(config, embedding_module, self.last, self.pgc.tp)
@@ -402,7 +408,10 @@ class StageIteration:
             memory = self.groups.agree(self.groups.gather_stages(self.memory.result()))
         iteration = self.runtime.iteration
         self.runtime.finish(self.num_stages, self.m, gathered, samples, memory)
+        link, scale = self.device_time, self.runtime.device.time_scale if self.runtime.device else 1.0
+        own_s = link.own_time_s if link is not None else (self.own_wall_s or 0.0) / scale
         report_energy(self.runtime, self.hooks, self.groups, iteration)
+        follow_stragglers(self.runtime, self.groups, iteration, own_s)  # switches from the next iteration on
 
     # -- handlers: compute -------------------------------------------------------------
     def _run_unit(self, unit: Unit, compute: Callable[[int, int], None]) -> None:

@@ -30,13 +30,14 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_envpipe.core.energy_csv import append_report
-from megatron_envpipe.core.energy_report import Baseline, EnergyReport, GpuFigure, summary_line
+from megatron_envpipe.core.energy_report import SLOWER_THAN_PLANNED, Baseline, EnergyReport, GpuFigure, summary_line
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.gpu.hooks import DEVICE_ERRORS, EnergyStatus, GpuHooks
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
 __all__ = ["Local", "counter_figure", "log_interval", "report_energy", "summarize", "tensorboard_writer", "unmeasured_summary",
+           "slower_than_planned", "waits_for_straggler",
            "wandb_writer", "write_tensorboard", "write_wandb"]
 
 log = logging.getLogger("megatron_envpipe")
@@ -75,6 +76,7 @@ class Local:
     replicas: int = 1
     last_rank: bool = False  # this process prints the lines (and the summary)
     summarized: bool = False
+    told_dp_wait: bool = False  # said once that the extra time is the wait for a data-parallel straggler
 
 
 @dataclass(frozen=True)
@@ -149,8 +151,13 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
         report = runtime.report_energy(
             iteration + 1, [_Mean(*s.window) for s in stages], max(s.iterations for s in stages),
             tuple(f for f in figures if f is not None) if all(f is not None for f in figures) else ())
-    # Megatron prints training progress on the last rank (print_rank_last).
+    # Megatron prints training progress on the last rank (print_rank_last); with data parallelism every
+    # pipeline's last stage prints its own line too (replicas differ when one follows a straggler).
+    replica = f" | replica {groups.replicas.rank()}" if groups.replicas is not None else ""
+    follows = f" | {runtime.pace_note}" if runtime.pace_note and report is not None else ""
     if dist.get_rank() != dist.get_world_size() - 1:
+        if report is not None and groups.last and groups.replicas is not None:
+            log.info("%s%s%s", report.line(), replica, follows)
         return report
     local.num_gpus = sum(len(stage) for stage in parts)
     local.replicas = max(1, dist.get_world_size() // local.num_gpus)
@@ -158,7 +165,7 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
         local.last_rank = True
         atexit.register(summarize, runtime)  # a run that never uninstalls still gets its summary
     if report is not None:
-        line = report.line()
+        line = report.line() + replica + follows
     else:
         label = " (simulated)" if runtime.device.simulated else ""
         missing = ", ".join(f"{s} ({st.status.reason if st.status else 'no hooks'})"
@@ -166,11 +173,37 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
         line = f"EnvPipe energy{label} | iteration {iteration + 1} | not measured on stage {missing}"
     log.info("%s%s", line, unmeasured_summary([e for e in everyone if e is not None]))
     if report is not None:
-        warning = report.slower_than_planned()
-        if warning:
-            log.warning("%s", warning)
+        told = slower_than_planned(runtime, report, local)
+        if told is not None:
+            log.log(*told)
         _write_outputs(runtime, report, everyone)
     return report
+
+
+def waits_for_straggler(runtime: EnvPipeRuntime, report: EnergyReport) -> bool:
+    """Whether a window's extra time over the plan is the wait for a slower data-parallel pipeline: the last
+    agreement found one (``runtime.dp_wait``) and the window lasted no longer than its pace (plus the
+    warning's tolerance): anything beyond that is this pipeline's own and still warns."""
+    wait = runtime.dp_wait
+    return wait is not None and report.time_s <= wait[1] * (1 + SLOWER_THAN_PLANNED)
+
+
+def slower_than_planned(runtime: EnvPipeRuntime, report: EnergyReport, local: Local) -> tuple[int, str] | None:
+    """(log level, line) for a window slower than planned, or None: a warning, unless the extra time is
+    the wait for a data-parallel straggler (:func:`waits_for_straggler`), which is said once, at INFO."""
+    warning = report.slower_than_planned()
+    if not warning:
+        return None
+    if not waits_for_straggler(runtime, report):
+        return logging.WARNING, warning
+    if local.told_dp_wait:
+        return None
+    local.told_dp_wait = True
+    replica, pace_s = runtime.dp_wait
+    label = " (simulated)" if report.simulated else ""
+    return logging.INFO, (f"EnvPipe{label}: {report.span()} lasted {report.time_s:.3f} s, not the planned "
+                          f"{report.planned_time_s:.3f} s: this pipeline waits at the data-parallel gradient sync "
+                          f"for replica {replica} (its pace {pace_s:.3f} s); said once, not every line")
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,16 @@ class EnvPipeRuntime:
         # Model chunks per stage (Megatron's virtual pipeline) and its micro-batch group size, from prepare().
         self.num_chunks: int = 1
         self.microbatch_group_size: int | None = None
+        # Following a data-parallel straggler (megatron/stragglers.py): what the last plan was made from
+        # (profile, micro-batches, planner config), and the plan for the slowest pipeline's pace that
+        # replaces it (the same on every stage of the pipeline), its predicted time and energy-line note.
+        self.planned_with: tuple[Profile, int, PlannerConfig] | None = None
+        self.pace_plan: FrequencyPlan | None = None
+        self.pace_time_s: float | None = None
+        self.pace_note: str | None = None
+        # (slowest replica, its pace s) while the last agreement found this pipeline waiting for a slower one
+        # at the gradient sync (followed or not): iterations then last longer than planned, and that is why.
+        self.dp_wait: tuple[int, float] | None = None
 
     # -- facts from the executor ---------------------------------------------------------
     def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None) -> None:
@@ -211,9 +221,17 @@ class EnvPipeRuntime:
         rc = state.reconfigurer
         measure = rc is not None and not rc.finished
         plan = rc.plan if rc is not None else state.plan
-        programs = state.programs_for(plan, self.config.prefetch)
         phase = "reconfigure" if measure else MEGATRON_ORDER if self.keeps_megatron_order else "steady"
-        return IterationPlan(state.schedule, plan, programs, measure, phase, unit_times_s=state.unit_times_for(plan))
+        if self.pace_plan is not None and not measure:  # following a straggler: its pace's plan
+            plan, phase = self.pace_plan, "following a straggler"
+        programs = state.programs_for(plan, self.config.prefetch)
+        schedule = plan.schedule if plan is not None else state.schedule
+        return IterationPlan(schedule, plan, programs, measure, phase, unit_times_s=state.unit_times_for(plan))
+
+    @property
+    def reconfiguring(self) -> bool:
+        """Whether online reconfiguration is still correcting a plan (no straggler is followed meanwhile)."""
+        return any(st.reconfigurer is not None and not st.reconfigurer.finished for st in self._by_m.values())
 
     def _megatron_schedule(self, p: int, m: int) -> Schedule:
         """Megatron's own order: 1F1B, or interleaved with model chunks."""
@@ -306,6 +324,8 @@ class EnvPipeRuntime:
         planned_time = None
         if result is not None:
             planned_time = result.deadline_s if result.deadline_s is not None else result.score.iteration_time_s
+            if self.pace_time_s is not None:  # following a straggler: its pace's plan
+                planned_time = self.pace_time_s
         report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated,
                               planned_time, result.energy_saving if result is not None else None,
                               self.baseline if result is not None else None, iterations, tuple(gpus))
@@ -467,6 +487,7 @@ class EnvPipeRuntime:
             pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
         result = self._plan_within(profile, num_microbatches, pcfg)
         self.last_result = result
+        self.planned_with = (profile, num_microbatches, pcfg)
         self.planned_at = self.iteration
         if not self.sets_clocks:  # baseline without control: a schedule, no clock reaches a GPU
             log.info("EnvPipe schedule %s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, peak "
@@ -517,8 +538,8 @@ class _PlanState:
 
     def programs_for(self, plan: FrequencyPlan | None, prefetch: int) -> tuple[StageProgram, ...]:
         progs = self._programs.get(plan)
-        if progs is None:
-            progs = tuple(build_programs(self.schedule, plan, prefetch))
+        if progs is None:  # a straggler's pace plan carries its own schedule
+            progs = tuple(build_programs(plan.schedule if plan is not None else self.schedule, plan, prefetch))
             self._programs = {plan: progs}  # keep only the current plan's programs
         return progs
 
@@ -530,7 +551,7 @@ class _PlanState:
             try:
                 times = tuple(tuple(self.profile.time_s(s, instruction_of(u.kind), f, u.chunk)
                                     for u, f in zip(order, plan.freqs_mhz[s], strict=True))
-                              for s, order in enumerate(self.schedule.orders))
+                              for s, order in enumerate(plan.schedule.orders))
             except ProfileError:
                 times = None
             self._times = {plan: times}  # keep only the current plan's

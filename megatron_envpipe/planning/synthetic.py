@@ -3,7 +3,10 @@
 :func:`deepened` keeps the first and last stage (embedding, LM head) and fills
 the middle by cycling the source's middle stages in order, so a 16- or 32-stage
 profile has the same per-stage mix of times and energies as the measured
-8-stage one. Pure: no I/O, the source is not changed.
+8-stage one. :func:`repeated` instead repeats the whole source pipeline, so
+its first and last stages (embedding, LM head) also sit inside the pipeline:
+a shape the planner's benchmarks were never tuned on. Pure: no I/O, the
+source is not changed.
 """
 
 from __future__ import annotations
@@ -33,4 +36,30 @@ def deepened(profile: Profile, num_stages: int) -> Profile:
     return Profile(
         {(new, ins): profile.points(old, ins) for new, old in enumerate(keep) for ins in INSTRUCTIONS},
         source=f"{profile.source} (deepened to {num_stages} stages)",
+    )
+
+
+def repeated(profile: Profile, times: int) -> Profile:
+    """``profile``'s whole pipeline ``times`` times in a row: new stage ``i`` is source stage ``i mod P0``.
+
+    Every chunk of a profile with model chunks is kept. The source's first and last stages
+    recur inside the pipeline (at ``k * P0`` and ``k * P0 - 1``).
+    """
+    if isinstance(times, bool) or not isinstance(times, int):
+        raise ProfileError(f"repeated: times must be an integer, got {times!r}")
+    src = profile.num_stages
+    if times < 1 or src * times > MAX_SYNTHETIC_STAGES:
+        raise ProfileError(
+            f"repeated: times must be in 1..{MAX_SYNTHETIC_STAGES // src} for a {src}-stage profile "
+            f"(at most {MAX_SYNTHETIC_STAGES} stages), got {times}"
+        )
+    return Profile(
+        {
+            (k * src + s, ins, chunk): profile.points(s, ins, chunk)
+            for k in range(times)
+            for s in range(src)
+            for ins in INSTRUCTIONS
+            for chunk in range(profile.num_chunks)
+        },
+        source=f"{profile.source} (repeated {times} times, {src * times} stages)",
     )

@@ -128,7 +128,7 @@ def test_p2p_transport_flag_defaults_to_direct() -> None:
 
 
 def test_ranks_sharing_a_gpu_need_host_transport_and_a_simulated_gpu() -> None:
-    from megatron_envpipe.apps.train_tiny_gpt import shared_gpu_problem
+    from megatron_envpipe.apps.tiny_parallel import shared_gpu_problem
 
     cuda = ("--device", "cuda")
     # One GPU per rank, or CPU: nothing to say.

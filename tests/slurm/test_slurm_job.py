@@ -102,7 +102,7 @@ def _sample_value(action: argparse.Action) -> tuple[str, object]:
     if action.type is float:
         return "0.5", 0.5
     if callable(action.type):  # a parsing function (e.g. a fraction): what it makes of a small number
-        for text in ("0.05", "7", "2,256"):
+        for text in ("0.05", "7", "2,256", "1:1.15"):
             try:
                 return text, action.type(text)
             except (ValueError, TypeError, argparse.ArgumentTypeError):

@@ -32,7 +32,9 @@ Method (deterministic):
    could not have been the plan); a long steady state with no slack (1F1B at
    zero slowdown, M >= 6 max(P, warm-up), >= 3000 units) starts from the
    optimum of a 3x shorter pipeline with its middle micro-batch repeated,
-   which the exact solve then only has to confirm or correct
+   which the exact solve then only has to confirm or correct, starting from
+   the short optimum's basis mapped onto the long LP (no crossover; interleaved
+   too, in groups of P micro-batches)
    (:meth:`.model.TimeEnergyModel.shorter_pipeline_start`); HiGHS prices
    with Devex (faster than steepest edge on these LPs).
 3. **Rounding** to real clocks: a forward pass in topological order gives each

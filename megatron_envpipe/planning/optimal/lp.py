@@ -56,6 +56,11 @@ class LpBackend:
     def set_basis(self, basis: Any) -> None:
         """Start the next solve from ``basis`` (ignored where the backend or the shape does not fit)."""
 
+    def mapped_basis(self, basis: Any, col_image: Any, row_image: Any) -> Any:
+        """``basis`` of another LP seen through index maps: column ``j`` here takes the status of
+        column ``col_image[j]`` there, row ``i`` that of row ``row_image[i]`` (None: no bases here)."""
+        return None
+
 
 # The first highspy.Highs() of a process prints a banner to the C-level stdout, before
 # output_flag can be set; it would corrupt `envpipe plan --json`.
@@ -154,6 +159,14 @@ class HighsBackend(LpBackend):
     def basis(self):
         b = self.h.getBasis()
         return b if b.valid else None
+
+    def mapped_basis(self, basis, col_image, row_image):
+        out = self.highspy.HighsBasis()
+        col, row = list(basis.col_status), list(basis.row_status)
+        out.col_status = [col[j] for j in col_image.tolist()]
+        out.row_status = [row[i] for i in row_image.tolist()]
+        out.valid = True  # a guess: HiGHS repairs a basis with too many or too few basic variables
+        return out
 
     def set_basis(self, basis):
         h = self.h
