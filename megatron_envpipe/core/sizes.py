@@ -16,8 +16,10 @@ M = 256 ``optimal`` in ~5 s idle)::
     optimal     P=8    M=256             2,048      2.3 s   128 MiB
     optimal     P=8    M=1024            8,192     19.6 s   379 MiB
     optimal     P=32   M=256             8,192     14.4 s   410 MiB   (the README's scale goal)
+    optimal     P=32   M=256  V=2       16,384     23.7 s   466 MiB   (issue 24; CPU s, from a short LP's start)
+    optimal     P=8    M=2048           16,384     12.6 s   325 MiB   (issue 24; CPU s, from a short LP's start)
     optimal     P=8    M=1536           12,288     58.8 s   555 MiB
-    optimal     P=8    M=2048           16,384    110.5 s   814 MiB
+    optimal     P=8    M=2048           16,384    110.5 s   814 MiB   (before issue 24's nested LP start)
     frontier    P=8    M=256 (20 pts)    2,048     14.3 s   117 MiB
     envelope    P=8    M=4096           32,768     21.8 s   142 MiB
     envelope    P=8    M=10000          80,000     44.1 s   308 MiB
@@ -40,6 +42,12 @@ from megatron_envpipe.errors import UsageError
 
 # P x M x V of one plan by type: the LP planner's time grows ~P x M squared (12,288 already ~1 min).
 MAX_OPTIMAL_SIZE = 8_192
+# ... except long steady states (M >= 8 P, V <= 2), whose LP starts from a short pipeline's
+# (planning/optimal/model.py, shorter_pipeline_start): measured on a loaded 2-core machine (CPU s),
+# P = 32, M = 256, V = 2 (repeated gpt3-175b) 23.7 s, 466 MiB; P = 8, M = 2048 (1F1B) 12.6 s, 325 MiB.
+MAX_OPTIMAL_LONG_SIZE = 16_384
+OPTIMAL_LONG_MICROBATCHES_PER_STAGE = 8
+OPTIMAL_LONG_MAX_VIRTUAL_STAGES = 2
 # The frontier solves one LP (and a rounding) per point: P x M x V x points.
 MAX_FRONTIER_WORK = 81_920
 # EnvPipe's offline reconfiguration simulates the whole iteration once per step; the steps grow
@@ -74,8 +82,12 @@ def check_plan_size(plan_type: str, num_stages: int, num_microbatches: int | Non
     size = pipeline_size(num_stages, num_microbatches, virtual_stages)
     what = f"stages x micro-batches x virtual stages; {_sizes(num_stages, num_microbatches, virtual_stages)}"
     if str(plan_type) == "optimal":
-        if size > MAX_OPTIMAL_SIZE:
-            raise error(f"plan type 'optimal' plans at most {MAX_OPTIMAL_SIZE:,} slots ({what} would take "
+        long = (num_microbatches >= OPTIMAL_LONG_MICROBATCHES_PER_STAGE * num_stages
+                and virtual_stages <= OPTIMAL_LONG_MAX_VIRTUAL_STAGES)
+        if size > (MAX_OPTIMAL_LONG_SIZE if long else MAX_OPTIMAL_SIZE):
+            raise error(f"plan type 'optimal' plans at most {MAX_OPTIMAL_SIZE:,} slots, {MAX_OPTIMAL_LONG_SIZE:,} "
+                        f"with at least {OPTIMAL_LONG_MICROBATCHES_PER_STAGE} micro-batches per stage and at most "
+                        f"{OPTIMAL_LONG_MAX_VIRTUAL_STAGES} virtual stages ({what} would take "
                         "minutes and GBs): use plan type 'envelope', or fewer micro-batches or stages")
         return
     reconfigured = str(plan_type) != "baseline"

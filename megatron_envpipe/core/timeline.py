@@ -20,16 +20,19 @@ profiled energy, everything else (bubbles, waiting, P2P) the blocking power.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_envpipe.core.graph import critical_path, earliest_times
+from megatron_envpipe.core.graph import EdgeLists, critical_path, earliest_times
 from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
 from megatron_envpipe.core.profile import Profile, instruction_of
 from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit, execution_order, unit_dag, unit_index
 
 # Relative tolerance when deciding which predecessor made a unit wait.
 _TIGHT_RTOL = 1e-9
+# Graphs PipelineGraph.shared keeps (the last few built): 16k units (P = 32, M = 256) take ~15 MB.
+_SHARED_GRAPHS_MAX = 4
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,14 @@ class Dependency:
 class PipelineGraph:
     """The static structure of one iteration: nodes, edges, a topological order.
 
-    Built once per schedule; simulating a plan is then one linear pass.
+    Built once per schedule (:meth:`shared` hands out the one already built);
+    simulating a plan is then one linear pass. ``preds`` (and :attr:`succs`)
+    are frozen :class:`~megatron_envpipe.core.graph.EdgeLists`, walked flat by
+    :func:`~megatron_envpipe.core.graph.earliest_times` / ``latest_times``.
     """
+
+    _shared: dict[tuple[int, str, tuple[Dependency, ...]], "PipelineGraph"] = {}
+    _shared_lock = threading.Lock()  # the start-up frontier plans in a background thread
 
     def __init__(
         self,
@@ -63,7 +72,6 @@ class PipelineGraph:
         dag = unit_dag(schedule)
         self.nodes: list[tuple[int, Unit]] = list(dag.nodes)
         self.index: dict[tuple[int, Unit], int] = dag.index
-        n = len(self.nodes)
         # Per node: the same-stage predecessor (or -1) and the cross-stage ones.
         self.stage_pred: list[int] = list(dag.stage_pred)
         self.cross_preds: list[list[tuple[int, float]]] = [
@@ -75,14 +83,45 @@ class PipelineGraph:
             dst = unit_index(self.index, (dep.dst_stage, dep.dst), "dependency target")
             src = unit_index(self.index, (dep.src_stage, dep.src), "dependency source")
             self.cross_preds[dst].append((src, dep.latency_s))
-        self.preds: list[tuple[tuple[int, float], ...]] = [
-            tuple(([(self.stage_pred[v], 0.0)] if self.stage_pred[v] >= 0 else []) + self.cross_preds[v])
-            for v in range(n)
+        # Per node: the stage predecessor first, then the messages (the order every walk sums in).
+        preds = [
+            ((sp, 0.0), *cross) if sp >= 0 else tuple(cross) for sp, cross in zip(self.stage_pred, self.cross_preds)
         ]
-        self.order = execution_order(self.nodes, self.preds)
+        self.order = execution_order(self.nodes, preds)
+        self.preds: EdgeLists = EdgeLists(preds, self.order)
         self.stage_of = [s for s, _ in self.nodes]
         self.chunk_of = [u.chunk for _, u in self.nodes]
-        self.instruction_of = [instruction_of(u.kind) for _, u in self.nodes]
+        instructions = {kind: instruction_of(kind) for kind in {u.kind for _, u in self.nodes}}
+        self.instruction_of = [instructions[u.kind] for _, u in self.nodes]
+
+    @classmethod
+    def shared(
+        cls, schedule: Schedule, p2p_latency_s: float = 0.0, extra_dependencies: Sequence[Dependency] = ()
+    ) -> "PipelineGraph":
+        """The graph of this very ``schedule`` object, built once while it is among the last few asked for.
+
+        Planning scores one schedule from several places (the basis, the
+        time-energy model, the switching pass); a graph is never changed
+        after it is built, so they can share it. Keyed by the schedule's
+        identity (it is frozen; the cache holds it, so the id stays its own).
+        """
+        deps = tuple(extra_dependencies)
+        key = (id(schedule), repr(p2p_latency_s), deps)
+        with cls._shared_lock:
+            graph = cls._shared.get(key)
+        if graph is not None and graph.schedule is schedule:
+            return graph
+        graph = cls(schedule, p2p_latency_s, deps)
+        with cls._shared_lock:
+            while len(cls._shared) >= _SHARED_GRAPHS_MAX:
+                del cls._shared[next(iter(cls._shared))]  # the oldest
+            cls._shared[key] = graph
+        return graph
+
+    @property
+    def succs(self) -> EdgeLists:
+        """Per node its successors ``(w, latency_s)`` (:func:`~megatron_envpipe.core.graph.successors`), built once."""
+        return self.preds.successors()
 
     def node(self, stage: int, unit: Unit) -> int:
         return self.index[(stage, unit)]
@@ -92,7 +131,7 @@ class PipelineGraph:
         n = len(self.nodes)
         if len(durations_s) != n:
             raise ValueError(f"need {n} unit durations, got {len(durations_s)}")
-        start, end = earliest_times(self.order, self.preds, durations_s)
+        start, end = earliest_times(self.preds.order, self.preds, durations_s)
         return Timeline(self, start, end, list(durations_s))
 
 
@@ -211,7 +250,7 @@ class PlanEvaluator:
         self.schedule = schedule
         self.profile = profile
         self.p2p_power_w = p2p_power_w
-        self.graph = graph or PipelineGraph(schedule, p2p_latency_s, extra_dependencies)
+        self.graph = graph or PipelineGraph.shared(schedule, p2p_latency_s, extra_dependencies)
         self.cost_keys: list[tuple[int, int, str]] = list(
             zip(self.graph.stage_of, self.graph.chunk_of, self.graph.instruction_of)
         )
@@ -223,17 +262,20 @@ class PlanEvaluator:
             for key in set(self.cost_keys)
         }
         self._keys = self.cost_keys
+        # Per node its key's clock -> time / energy table (one lookup per unit instead of two).
+        self._time_at = [self._time[k] for k in self._keys]
+        self._energy_at = [self._energy[k] for k in self._keys]
 
     def durations(self, freqs: Sequence[int]) -> list[float]:
         try:
-            return [self._time[k][f] for k, f in zip(self._keys, freqs)]
+            return [table[f] for table, f in zip(self._time_at, freqs)]
         except KeyError:
             self._raise_unprofiled(freqs)
             raise
 
     def unit_energies(self, freqs: Sequence[int]) -> list[float]:
         try:
-            return [self._energy[k][f] for k, f in zip(self._keys, freqs)]
+            return [table[f] for table, f in zip(self._energy_at, freqs)]
         except KeyError:
             self._raise_unprofiled(freqs)
             raise

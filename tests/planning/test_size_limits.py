@@ -70,7 +70,10 @@ def test_the_readme_scale_goal_stays_allowed_and_one_more_is_refused():
     check_plan_size("optimal", 32, 256)  # bench/plan_speed.py --scale: P = 32, M = 256
     assert 32 * 256 == MAX_OPTIMAL_SIZE
     with pytest.raises(SizeLimitError):
-        check_plan_size("optimal", 32, 257)
+        check_plan_size("optimal", 64, 129)  # M < 8 P: no long-steady-state allowance
+    check_plan_size("optimal", 32, 256, 2)  # issue 24: interleaved V = 2 at the scale goal (M >= 8 P)
+    with pytest.raises(SizeLimitError):
+        check_plan_size("optimal", 32, 513)
     check_plan_size("envelope", 8, 10_000)  # the largest --microbatches on the shipped 8-stage profiles
     check_frontier_size(8, 512, 1, 20)  # the largest frontier measured (47.7 s on a loaded 2-core machine)
     check_schedule_size(8, 10_000)

@@ -49,6 +49,9 @@ class LpBackend:
     def set_start(self, x: Any) -> None:
         """Start the next solve from column values ``x`` (a guess: feasible or not; the solve stays exact)."""
 
+    def set_presolve(self, on: bool) -> None:
+        """Presolve cold solves or not (a backend without the option always does what it does)."""
+
     def basis(self) -> Any:
         """The last solve's basis, to warm-start an LP of the same shape (None: this backend has none)."""
         return None
@@ -149,6 +152,9 @@ class HighsBackend(LpBackend):
 
     def set_objective_bound(self, bound):
         self.h.setOptionValue("objective_bound", float(bound))
+
+    def set_presolve(self, on):
+        self.h.setOptionValue("presolve", "on" if on else "off")
 
     def set_start(self, x):
         sol = self.highspy.HighsSolution()

@@ -2,7 +2,10 @@
 
 Every move keeps the plan feasible by construction (slack passes) or is
 checked by simulating the iteration. Work is bounded by counts of unit
-visits, never by a clock, so plans are the same on every machine.
+visits, never by a clock, so plans are the same on every machine. At scale a
+trial changes a few units' times: the local search's settles and the moves'
+checks re-time only the units a change reaches (:mod:`.retiming`), with the
+answers of whole passes and whole simulations, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Protocol
 from megatron_envpipe.core.graph import earliest_times, latest_times, successors
 from megatron_envpipe.core.timeline import PipelineGraph
 from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL, InfeasibleDeadline
+from megatron_envpipe.planning.optimal.retiming import Retimer, SlackPass
 
 # Local search: about this many unit visits in total (a settle visits every unit ~4 times,
 # a feasibility check once), half for single moves, half for exchanges. A count, not a
@@ -55,7 +59,8 @@ class ClockSearch:
         self.times, self.costs, self.hulls = model.times, model.costs, model.hulls
         self.preds = model.graph.preds
         self.succs = successors(self.preds)
-        self.order = list(model.graph.order)
+        self.order = model.graph.order  # the graph's own: core.graph's walks take it flat
+        self.retimer = Retimer(self.order, self.preds, self.succs, self.times, FEASIBILITY_RTOL)
         # Per unit, as tuples shared by units of one option list (hashable: the dithering's keys).
         shared: dict[int, tuple[float, ...]] = {}
         self.hull_times = [
@@ -79,49 +84,17 @@ class ClockSearch:
         next vertex instead of spending it on small steps in between).
         """
         lf = latest_times(self.order, self.succs, d_target, deadline)[1]
-        eps = FEASIBILITY_RTOL * deadline
-        out = list(idx)
-        option_times, hull_idx = (self.hull_times, self.hulls) if hull_only else (self.times, None)
-        # graph.earliest_times_choosing with the choice inlined (a call per unit was a third of a pass)
-        preds = self.preds
-        end = [0.0] * self.n
-        for v in self.order:
-            t = 0.0
-            for u, lat in preds[v]:
-                ready = end[u] + lat
-                if ready > t:
-                    t = ready
-            ts = option_times[v]
-            k = bisect_right(ts, lf[v] - t + eps) - 1
-            if k < 0:
-                k = 0
-            out[v] = hull_idx[v][k] if hull_idx is not None else k
-            end[v] = t + ts[k]
-        return out
+        if hull_only:
+            return self.retimer.choose_forward(lf, deadline, self.hull_times, self.hulls)[0]
+        return self.retimer.choose_forward(lf, deadline, self.times)[0]
 
     def backward_pass(self, idx: list[int], d_target: Sequence[float], deadline: float,
                       hull_only: bool = False) -> list[int]:
         """Reverse topological order: each unit takes the slowest option that starts after its earliest start."""
         es = earliest_times(self.order, self.preds, d_target)[0]
-        eps = FEASIBILITY_RTOL * deadline
-        out = list(idx)
-        option_times, hull_idx = (self.hull_times, self.hulls) if hull_only else (self.times, None)
-        # graph.latest_times_choosing with the choice inlined
-        succs = self.succs
-        latest_start = [deadline] * self.n
-        for v in reversed(self.order):
-            t = deadline
-            for w, lat in succs[v]:
-                by = latest_start[w] - lat
-                if by < t:
-                    t = by
-            ts = option_times[v]
-            k = bisect_right(ts, t - es[v] + eps) - 1
-            if k < 0:
-                k = 0
-            out[v] = hull_idx[v][k] if hull_idx is not None else k
-            latest_start[v] = t - ts[k]
-        return out
+        if hull_only:
+            return self.retimer.choose_backward(es, deadline, self.hull_times, self.hulls)[0]
+        return self.retimer.choose_backward(es, deadline, self.times)[0]
 
     def settle(self, idx: list[int], deadline: float, first: str = "f", max_passes: int = 6) -> list[int]:
         """Alternate forward/backward slow-down passes until the cost stops falling."""
@@ -218,6 +191,7 @@ class ClockSearch:
             (v for v in range(self.n) if cur[v] > 0),
             key=lambda v: (lf[v] - es[v] - d[v], self.marginal(v, cur[v]), v),
         )
+        chain = self._pass_chain(cur, deadline)
         pos = 0
         while trials < max_trials and queue and since_improvement < len(queue):
             v = queue[pos % len(queue)]
@@ -231,14 +205,41 @@ class ClockSearch:
                 trials += 1
                 trial = list(cur)
                 trial[v] -= steps
-                trial = self.settle(trial, deadline, first="f", max_passes=4)
+                trial = self._settle_near(chain, trial, [v])
                 c = cost(trial)
                 if c < cur_cost - 1e-9 * abs(cur_cost):
+                    chain = self._moved_chain(chain, trial)
                     cur, cur_cost = trial, c
                     accepted += 1
                     since_improvement = 0
                     break
         return cur, trials, accepted
+
+    # The local search's settles: forward first, at most this many passes.
+    LOCAL_PASSES = 4
+
+    def _pass_chain(self, idx: list[int], deadline: float) -> "PassChain":
+        """The settle passes of ``idx``, computed whole as they are asked for."""
+        return PassChain(self.retimer, idx, deadline)
+
+    def _moved_chain(self, chain: "PassChain", idx: list[int]) -> "PassChain":
+        """The chain of ``idx``, its passes re-timed from ``chain``'s (another plan's) as they are asked for."""
+        return PassChain(self.retimer, idx, chain.deadline, chain)
+
+    def _settle_near(self, chain: "PassChain", idx: list[int], diff: list[int]) -> list[int]:
+        """:meth:`settle` (forward first, :attr:`LOCAL_PASSES` passes at most) of ``idx``, which differs
+        from ``chain.idx`` only at ``diff``: each pass re-times only what moves against ``chain``'s."""
+        cost = self.model.cost
+        best_idx, best = idx, cost(idx)
+        cur = idx
+        for i in range(self.LOCAL_PASSES):
+            cur, diff = self.retimer.next_pass(chain.get(i), cur, diff)
+            c = cost(cur)
+            if c < best - 1e-12 * abs(best):
+                best_idx, best = cur, c
+            elif i >= 1:
+                break
+        return best_idx
 
     def neighbours(self, window: int) -> list[list[int]]:
         """Per unit: the units within ``window`` places on its stage, and its cross-stage neighbours."""
@@ -268,20 +269,30 @@ class ClockSearch:
         ``propose(cur, slack, nbrs, eps)`` gets the current option indices, each
         unit's slack (latest finish - earliest start - duration) and the
         neighbour lists, and returns moves for :meth:`_apply_moves`.
+
+        The work is counted in unit visits like the rest of the search: a
+        check visits every unit once (``max_checks`` x units in all), and
+        listing the candidates visits each unit's ``2 window`` stage neighbours'
+        1-3 step speed-ups. A search whose listing alone would take more than
+        its checks' share is not run (at P = 32, M = 256 the listing took 3/4
+        of the searches' time, and no move was taken on any profile measured; issue 24).
         """
+        if max_checks * self.n < 6 * window * self.n:  # i.e. fewer checks than 6 x window
+            return list(idx), 0, 0
+        nbrs = self.neighbours(window)
         cur = list(idx)
         limit = deadline * (1 + FEASIBILITY_RTOL)
         eps = FEASIBILITY_RTOL * deadline
         checks = accepted = 0
-        nbrs = self.neighbours(window)
         for _round in range(MAX_SEARCH_ROUNDS):
             if checks >= max_checks:
                 break
             d = self.model.durations(cur)
-            es, lf = self.slack_times(d, deadline)
+            es, end = earliest_times(self.order, self.preds, d)
+            lf = latest_times(self.order, self.succs, d, deadline)[1]
             slack = [max(0.0, lf[v] - es[v] - d[v]) for v in range(self.n)]
             cands = propose(cur, slack, nbrs, eps)
-            cur, n_checks, n_moves, moved = self._apply_moves(cur, cands, limit, max_checks - checks)
+            cur, n_checks, n_moves, moved = self._apply_moves(cur, cands, limit, max_checks - checks, d, end)
             checks += n_checks
             accepted += n_moves
             if not moved:
@@ -320,10 +331,18 @@ class ClockSearch:
                             cands.append((gain, w, j, ((u, k),)))
         return cands
 
-    def _apply_moves(self, cur: list[int], cands: list[Move], limit: float, max_checks: int
-                     ) -> tuple[list[int], int, int, bool]:
-        """Try candidate moves ``(gain, w, new option of w, ((u, steps faster), ...))`` best first."""
+    def _apply_moves(self, cur: list[int], cands: list[Move], limit: float, max_checks: int,
+                     d: list[float], end: list[float]) -> tuple[list[int], int, int, bool]:
+        """Try candidate moves ``(gain, w, new option of w, ((u, steps faster), ...))`` best first.
+
+        ``d`` and ``end``: the durations and simulated ends of ``cur`` (updated
+        here as moves are taken). A move is checked by re-timing only the units
+        whose end it changes (:meth:`.Retimer.retime`): the same answer as simulating
+        the whole iteration.
+        """
         cands.sort()
+        cur = list(cur)
+        times = self.times
         touched: set[int] = set()
         checks = accepted = failures = 0
         for _gain, w, j, used in cands:
@@ -331,15 +350,18 @@ class ClockSearch:
                 break
             if w in touched or any(u in touched for u, _ in used):
                 continue
-            trial = list(cur)
-            trial[w] = j
+            moved = {w: j}
             for u, k in used:
-                trial[u] -= k
+                moved[u] = cur[u] - k
             checks += 1
-            if self.graph.simulate(self.model.durations(trial)).iteration_time_s <= limit:
-                cur = trial
-                touched.add(w)
-                touched.update(u for u, _ in used)
+            new_end = self.retimer.retime(d, end, {v: times[v][k] for v, k in moved.items()}, limit)
+            if new_end is not None:
+                for v, k in moved.items():
+                    cur[v] = k
+                    d[v] = times[v][k]
+                for v, e in new_end.items():
+                    end[v] = e
+                touched.update(moved)
                 accepted += 1
                 failures = 0
             else:
@@ -441,3 +463,30 @@ class ClockSearch:
             idx = list(idx)
             idx[v] -= 1
             steps += 1
+
+
+class PassChain:
+    """The settle passes of one plan ``idx`` (forward first), each built when first asked for: the
+    reference the local search's trials are re-timed against. ``prev`` (another plan's chain) lets a
+    pass be re-timed from that chain's instead of computed whole."""
+
+    def __init__(self, retimer: Retimer, idx: list[int], deadline: float, prev: "PassChain | None" = None) -> None:
+        self.retimer, self.idx, self.deadline = retimer, idx, deadline
+        self.passes: list[SlackPass] = []
+        self.prev = prev
+        if prev is not None:
+            prev.prev = None  # only prev's passes are read from here on: no chain of chains kept alive
+
+    def get(self, i: int) -> SlackPass:
+        while len(self.passes) <= i:
+            j = len(self.passes)
+            inp = self.idx if j == 0 else self.passes[-1].out
+            old = self.prev.passes[j] if self.prev is not None and j < len(self.prev.passes) else None
+            if old is None:
+                self.passes.append(self.retimer.full_pass(j % 2 == 0, inp, self.deadline))
+            else:
+                ref_inp = old.inp
+                diff = [v for v in range(len(inp)) if inp[v] != ref_inp[v]]
+                self.passes.append(self.retimer.next_slack_pass(old, inp, diff)[0])
+        return self.passes[i]
+

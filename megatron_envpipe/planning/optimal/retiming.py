@@ -1,0 +1,422 @@
+"""Incremental re-timing for the clock search: redo only the units a change reaches.
+
+The local search tries a small change (one unit a clock step faster, a unit
+slowed and a neighbour sped up) and asks what a simulation, or a slack pass,
+would make of the whole plan. At scale a change moves a handful of units'
+times, yet a full pass visits all of them: here the units are re-timed in
+(reverse) topological order starting from the changed ones, and only while a
+time actually moves. Every unit that is visited is computed with the same
+sums in the same order as :mod:`megatron_envpipe.core.graph` does, and every
+unit that is not keeps its old value, so the answers are bit-identical to
+full passes; plans do not change, only the work.
+
+Pure Python, like :mod:`megatron_envpipe.core.graph`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
+from typing import Any
+
+from megatron_envpipe.core.graph import Edges, earliest_times, latest_times
+from megatron_envpipe.errors import EnvPipeError
+
+
+@dataclass(frozen=True)
+class SlackPass:
+    """One full slack pass, kept as the reference its incremental variants start from.
+
+    Forward (``forward``): ``bound`` = each unit's latest finish, ``bound_at`` =
+    its latest start (both for the input's durations ``d``), ``at`` = its end
+    in the pass. Backward: ``bound`` = earliest start, ``bound_at`` = earliest
+    end, ``at`` = latest start in the pass. ``out``: the option chosen per unit.
+    """
+
+    forward: bool
+    deadline: float
+    inp: list[int]
+    d: list[float]
+    bound: list[float]
+    bound_at: list[float]
+    at: list[float]
+    out: list[int]
+
+
+class Retimer:
+    """Slack passes and feasibility checks over one DAG, full or incremental (see the module docstring)."""
+
+    wide_part = 16  # an incremental pass gives up past 1/wide_part of the units (retime: 2/wide_part)
+
+    def __init__(self, order: Sequence[int], preds: Edges, succs: Edges, times: Sequence[Sequence[float]],
+                 eps_rtol: float) -> None:
+        self.order, self.preds, self.succs, self.times = order, preds, succs, times  # order: the graph's own (core.graph walks it flat)
+        self.eps_rtol = eps_rtol
+        self.n = len(preds)
+        self.pos = [0] * self.n  # each unit's place in ``order``: the visiting order
+        for i, v in enumerate(self.order):
+            self.pos[v] = i
+        self.visits = 0  # units re-timed incrementally so far (a count the caller may budget)
+        self._cap = 0  # ... and where the current incremental pass gives up for a full one
+        self._retimes_near = self._retimes_wide = 0  # checks the heap answered / gave up on
+        # The full passes walk flat steps (v, a, latency_a, b, latency_b), like core.graph's
+        # walks: a unit's (at most two) edges, a missing one pointing at slot n. They are only
+        # used while every unit has at most two edges (any schedule without extra dependencies).
+        self._flat: dict[bool, list[tuple[int, int, float, int, float]]] = {}
+        self._wide: dict[bool, list[int]] = {}
+        for backward, edges in ((False, preds), (True, succs)):
+            steps = []
+            for v in (reversed(self.order) if backward else self.order):
+                e = edges[v]
+                if len(e) > 2:
+                    break
+                (a, lat_a), (b, lat_b) = (*e, (self.n, 0.0), (self.n, 0.0))[:2]
+                steps.append((v, a, lat_a, b, lat_b))
+            if len(steps) < self.n:  # a unit with more edges: every unit on the general loop
+                steps = []
+            self._flat[backward] = steps
+            self._wide[backward] = [] if steps else list(reversed(self.order) if backward else self.order)
+
+    # -- full passes ---------------------------------------------------------------------
+    def full_pass(self, forward: bool, inp: list[int], deadline: float) -> SlackPass:
+        """The slack pass of ``ClockSearch.forward_pass`` / ``backward_pass`` (every option), kept whole."""
+        times = self.times
+        d = [times[v][k] for v, k in enumerate(inp)]
+        if forward:
+            ls, lf = latest_times(self.order, self.succs, d, deadline)
+            out, end = self.choose_forward(lf, deadline, times)
+            return SlackPass(True, deadline, list(inp), d, lf, ls, end, out)
+        es, ee = earliest_times(self.order, self.preds, d)
+        out, latest_start = self.choose_backward(es, deadline, times)
+        return SlackPass(False, deadline, list(inp), d, es, ee, latest_start, out)
+
+    def choose_forward(self, lf: Sequence[float], deadline: float, option_times: Sequence[Sequence[float]],
+                       hull: Sequence[Sequence[int]] | None = None) -> tuple[list[int], list[float]]:
+        """Topological order: each unit's slowest option (of ``option_times[v]``, mapped through
+        ``hull[v]`` when given) that finishes by ``lf[v]``; (the choices, each unit's end)."""
+        n, eps = self.n, self.eps_rtol * deadline
+        out = [0] * n
+        end = [0.0] * (n + 1)  # slot n: the absent edge of the flat steps (0 s: never wins)
+        for v, a, lat_a, b, lat_b in self._steps(False):
+            t = 0.0
+            ready = end[a] + lat_a
+            if ready > t:
+                t = ready
+            ready = end[b] + lat_b
+            if ready > t:
+                t = ready
+            ts = option_times[v]
+            k = bisect_right(ts, lf[v] - t + eps) - 1
+            if k < 0:
+                k = 0
+            out[v] = hull[v][k] if hull is not None else k
+            end[v] = t + ts[k]
+        if self._wide[False]:
+            preds = self.preds
+            for v in self._wide[False]:  # units with more than two edges, in order after the flat ones
+                t = 0.0
+                for u, lat in preds[v]:
+                    ready = end[u] + lat
+                    if ready > t:
+                        t = ready
+                ts = option_times[v]
+                k = bisect_right(ts, lf[v] - t + eps) - 1
+                if k < 0:
+                    k = 0
+                out[v] = hull[v][k] if hull is not None else k
+                end[v] = t + ts[k]
+        end.pop()
+        return out, end
+
+    def choose_backward(self, es: Sequence[float], deadline: float, option_times: Sequence[Sequence[float]],
+                        hull: Sequence[Sequence[int]] | None = None) -> tuple[list[int], list[float]]:
+        """Reverse topological order: each unit's slowest option that starts after ``es[v]``;
+        (the choices, each unit's latest start)."""
+        n, eps = self.n, self.eps_rtol * deadline
+        out = [0] * n
+        latest_start = [deadline] * (n + 1)  # slot n: the absent edge (the deadline: never wins)
+        for v, a, lat_a, b, lat_b in self._steps(True):
+            t = deadline
+            by = latest_start[a] - lat_a
+            if by < t:
+                t = by
+            by = latest_start[b] - lat_b
+            if by < t:
+                t = by
+            ts = option_times[v]
+            k = bisect_right(ts, t - es[v] + eps) - 1
+            if k < 0:
+                k = 0
+            out[v] = hull[v][k] if hull is not None else k
+            latest_start[v] = t - ts[k]
+        if self._wide[True]:
+            succs = self.succs
+            for v in self._wide[True]:
+                t = deadline
+                for w, lat in succs[v]:
+                    by = latest_start[w] - lat
+                    if by < t:
+                        t = by
+                ts = option_times[v]
+                k = bisect_right(ts, t - es[v] + eps) - 1
+                if k < 0:
+                    k = 0
+                out[v] = hull[v][k] if hull is not None else k
+                latest_start[v] = t - ts[k]
+        latest_start.pop()
+        return out, latest_start
+
+    def _steps(self, backward: bool) -> Sequence[tuple[int, int, float, int, float]]:
+        return self._flat[backward]
+
+    # -- incremental passes -------------------------------------------------------------
+    def next_pass(self, ref: SlackPass, inp: list[int], diff: Sequence[int]) -> tuple[list[int], list[int]]:
+        """``ref``'s pass on ``inp``, which differs from ``ref.inp`` only at the units ``diff``:
+        (its output, the units where that output differs from ``ref.out``)."""
+        sp, moved = self.next_slack_pass(ref, inp, diff, keep=False)
+        return sp.out, moved
+
+    def next_slack_pass(self, ref: SlackPass, inp: list[int], diff: Sequence[int], keep: bool = True
+                        ) -> tuple[SlackPass, list[int]]:
+        """:meth:`next_pass` kept whole (``keep``; else only ``out`` is filled in): the next reference."""
+        deadline = ref.deadline
+        times = self.times
+        d_new = {v: times[v][inp[v]] for v in diff}
+        # A wide change: the heap costs a few times a full pass's visit, so past a sixteenth of
+        # the units re-timed, the full pass is the cheaper way to the same answer.
+        self._cap = self.visits + self.n // self.wide_part
+        try:
+            if len(diff) * 2 * self.wide_part > self.n:
+                raise _TooWide
+            if ref.forward:
+                bound, bound_at = self._latest(ref, d_new, deadline)
+                changed, at = self._choose_forward(ref, bound, deadline)
+            else:
+                bound, bound_at = self._earliest(ref, d_new)
+                changed, at = self._choose_backward(ref, bound, deadline)
+        except _TooWide:
+            sp = self.full_pass(ref.forward, inp, deadline)
+            return sp, [v for v in range(self.n) if sp.out[v] != ref.out[v]]
+        out = list(ref.out)
+        moved = []
+        for v, k in changed.items():
+            if k != ref.out[v]:
+                out[v] = k
+                moved.append(v)
+        if not keep:
+            return SlackPass(ref.forward, deadline, inp, [], [], [], [], out), moved
+        return SlackPass(ref.forward, deadline, list(inp), _patched(ref.d, d_new), _patched(ref.bound, bound),
+                         _patched(ref.bound_at, bound_at), _patched(ref.at, at), out), moved
+
+    def _latest(self, ref: SlackPass, d_new: dict[int, float], deadline: float
+                ) -> tuple[dict[int, float], dict[int, float]]:
+        """Latest finish and latest start that move when the units of ``d_new`` take those durations."""
+        pos, preds, succs = self.pos, self.preds, self.succs
+        lf_ref, ls_ref, d_ref = ref.bound, ref.bound_at, ref.d
+        heap = [(-pos[v], v) for v in d_new]
+        heapify(heap)
+        queued = set(d_new)
+        lf: dict[int, float] = {}
+        ls: dict[int, float] = {}
+        get = ls.get
+        while heap:
+            v = heappop(heap)[1]
+            self.visits += 1
+            if self.visits > self._cap:
+                raise _TooWide
+            t = deadline
+            for w, lat in succs[v]:
+                x = get(w)
+                by = (ls_ref[w] if x is None else x) - lat
+                if by < t:
+                    t = by
+            if t != lf_ref[v]:
+                lf[v] = t
+            s = t - (d_new[v] if v in d_new else d_ref[v])
+            if s != ls_ref[v]:
+                ls[v] = s
+                for u, _ in preds[v]:
+                    if u not in queued:
+                        queued.add(u)
+                        heappush(heap, (-pos[u], u))
+        return lf, ls
+
+    def _earliest(self, ref: SlackPass, d_new: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+        """Earliest start and end that move when the units of ``d_new`` take those durations."""
+        pos, preds, succs = self.pos, self.preds, self.succs
+        es_ref, ee_ref, d_ref = ref.bound, ref.bound_at, ref.d
+        heap = [(pos[v], v) for v in d_new]
+        heapify(heap)
+        queued = set(d_new)
+        es: dict[int, float] = {}
+        ee: dict[int, float] = {}
+        get = ee.get
+        while heap:
+            v = heappop(heap)[1]
+            self.visits += 1
+            if self.visits > self._cap:
+                raise _TooWide
+            t = 0.0
+            for u, lat in preds[v]:
+                x = get(u)
+                ready = (ee_ref[u] if x is None else x) + lat
+                if ready > t:
+                    t = ready
+            if t != es_ref[v]:
+                es[v] = t
+            e = t + (d_new[v] if v in d_new else d_ref[v])
+            if e != ee_ref[v]:
+                ee[v] = e
+                for w, _ in succs[v]:
+                    if w not in queued:
+                        queued.add(w)
+                        heappush(heap, (pos[w], w))
+        return es, ee
+
+    def _choose_forward(self, ref: SlackPass, lf: dict[int, float], deadline: float
+                        ) -> tuple[dict[int, int], dict[int, float]]:
+        """The forward pass's choices for the units whose latest finish or start moves."""
+        pos, preds, succs, times = self.pos, self.preds, self.succs, self.times
+        lf_ref, end_ref = ref.bound, ref.at
+        eps = self.eps_rtol * deadline
+        heap = [(pos[v], v) for v in lf]
+        heapify(heap)
+        queued = set(lf)
+        end: dict[int, float] = {}
+        get = end.get
+        out: dict[int, int] = {}
+        while heap:
+            v = heappop(heap)[1]
+            self.visits += 1
+            if self.visits > self._cap:
+                raise _TooWide
+            t = 0.0
+            for u, lat in preds[v]:
+                x = get(u)
+                ready = (end_ref[u] if x is None else x) + lat
+                if ready > t:
+                    t = ready
+            ts = times[v]
+            k = bisect_right(ts, (lf[v] if v in lf else lf_ref[v]) - t + eps) - 1
+            if k < 0:
+                k = 0
+            out[v] = k
+            e = t + ts[k]
+            if e != end_ref[v]:
+                end[v] = e
+                for w, _ in succs[v]:
+                    if w not in queued:
+                        queued.add(w)
+                        heappush(heap, (pos[w], w))
+        return out, end
+
+    def _choose_backward(self, ref: SlackPass, es: dict[int, float], deadline: float
+                         ) -> tuple[dict[int, int], dict[int, float]]:
+        """The backward pass's choices for the units whose earliest start or latest start moves."""
+        pos, preds, succs, times = self.pos, self.preds, self.succs, self.times
+        es_ref, ls_ref = ref.bound, ref.at
+        eps = self.eps_rtol * deadline
+        heap = [(-pos[v], v) for v in es]
+        heapify(heap)
+        queued = set(es)
+        ls: dict[int, float] = {}
+        get = ls.get
+        out: dict[int, int] = {}
+        while heap:
+            v = heappop(heap)[1]
+            self.visits += 1
+            if self.visits > self._cap:
+                raise _TooWide
+            t = deadline
+            for w, lat in succs[v]:
+                x = get(w)
+                by = (ls_ref[w] if x is None else x) - lat
+                if by < t:
+                    t = by
+            ts = times[v]
+            k = bisect_right(ts, t - (es[v] if v in es else es_ref[v]) + eps) - 1
+            if k < 0:
+                k = 0
+            out[v] = k
+            s = t - ts[k]
+            if s != ls_ref[v]:
+                ls[v] = s
+                for u, _ in preds[v]:
+                    if u not in queued:
+                        queued.add(u)
+                        heappush(heap, (-pos[u], u))
+        return out, ls
+
+    # -- feasibility ----------------------------------------------------------------------
+    def retime(self, d: Sequence[float], end: Sequence[float], changed: dict[int, float], limit: float
+               ) -> dict[int, float] | None:
+        """New ends of the units whose end moves when the units in ``changed`` take those durations
+        (``d``, ``end``: the durations and simulated ends before), or None if one would end after ``limit``.
+
+        With every old end within ``limit`` this is the verdict of simulating the whole iteration.
+        """
+        # The heap only while it answers at least a third of the checks (on a graph where changes
+        # travel far, e.g. interleaved, every attempt would be wasted work before the whole simulation).
+        if max(end) <= limit and self._retimes_wide <= 2 * self._retimes_near + 2:
+            new_end = self._retime_near(d, end, changed, limit)
+            if new_end is not _WIDE:
+                self._retimes_near += 1
+                return new_end
+            self._retimes_wide += 1
+        # The old plan is late somewhere (only the whole simulation can tell), or the change
+        # reaches too many units for the heap to pay: simulate the whole iteration.
+        trial = list(d)
+        for v, t in changed.items():
+            trial[v] = t
+        new = earliest_times(self.order, self.preds, trial)[1]
+        return None if max(new) > limit else {v: e for v, e in enumerate(new) if e != end[v]}
+
+    def _retime_near(self, d: Sequence[float], end: Sequence[float], changed: dict[int, float], limit: float
+                     ) -> Any:
+        """:meth:`retime` by the heap, or ``_WIDE`` past an eighth of the units."""
+        pos, preds, succs = self.pos, self.preds, self.succs
+        heap = [(pos[v], v) for v in changed]
+        heapify(heap)
+        queued = set(changed)
+        new_end: dict[int, float] = {}
+        get = new_end.get
+        budget = 2 * self.n // self.wide_part
+        while heap:
+            v = heappop(heap)[1]
+            self.visits += 1
+            budget -= 1
+            if budget < 0:
+                return _WIDE
+            t = 0.0
+            for u, lat in preds[v]:
+                e = get(u)
+                ready = (end[u] if e is None else e) + lat
+                if ready > t:
+                    t = ready
+            e = t + (changed[v] if v in changed else d[v])
+            if e == end[v]:
+                continue
+            if e > limit:
+                return None
+            new_end[v] = e
+            for w, _ in succs[v]:
+                if w not in queued:
+                    queued.add(w)
+                    heappush(heap, (pos[w], w))
+        return new_end
+
+
+_WIDE = object()  # _retime_near's answer when the change reaches too many units
+
+
+class _TooWide(EnvPipeError):  # noqa: N818 - control flow inside next_slack_pass, never escapes it
+    """An incremental pass reached too many units: the caller runs the full pass."""
+
+
+def _patched(values: list[float], changes: dict[int, float]) -> list[float]:
+    out = list(values)
+    for v, x in changes.items():
+        out[v] = x
+    return out
