@@ -380,9 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed(args)
     # EnvPipe logs its plan and reconfiguration steps; show them once, from the last stage.
     rank = dist.get_rank()
-    logging.basicConfig(format=f"[stage {rank}] %(message)s", level=logging.WARNING)
     from megatron.core import parallel_state
 
+    # Name the pipeline stage, and the replica when there are several (rank order is Megatron's, not ours).
+    where = f"stage {parallel_state.get_pipeline_model_parallel_rank()}"
+    if parallel_state.get_data_parallel_world_size() > 1:
+        where += f", replica {parallel_state.get_data_parallel_rank()}"
+    logging.basicConfig(format=f"[{where}] %(message)s", level=logging.WARNING)
     if rank == dist.get_world_size() - 1 or parallel_state.is_pipeline_last_stage():  # each replica's
         logging.getLogger("megatron_envpipe").setLevel(logging.INFO)
     # 0.19 logs "GPTModel IS DEPRECATED" (use HybridModel); GPTModel still works.

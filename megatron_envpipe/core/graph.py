@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 Edges = Sequence[Sequence[tuple[int, float]]]  # per node: (neighbour, latency_s)
+Step = tuple[int, int, float, int, float]  # (v, a, latency_a, b, latency_b): one node of a flat walk (EdgeLists)
 
 
 class EdgeLists(tuple):
@@ -43,7 +44,7 @@ class EdgeLists(tuple):
         self.order = tuple(order)
         self.backward = backward
         self._flat: bool | None = None  # whether the walk fits the flat steps; None: not looked at yet
-        self._steps: tuple[tuple[int, int, float, int, float], ...] = ()
+        self._steps: tuple[Step, ...] = ()
         self._successors: EdgeLists | None = None
         return self
 
@@ -56,20 +57,12 @@ class EdgeLists(tuple):
             return False
         return order is self.order or (order if isinstance(order, tuple) else tuple(order)) == self.order
 
-    def steps(self) -> tuple[tuple[int, int, float, int, float], ...] | None:
+    def steps(self) -> tuple[Step, ...] | None:
         """The flat walk (built on first use), or None when some node has more than two edges."""
         if self._flat is None:
-            absent = (len(self), 0.0)
-            steps = []
-            for v in reversed(self.order) if self.backward else self.order:
-                edges = self[v]
-                if len(edges) > 2:
-                    break
-                (a, lat_a), (b, lat_b) = (*edges, absent, absent)[:2]
-                steps.append((v, a, lat_a, b, lat_b))
-            flat = len(steps) == len(self.order)
-            self._steps = tuple(steps) if flat else ()
-            self._flat = flat  # set last: a planner thread reading it alongside sees whole steps
+            steps = _build_steps(self, self.order, self.backward)
+            self._steps = steps or ()
+            self._flat = steps is not None  # set last: a planner thread reading it alongside sees whole steps
         return self._steps if self._flat else None
 
     def successors(self) -> "EdgeLists":
@@ -77,6 +70,26 @@ class EdgeLists(tuple):
         if self._successors is None:
             self._successors = EdgeLists(_successor_lists(self), self.order, backward=True)
         return self._successors
+
+
+def flat_steps(edges: Edges, order: Sequence[int], backward: bool = False) -> tuple[Step, ...] | None:
+    """The walk over ``edges`` in ``order`` (reversed when ``backward``) as :class:`EdgeLists`' flat steps, or
+    None when some node has more than two edges; a built graph's lists hand out theirs, built once."""
+    if isinstance(edges, EdgeLists) and edges.walks(order, backward):
+        return edges.steps()
+    return _build_steps(edges, order, backward)
+
+
+def _build_steps(edges: Edges, order: Sequence[int], backward: bool) -> tuple[Step, ...] | None:
+    absent = (len(edges), 0.0)
+    steps = []
+    for v in reversed(order) if backward else order:
+        e = edges[v]
+        if len(e) > 2:
+            return None
+        (a, lat_a), (b, lat_b) = (*e, absent, absent)[:2]
+        steps.append((v, a, lat_a, b, lat_b))
+    return tuple(steps)
 
 
 def successors(preds: Edges) -> list[list[tuple[int, float]]] | EdgeLists:
@@ -178,7 +191,7 @@ def latest_times(
 
 
 def _earliest_steps(
-    steps: Sequence[tuple[int, int, float, int, float]], n: int, durations_s: Sequence[float]
+    steps: Sequence[Step], n: int, durations_s: Sequence[float]
 ) -> tuple[list[float], list[float]]:
     """:func:`earliest_times` over flat steps: the same comparisons and sums, edge by edge in list order.
 
@@ -201,7 +214,7 @@ def _earliest_steps(
 
 
 def _latest_steps(
-    steps: Sequence[tuple[int, int, float, int, float]], n: int, durations_s: Sequence[float], deadline_s: float
+    steps: Sequence[Step], n: int, durations_s: Sequence[float], deadline_s: float
 ) -> tuple[list[float], list[float]]:
     """:func:`latest_times` over flat steps; the absent edge reads ``deadline - 0.0``, never below ``t``."""
     latest_start = [deadline_s] * (n + 1)

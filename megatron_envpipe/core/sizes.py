@@ -109,6 +109,12 @@ def check_frontier_size(num_stages: int, num_microbatches: int, virtual_stages: 
     """Refuse a frontier (one optimal plan per point) too large to compute in about a minute."""
     check_plan_size("optimal", num_stages, num_microbatches, virtual_stages)
     work = pipeline_size(num_stages, num_microbatches, virtual_stages) * points
+    # Points are plans: the long-steady-state allowance (one plan up to MAX_OPTIMAL_LONG_SIZE, ~20 s) times
+    # several points would take minutes, so a frontier keeps the plain per-plan limit.
+    if pipeline_size(num_stages, num_microbatches, virtual_stages) > MAX_OPTIMAL_SIZE:
+        raise SizeLimitError(
+            f"a frontier plans at most {MAX_OPTIMAL_SIZE:,} slots per point ({_sizes(num_stages, num_microbatches, virtual_stages)}"
+            "; one optimal plan per point would take minutes): use fewer micro-batches or stages")
     if work > MAX_FRONTIER_WORK:
         raise SizeLimitError(
             f"a frontier plans at most {MAX_FRONTIER_WORK:,} slots x points ({_sizes(num_stages, num_microbatches, virtual_stages)} "

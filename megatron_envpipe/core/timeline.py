@@ -87,8 +87,10 @@ class PipelineGraph:
         preds = [
             ((sp, 0.0), *cross) if sp >= 0 else tuple(cross) for sp, cross in zip(self.stage_pred, self.cross_preds)
         ]
-        self.order = execution_order(self.nodes, preds)
-        self.preds: EdgeLists = EdgeLists(preds, self.order)
+        self.preds: EdgeLists = EdgeLists(preds, execution_order(self.nodes, preds))
+        # The edge lists' own (frozen) tuple: a shared graph's order cannot be changed, and walks handed
+        # it take the flat steps on an identity check instead of comparing 16k entries per walk.
+        self.order: tuple[int, ...] = self.preds.order
         self.stage_of = [s for s, _ in self.nodes]
         self.chunk_of = [u.chunk for _, u in self.nodes]
         instructions = {kind: instruction_of(kind) for kind in {u.kind for _, u in self.nodes}}
@@ -131,7 +133,7 @@ class PipelineGraph:
         n = len(self.nodes)
         if len(durations_s) != n:
             raise ValueError(f"need {n} unit durations, got {len(durations_s)}")
-        start, end = earliest_times(self.preds.order, self.preds, durations_s)
+        start, end = earliest_times(self.order, self.preds, durations_s)
         return Timeline(self, start, end, list(durations_s))
 
 

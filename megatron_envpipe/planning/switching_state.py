@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from itertools import accumulate
 
-from megatron_envpipe.core.graph import latest_times, successors
+from megatron_envpipe.core.graph import flat_steps, latest_times, successors
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.timeline import PlanEvaluator, Timeline
 
@@ -113,15 +113,13 @@ class SwitchingState:
         ``(v, a, lat_a, b, lat_b, pos_w1, pos_w2)`` (predecessors a, b; successors' positions), backward
         ``(v, w1, lat_w1, w2, lat_w2, pos_a, pos_b)``; an absent edge is slot n. None when some unit has
         more than two edges either way (the general loops run)."""
-        preds, succs, pos, n = self.preds, self.succs, self.topo_pos, self.n
-        if any(len(e) > 2 for e in preds) or any(len(e) > 2 for e in succs):
+        ahead = flat_steps(self.preds, self.order)
+        behind = flat_steps(self.succs, self.order, backward=True)  # in reverse topological order
+        if ahead is None or behind is None:
             return None
-        absent = (n, 0.0)
-        at = [*pos, n]  # the absent edge's slot is its own position
+        at = [*self.topo_pos, self.n]  # the absent edge's slot is its own position
         forward, backward = [], []
-        for v in self.order:
-            (a, lat_a), (b, lat_b) = (*preds[v], absent, absent)[:2]
-            (w1, lat_w1), (w2, lat_w2) = (*succs[v], absent, absent)[:2]
+        for (v, a, lat_a, b, lat_b), (_, w1, lat_w1, w2, lat_w2) in zip(ahead, reversed(behind)):
             forward.append((v, a, lat_a, b, lat_b, at[w1], at[w2]))
             backward.append((v, w1, lat_w1, w2, lat_w2, at[a], at[b]))
         return forward, backward
@@ -154,7 +152,7 @@ class SwitchingState:
         A merge that slows no unit always fits: its changes are marked and propagated only as far as
         a later check reads (:meth:`settle`). A merge that slows units is first checked along its own
         rank (a lower bound of the new end times against the latest finish times: a cheap, exact
-        rejection), then by propagation (:meth:`ends_by_deadline`). A no is remembered (module docstring).
+        rejection), then by propagation (:meth:`ends_by_deadline`). The rank's no is remembered (module docstring).
         """
         table = self.durations[freq]
         dur, end, lf = self.dur, self.end, self.latest_finish

@@ -76,6 +76,9 @@ def test_the_readme_scale_goal_stays_allowed_and_one_more_is_refused():
         check_plan_size("optimal", 32, 513)
     check_plan_size("envelope", 8, 10_000)  # the largest --microbatches on the shipped 8-stage profiles
     check_frontier_size(8, 512, 1, 20)  # the largest frontier measured (47.7 s on a loaded 2-core machine)
+    check_plan_size("optimal", 8, 2048)  # one long plan may use the long-steady-state allowance ...
+    with pytest.raises(SizeLimitError, match="per point"):
+        check_frontier_size(8, 2048, 1, 5)  # ... a frontier of them may not (5 plans of ~15 s each)
     check_schedule_size(8, 10_000)
 
 

@@ -318,7 +318,6 @@ class TimeEnergyModel:
         except PlannerError:  # no start, then: the exact solve below says what is wrong
             return None
         x_small = small._lp_answer_x
-        self.start_chain = (m_small, *small.start_chain)
         half, shift = (m_small // 2) // period * period, m - m_small
         index = small.graph.index
         image = np.empty(self.n, dtype=np.int64)
@@ -346,6 +345,7 @@ class TimeEnergyModel:
         ends = graph.simulate(d.tolist()).end_s
         x[: self.n] = ends
         x[self.t_col] = min(max(ends), deadline_s)
+        self.start_chain = (m_small, *small.start_chain)
         return x
 
     def row_image(self, small: "TimeEnergyModel", image: Any) -> Any:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from typing import Any
 
-from megatron_envpipe.core.graph import Edges, earliest_times, latest_times
+from megatron_envpipe.core.graph import Edges, Step, earliest_times, flat_steps, latest_times
 from megatron_envpipe.errors import EnvPipeError
 
 
@@ -61,23 +61,14 @@ class Retimer:
         self.visits = 0  # units re-timed incrementally so far (a count the caller may budget)
         self._cap = 0  # ... and where the current incremental pass gives up for a full one
         self._retimes_near = self._retimes_wide = 0  # checks the heap answered / gave up on
-        # The full passes walk flat steps (v, a, latency_a, b, latency_b), like core.graph's
-        # walks: a unit's (at most two) edges, a missing one pointing at slot n. They are only
-        # used while every unit has at most two edges (any schedule without extra dependencies).
-        self._flat: dict[bool, list[tuple[int, int, float, int, float]]] = {}
+        # The full passes walk core.graph's flat steps (a missing edge points at slot n) while every
+        # unit has at most two edges (any schedule without extra dependencies), else the general loop.
+        self._flat: dict[bool, Sequence[Step]] = {}
         self._wide: dict[bool, list[int]] = {}
         for backward, edges in ((False, preds), (True, succs)):
-            steps = []
-            for v in (reversed(self.order) if backward else self.order):
-                e = edges[v]
-                if len(e) > 2:
-                    break
-                (a, lat_a), (b, lat_b) = (*e, (self.n, 0.0), (self.n, 0.0))[:2]
-                steps.append((v, a, lat_a, b, lat_b))
-            if len(steps) < self.n:  # a unit with more edges: every unit on the general loop
-                steps = []
-            self._flat[backward] = steps
-            self._wide[backward] = [] if steps else list(reversed(self.order) if backward else self.order)
+            steps = flat_steps(edges, self.order, backward)
+            self._flat[backward] = steps or ()
+            self._wide[backward] = [] if steps is not None else list(reversed(self.order) if backward else self.order)
 
     # -- full passes ---------------------------------------------------------------------
     def full_pass(self, forward: bool, inp: list[int], deadline: float) -> SlackPass:
@@ -99,7 +90,7 @@ class Retimer:
         n, eps = self.n, self.eps_rtol * deadline
         out = [0] * n
         end = [0.0] * (n + 1)  # slot n: the absent edge of the flat steps (0 s: never wins)
-        for v, a, lat_a, b, lat_b in self._steps(False):
+        for v, a, lat_a, b, lat_b in self._flat[False]:
             t = 0.0
             ready = end[a] + lat_a
             if ready > t:
@@ -115,7 +106,7 @@ class Retimer:
             end[v] = t + ts[k]
         if self._wide[False]:
             preds = self.preds
-            for v in self._wide[False]:  # units with more than two edges, in order after the flat ones
+            for v in self._wide[False]:  # some unit has more than two edges: every unit, in order
                 t = 0.0
                 for u, lat in preds[v]:
                     ready = end[u] + lat
@@ -137,7 +128,7 @@ class Retimer:
         n, eps = self.n, self.eps_rtol * deadline
         out = [0] * n
         latest_start = [deadline] * (n + 1)  # slot n: the absent edge (the deadline: never wins)
-        for v, a, lat_a, b, lat_b in self._steps(True):
+        for v, a, lat_a, b, lat_b in self._flat[True]:
             t = deadline
             by = latest_start[a] - lat_a
             if by < t:
@@ -167,9 +158,6 @@ class Retimer:
                 latest_start[v] = t - ts[k]
         latest_start.pop()
         return out, latest_start
-
-    def _steps(self, backward: bool) -> Sequence[tuple[int, int, float, int, float]]:
-        return self._flat[backward]
 
     # -- incremental passes -------------------------------------------------------------
     def next_pass(self, ref: SlackPass, inp: list[int], diff: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -350,16 +338,20 @@ class Retimer:
         return out, ls
 
     # -- feasibility ----------------------------------------------------------------------
-    def retime(self, d: Sequence[float], end: Sequence[float], changed: dict[int, float], limit: float
-               ) -> dict[int, float] | None:
+    def retime(self, d: Sequence[float], end: Sequence[float], changed: dict[int, float], limit: float,
+               on_time: bool | None = None) -> dict[int, float] | None:
         """New ends of the units whose end moves when the units in ``changed`` take those durations
         (``d``, ``end``: the durations and simulated ends before), or None if one would end after ``limit``.
+        ``on_time``: whether every old end is within ``limit``, when the caller knows (None: looked up here,
+        a pass over every unit).
 
         With every old end within ``limit`` this is the verdict of simulating the whole iteration.
         """
+        if on_time is None:
+            on_time = max(end) <= limit
         # The heap only while it answers at least a third of the checks (on a graph where changes
         # travel far, e.g. interleaved, every attempt would be wasted work before the whole simulation).
-        if max(end) <= limit and self._retimes_wide <= 2 * self._retimes_near + 2:
+        if on_time and self._retimes_wide <= 2 * self._retimes_near + 2:
             new_end = self._retime_near(d, end, changed, limit)
             if new_end is not _WIDE:
                 self._retimes_near += 1

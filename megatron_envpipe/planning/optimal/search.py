@@ -277,7 +277,7 @@ class ClockSearch:
         its checks' share is not run (at P = 32, M = 256 the listing took 3/4
         of the searches' time, and no move was taken on any profile measured; issue 24).
         """
-        if max_checks * self.n < 6 * window * self.n:  # i.e. fewer checks than 6 x window
+        if max_checks < 6 * window:  # listing: ~6 x window visits per unit; a check: one
             return list(idx), 0, 0
         nbrs = self.neighbours(window)
         cur = list(idx)
@@ -343,6 +343,7 @@ class ClockSearch:
         cands.sort()
         cur = list(cur)
         times = self.times
+        on_time = max(end) <= limit  # once so, it stays so: a move is taken only if every end is within limit
         touched: set[int] = set()
         checks = accepted = failures = 0
         for _gain, w, j, used in cands:
@@ -354,8 +355,9 @@ class ClockSearch:
             for u, k in used:
                 moved[u] = cur[u] - k
             checks += 1
-            new_end = self.retimer.retime(d, end, {v: times[v][k] for v, k in moved.items()}, limit)
+            new_end = self.retimer.retime(d, end, {v: times[v][k] for v, k in moved.items()}, limit, on_time)
             if new_end is not None:
+                on_time = True
                 for v, k in moved.items():
                     cur[v] = k
                     d[v] = times[v][k]
