@@ -98,13 +98,25 @@ class ClockSearch:
 
     def settle(self, idx: list[int], deadline: float, first: str = "f", max_passes: int = 6) -> list[int]:
         """Alternate forward/backward slow-down passes until the cost stops falling."""
+
+        def one_pass(i: int, cur: list[int]) -> list[int]:
+            d = self.model.durations(cur)
+            if (i % 2 == 0) == (first == "f"):
+                return self.forward_pass(cur, d, deadline)
+            return self.backward_pass(cur, d, deadline)
+
+        return self._cheapest_of_passes(idx, one_pass, max_passes)
+
+    def _cheapest_of_passes(self, idx: list[int], one_pass: Callable[[int, list[int]], list[int]],
+                            max_passes: int) -> list[int]:
+        """The settle rule, shared by :meth:`settle` and :meth:`_settle_near`: apply ``one_pass(i, cur)``
+        up to ``max_passes`` times, keep the cheapest plan, stop at the first pass after the second
+        that does not lower the cost."""
         cost = self.model.cost
         best_idx, best = idx, cost(idx)
         cur = idx
         for i in range(max_passes):
-            fwd = (i % 2 == 0) == (first == "f")
-            d = self.model.durations(cur)
-            cur = self.forward_pass(cur, d, deadline) if fwd else self.backward_pass(cur, d, deadline)
+            cur = one_pass(i, cur)
             c = cost(cur)
             if c < best - 1e-12 * abs(best):
                 best_idx, best = cur, c
@@ -229,17 +241,14 @@ class ClockSearch:
     def _settle_near(self, chain: "PassChain", idx: list[int], diff: list[int]) -> list[int]:
         """:meth:`settle` (forward first, :attr:`LOCAL_PASSES` passes at most) of ``idx``, which differs
         from ``chain.idx`` only at ``diff``: each pass re-times only what moves against ``chain``'s."""
-        cost = self.model.cost
-        best_idx, best = idx, cost(idx)
-        cur = idx
-        for i in range(self.LOCAL_PASSES):
-            cur, diff = self.retimer.next_pass(chain.get(i), cur, diff)
-            c = cost(cur)
-            if c < best - 1e-12 * abs(best):
-                best_idx, best = cur, c
-            elif i >= 1:
-                break
-        return best_idx
+        moved = diff
+
+        def one_pass(i: int, cur: list[int]) -> list[int]:
+            nonlocal moved
+            cur, moved = self.retimer.next_pass(chain.get(i), cur, moved)
+            return cur
+
+        return self._cheapest_of_passes(idx, one_pass, self.LOCAL_PASSES)
 
     def neighbours(self, window: int) -> list[list[int]]:
         """Per unit: the units within ``window`` places on its stage, and its cross-stage neighbours."""
