@@ -23,6 +23,9 @@ baseline --envpipe-scheduling 1f1b`` is still EnvPipe's executor, in 1F1B order.
 chunks (Megatron's interleaved pipeline): stock runs Megatron's interleaved
 schedule, ``--envpipe-scheduling interleaved`` EnvPipe's executor in the same
 order with its clock plan.
+``--variable-seq-lengths``: samples of log-normal lengths, each micro-batch padded to
+its own longest (``tiny_data.VariableLengthDataset``), and Megatron's
+``variable_seq_lengths`` (shapes exchanged before every pipeline transfer).
 ``--stock-reference-iters N`` first trains N iterations of a fresh model with
 Megatron's own schedule in the same processes, before ``install()`` is called
 (recorded as ``stock_reference``): a same-math reference that costs no extra
@@ -60,7 +63,14 @@ import torch
 import torch.distributed as dist
 
 import megatron_envpipe
-from megatron_envpipe.apps.tiny_data import DEFAULT_VOCAB_SIZE, Batch, build_dataset, ensure_tokenizer
+from megatron_envpipe.apps.tiny_data import (
+    DEFAULT_LENGTH_SIGMA,
+    DEFAULT_VOCAB_SIZE,
+    Batch,
+    LengthDistribution,
+    build_dataset,
+    ensure_tokenizer,
+)
 from megatron_envpipe.apps.tiny_parallel import (
     average_over_replicas,
     init_distributed,
@@ -113,6 +123,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--log-interval", type=int, default=1)
     d = parser.add_argument_group("data")
     d.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="SentencePiece BPE vocabulary")
+    d.add_argument("--variable-seq-lengths", action="store_true",
+                   help="samples of log-normal lengths (at most --seq-length tokens), each micro-batch padded to its "
+                        "own longest sample; Megatron exchanges the shapes before every pipeline transfer "
+                        "(its variable_seq_lengths)")
+    d.add_argument("--variable-seq-length-median", type=float, default=None, metavar="TOKENS",
+                   help="median sample length with --variable-seq-lengths (default: --seq-length / 4)")
+    d.add_argument("--variable-seq-length-sigma", type=float, default=DEFAULT_LENGTH_SIGMA, metavar="SIGMA",
+                   help="standard deviation of the log of the sample length with --variable-seq-lengths")
     d.add_argument("--cache-dir", type=Path, default=None,
                    help="tokenizer cache (default: $MEGATRON_ENVPIPE_CACHE or ~/.cache/megatron-envpipe)")
     d.add_argument("--losses-out", type=Path, default=None,
@@ -160,6 +178,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad("--global-batch-size must be >= --micro-batch-size")
     if args.train_iters < 1 or args.log_interval < 1 or args.seq_length < 1:
         bad("--train-iters, --log-interval and --seq-length must be >= 1")
+    args.length_distribution = None
+    if args.variable_seq_lengths:
+        try:
+            args.length_distribution = LengthDistribution.default(
+                args.seq_length, args.variable_seq_length_median, args.variable_seq_length_sigma)
+        except ValueError as exc:
+            bad(f"--variable-seq-lengths: {exc} (--seq-length, --variable-seq-length-median, "
+                f"--variable-seq-length-sigma)")
+    else:
+        given = [flag for flag, value, default in (
+            ("--variable-seq-length-median", args.variable_seq_length_median, None),
+            ("--variable-seq-length-sigma", args.variable_seq_length_sigma, DEFAULT_LENGTH_SIGMA)) if value != default]
+        if given:
+            bad(f"{' '.join(given)} shape(s) the lengths of --variable-seq-lengths: add that flag or drop them")
     gpu_profile = (getattr(args, "envpipe_gpu", None) or "").partition("simulated:")[2]
     for flag, source in (("--envpipe-profile", getattr(args, "envpipe_profile", None)), ("--envpipe-gpu", gpu_profile)):
         if args.losses_out is not None and source and same_file(args.losses_out, source):
@@ -184,7 +216,8 @@ def prepare_data(args: argparse.Namespace) -> Any:
         dist.barrier(device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier()
-    return build_dataset(args.seq_length, seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir)
+    return build_dataset(args.seq_length, seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir,
+                         lengths=args.length_distribution)
 
 
 # --------------------------------------------------------------------------- model
@@ -215,6 +248,11 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
         attention_dropout=0.0,
         # DP = 1 and no DDP wrapper (its buffers are CUDA-only): nothing to finalize.
         finalize_model_grads_func=None,
+        # Micro-batches of different lengths: every pipeline transfer first exchanges the tensor's shape.
+        variable_seq_lengths=args.variable_seq_lengths,
+        # TransformerConfig refuses variable_seq_lengths with the default "allgather" MoE dispatcher even
+        # in a dense model like this one, which dispatches nothing: name the one it accepts.
+        **({"moe_token_dispatcher_type": "alltoall"} if args.variable_seq_lengths else {}),
     )
     stage = parallel_state.get_pipeline_model_parallel_rank()
     model_parallel_manual_seed(args.seed + 100 * stage)
@@ -302,7 +340,8 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
 
         print(
             f"tiny GPT: {args.num_layers} layers x hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-            f"vocab {tokenizer.vocab_size}, seq {args.seq_length} | {args.pipeline_model_parallel_size} stages"
+            f"vocab {tokenizer.vocab_size}, seq {args.length_distribution or args.seq_length} | "
+            f"{args.pipeline_model_parallel_size} stages"
             + (f" x {len(models)} model chunks" if len(models) > 1 else "") + ", "
             f"parameters per stage {counts} | {args.num_microbatches} micro-batches of {args.micro_batch_size} | "
             f"{len(dataset.tokens)} corpus tokens | megatron-core {megatron.core.__version__}, torch "
@@ -315,6 +354,10 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
         )
 
     forward_step = make_forward_step(device)
+    # One iterator per model chunk for the whole training, as Megatron-LM's: iteration i pulls the
+    # micro-batches of global iteration i * DP + replica (this replica's share).
+    iterators = [dataset.iterations(replica, dp_size, train_iters, args.num_microbatches, args.micro_batch_size)
+                 for _ in models]
     records: list[dict[str, Any]] = []
     ran: list[str] = []  # the schedule functions this rank called, in order of first use
     for iteration in range(train_iters):
@@ -325,9 +368,6 @@ def train(args: argparse.Namespace, device: torch.device, reference_iters: int =
         name = function_name(forward_backward_func)
         if name not in ran:
             ran.append(name)
-        # One iterator per model chunk, each over the iteration's micro-batches (this replica's share).
-        iterators = [dataset.microbatches(iteration * dp_size + replica, args.num_microbatches,
-                                          args.micro_batch_size) for _ in models]
         reports = forward_backward_func(
             forward_step_func=forward_step,
             data_iterator=iterators if len(models) > 1 else iterators[0],

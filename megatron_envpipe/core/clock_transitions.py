@@ -109,7 +109,6 @@ def predict_with_latency(
         if nodes and freqs[nodes[0]] != stages[s].sm_mhz:
             stages[s].request(0.0, freqs[nodes[0]], latency_s, nvml_call_s)
 
-    profile = evaluator.profile
     start = [0.0] * n
     end = [0.0] * n
     energy = [0.0] * n
@@ -136,9 +135,9 @@ def predict_with_latency(
                 st.request(ahead_at, freqs[nxt], latency_s, nvml_call_s)
                 led += 1
         # Run the unit through the changes that land while it runs.
-        s_, chunk, ins = evaluator.cost_keys[v]
+        key = evaluator.cost_keys[v]
         cur, work, e = b, 1.0, 0.0
-        point = profile.point(s_, ins, st.sm_mhz, chunk)
+        point = evaluator.key_point(key, st.sm_mhz)
         while st.pending and st.pending[0][0] < cur + work * point.time_s:
             lands, mhz = st.pending.popleft()
             if lands > cur:
@@ -147,7 +146,7 @@ def predict_with_latency(
                 work -= done
                 cur = lands
             st.sm_mhz = mhz
-            point = profile.point(s_, ins, mhz, chunk)
+            point = evaluator.key_point(key, mhz)
         e += point.energy_j * work
         rest_s = work * point.time_s
         start[v], end[v], energy[v] = b, cur + rest_s, e

@@ -34,6 +34,13 @@ wrap-around): two more channels, ``(P-1, 0, act)`` and ``(0, P-1, grad)``,
 distinct from the neighbour channels even at P = 2. A message is named by its
 kind, micro-batch and sending virtual stage, so the check matches both ends
 across the wrap.
+
+Variable sequence lengths (``build_programs(..., shapes=True)``): every data
+message is preceded by a shape message on a channel of its own per direction
+and pair (kinds ``act_shape``, ``grad_shape``); shape receives are posted
+ahead where data receives were, a data receive once its shape is known. Why
+shapes cannot share the data's communicator, and why this adds no dependency:
+docs/executor.md, "Variable sequence lengths".
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ from megatron_envpipe.errors import EnvPipeError
 
 ACT = "act"
 GRAD = "grad"
+ACT_SHAPE = "act_shape"  # the shape of an activation, ahead of it, on a channel of its own
+GRAD_SHAPE = "grad_shape"
+DOWNSTREAM = frozenset({ACT, ACT_SHAPE})  # kinds sent from stage s to s+1 (virtual stage v to v+1)
 
 
 class DeadlockError(EnvPipeError, RuntimeError):
@@ -105,7 +115,7 @@ class CommInstruction(Instruction):
 
     def peer(self, stage: int, num_stages: int | None = None) -> int:
         """The other stage of this message; with ``num_stages``, across the wrap-around too."""
-        step = 1 if (self.kind == ACT) == self.is_send else -1
+        step = 1 if (self.kind in DOWNSTREAM) == self.is_send else -1
         return (stage + step) % num_stages if num_stages else stage + step
 
     def channel(self, stage: int, num_stages: int | None = None) -> tuple[int, int, str]:
@@ -117,7 +127,7 @@ class CommInstruction(Instruction):
         """(kind, micro-batch, sending virtual stage): equal on the two ends of one message."""
         virtual = self.chunk * num_stages + stage
         if not self.is_send:
-            virtual += -1 if self.kind == ACT else 1
+            virtual += -1 if self.kind in DOWNSTREAM else 1
         return self.kind, self.microbatch, virtual
 
 
@@ -161,6 +171,59 @@ class SendGradFinish(CommInstruction):
     kind, is_send, is_start = GRAD, True, False
 
 
+@dataclass(frozen=True)
+class RecvActivationShapeStart(CommInstruction):
+    kind, is_send, is_start = ACT_SHAPE, False, True
+
+
+@dataclass(frozen=True)
+class RecvActivationShapeFinish(CommInstruction):
+    kind, is_send, is_start = ACT_SHAPE, False, False
+
+
+@dataclass(frozen=True)
+class SendActivationShapeStart(CommInstruction):
+    kind, is_send, is_start = ACT_SHAPE, True, True
+
+
+@dataclass(frozen=True)
+class SendActivationShapeFinish(CommInstruction):
+    kind, is_send, is_start = ACT_SHAPE, True, False
+
+
+@dataclass(frozen=True)
+class RecvGradShapeStart(CommInstruction):
+    kind, is_send, is_start = GRAD_SHAPE, False, True
+
+
+@dataclass(frozen=True)
+class RecvGradShapeFinish(CommInstruction):
+    kind, is_send, is_start = GRAD_SHAPE, False, False
+
+
+@dataclass(frozen=True)
+class SendGradShapeStart(CommInstruction):
+    kind, is_send, is_start = GRAD_SHAPE, True, True
+
+
+@dataclass(frozen=True)
+class SendGradShapeFinish(CommInstruction):
+    kind, is_send, is_start = GRAD_SHAPE, True, False
+
+
+# Data instruction -> the shape instructions it becomes with shapes (see with_shape_messages).
+_WITH_SHAPES: dict[type, tuple[type, ...]] = {
+    RecvActivationStart: (RecvActivationShapeStart,),
+    RecvActivationFinish: (RecvActivationShapeFinish, RecvActivationStart, RecvActivationFinish),
+    SendActivationStart: (SendActivationShapeStart, SendActivationStart),
+    SendActivationFinish: (SendActivationShapeFinish, SendActivationFinish),
+    RecvGradStart: (RecvGradShapeStart,),
+    RecvGradFinish: (RecvGradShapeFinish, RecvGradStart, RecvGradFinish),
+    SendGradStart: (SendGradShapeStart, SendGradStart),
+    SendGradFinish: (SendGradShapeFinish, SendGradFinish),
+}
+SHAPE_KIND = {ACT: ACT_SHAPE, GRAD: GRAD_SHAPE}  # data kind -> the kind of its shape messages
+
 _BY_NAME = {
     cls.__name__: cls
     for cls in (
@@ -176,6 +239,7 @@ _BY_NAME = {
         RecvGradFinish,
         SendGradStart,
         SendGradFinish,
+        *{cls for classes in _WITH_SHAPES.values() for cls in classes},
     )
 }
 
@@ -212,6 +276,23 @@ class StageProgram:
         return out
 
 
+def with_shape_messages(program: StageProgram) -> StageProgram:
+    """``program`` with a shape message ahead of every data message (variable sequence lengths).
+
+    Posted-ahead data receives become shape receives at the same positions; a
+    data receive is posted just before it is waited for, after its shape's wait;
+    sends start and wait for the shape right before the data.
+    """
+    out: list[Instruction] = []
+    for instr in program.instructions:
+        classes = _WITH_SHAPES.get(type(instr))
+        if classes is None or not isinstance(instr, CommInstruction):
+            out.append(instr)
+        else:
+            out.extend(cls(instr.microbatch, instr.chunk) for cls in classes)
+    return StageProgram(program.stage, tuple(out))
+
+
 def _message_sequences(schedule: Schedule) -> list[dict[str, list[tuple[int, int]]]]:
     """Per stage and kind, the (micro-batch, receiving chunk) it receives, in its sender's send order.
 
@@ -236,6 +317,7 @@ def build_programs(
     schedule: Schedule,
     plan: FrequencyPlan | None = None,
     prefetch: int = 2,
+    shapes: bool = False,
 ) -> list[StageProgram]:
     """The instruction list of every stage for one iteration of ``schedule``.
 
@@ -245,6 +327,8 @@ def build_programs(
     With model chunks, a unit's input comes from the previous virtual stage
     (rank 0's chunk v > 0: from rank P-1's chunk v-1) and its gradient from the
     next one; only virtual stage 0 has no input and the last no output gradient.
+    ``shapes``: variable sequence lengths, a shape message ahead of every data
+    message (:func:`with_shape_messages`).
     """
     if prefetch < 1:
         raise ScheduleError(f"prefetch must be >= 1, got {prefetch}")
@@ -309,7 +393,7 @@ def build_programs(
         programs.append(StageProgram(s, tuple(out)))
     for prog, order in zip(programs, schedule.orders):
         assert tuple(prog.units()) == order
-    return programs
+    return [with_shape_messages(prog) for prog in programs] if shapes else programs
 
 
 def check_deadlock(
@@ -318,6 +402,7 @@ def check_deadlock(
     *,
     lazy_communicators: bool = False,
     warmup: Sequence[Sequence[tuple[int, int, str]]] | None = None,
+    shapes_on_data_channels: bool = False,
 ) -> int:
     """Prove the programs complete under strict rendezvous; return the steps taken.
 
@@ -338,14 +423,21 @@ def check_deadlock(
     stages (and the one-element message the executor sends on it, which pairs
     the same two stages at the same point).
 
+    With shape messages, a data receive must be posted after its shape's wait
+    (its size is unknown before). ``shapes_on_data_channels`` models shapes
+    sharing the data's communicator (the design the shape channels avoid).
+
     Also checks that every message is sent and received exactly once and in
     the same order on both sides. Raises :class:`DeadlockError`.
     """
 
     def comm(snd: int, rcv: int, kind: str) -> tuple:
+        if shapes_on_data_channels:
+            kind = {ACT_SHAPE: ACT, GRAD_SHAPE: GRAD}.get(kind, kind)
         return (min(snd, rcv), max(snd, rcv)) if shared_pair_stream else (snd, rcv, kind)
 
     num = len(programs)
+    _check_shapes_known(programs)
 
     def stream(stage: int, ins: CommInstruction):
         return comm(*ins.channel(stage, num))
@@ -414,7 +506,7 @@ def check_deadlock(
                 if isinstance(ins, CommInstruction):
                     peer = ins.peer(s, num)
                     # Virtual stage 0 has no previous one: nothing to receive activations from or send grads to.
-                    if num < 2 or (ins.chunk == 0 and s == 0 and (ins.kind == ACT) != ins.is_send):
+                    if num < 2 or (ins.chunk == 0 and s == 0 and (ins.kind in DOWNSTREAM) != ins.is_send):
                         raise DeadlockError(f"stage {s}: {ins} has no peer stage {ins.peer(s)}")
                     if ins.is_start and lazy_communicators and not create(s, stream(s, ins), peer):
                         break  # blocked creating the communicator
@@ -461,6 +553,23 @@ def check_deadlock(
                 f"channel {channel}: sends {sent.get(channel)} and receives {received.get(channel)} differ"
             )
     return steps
+
+
+def _check_shapes_known(programs: Sequence[StageProgram]) -> None:
+    """With shape messages anywhere: every data receive is posted after its shape's wait."""
+    shape_kinds = set(SHAPE_KIND.values())
+    if not any(isinstance(i, CommInstruction) and i.kind in shape_kinds for p in programs for i in p.instructions):
+        return
+    for prog in programs:
+        known = set()
+        for i in prog.instructions:
+            if not isinstance(i, CommInstruction) or i.is_send:
+                continue
+            if i.kind in shape_kinds and not i.is_start:
+                known.add((i.kind, i.microbatch, i.chunk))
+            elif i.kind in SHAPE_KIND and i.is_start and (SHAPE_KIND[i.kind], i.microbatch, i.chunk) not in known:
+                raise DeadlockError(f"stage {prog.stage}: {i} is posted before its shape is known (its shape "
+                                    f"receive must finish first: with variable lengths the size comes from it)")
 
 
 def paired_hold_dependencies(schedule: Schedule) -> list[Dependency]:

@@ -14,6 +14,11 @@ same V chunks. A profile without it describes whole stages (chunk 0 only);
 :meth:`Profile.for_chunks` turns it into V equal chunks, each with 1/V of the
 stage's time and energy at every clock, and a profile with a chunk column must
 have exactly V chunks per stage. Written back, the column appears only for V > 1.
+
+Micro-batch sizes (variable-length micro-batches): optional ``tokens,attention_tokens2`` columns give the
+size a row was measured at (:mod:`~megatron_envpipe.core.length_costs`). The rows at the reference size
+(the largest stated, or none stated) are the profile as planners use it; rows at other sizes are kept as
+:attr:`Profile.length_samples` for a length fit and written back (the in-memory transforms below drop them).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from megatron_envpipe.core.atomic import write_atomic
+from megatron_envpipe.core.length_costs import SIZE_COLUMNS, LengthSample, MicrobatchSize, parse_row_size, split_by_size
 from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS, UnitKind
 from megatron_envpipe.errors import UsageError
@@ -88,8 +94,14 @@ class Profile:
         self,
         points: Mapping[tuple[int, str] | tuple[int, str, int], Iterable[ProfilePoint]],
         source: str = "<memory>",
+        reference_size: MicrobatchSize | None = None,
+        length_samples: Iterable[LengthSample] = (),
     ) -> None:
         self.source = source
+        self.reference_size = reference_size  # None: the rows state no micro-batch size
+        self.length_samples = tuple(length_samples)
+        if self.length_samples and reference_size is None:
+            raise ProfileError(f"{source}: length samples need the reference size the plain rows were measured at")
         table: dict[Key, dict[int, ProfilePoint]] = {}
         for key, pts in points.items():
             full: Key = (key[0], key[1], key[2] if len(key) > 2 else 0)  # type: ignore[misc]
@@ -114,8 +126,8 @@ class Profile:
         reader = csv.reader(io.StringIO(text))
         header: list[str] | None = None
         header_line = 0
-        rows: dict[tuple[int, int, str, int], list[tuple[float, float]]] = {}
-        first_lines: dict[tuple[int, int, str, int, tuple[str, ...]], int] = {}
+        rows: dict[tuple[int, int, str, int, MicrobatchSize | None], list[tuple[float, float]]] = {}
+        first_lines: dict[tuple[int, int, str, int, MicrobatchSize | None, tuple[str, ...]], int] = {}
         for lineno, raw in _csv_rows(reader, source):
             if not raw or all(not c.strip() for c in raw):
                 continue
@@ -174,27 +186,29 @@ class Profile:
                     f"(limits {MAX_TIME_S:g} s, {MAX_ENERGY_J:g} J): give seconds and joules per micro-batch"
                 )
             ranks = tuple(row.get(c, "") for c in RANK_COLUMNS)
+            size = parse_row_size(row, f"{source}:{lineno}", ProfileError)
             # One dict look-up per row: a scan of the rows seen so far made a 50 MB profile quadratic.
-            first_line = first_lines.setdefault((stage, chunk, instruction, freq, ranks), lineno)
+            first_line = first_lines.setdefault((stage, chunk, instruction, freq, size, ranks), lineno)
             if first_line != lineno:
                 where = f"stage {stage}" + (f" chunk {chunk}" if CHUNK_COLUMN in row else "")
                 raise ProfileError(
                     f"{source}:{lineno}: duplicate row for {where} {instruction} at "
-                    f"{freq} MHz (first at line {first_line}); remove one of them"
+                    f"{freq} MHz{f' at {size}' if size else ''} (first at line {first_line}); remove one of them"
                 )
-            rows.setdefault((stage, chunk, instruction, freq), []).append((time_s, energy_j))
+            rows.setdefault((stage, chunk, instruction, freq, size), []).append((time_s, energy_j))
         if header is None:
             raise ProfileError(f"{source}: empty profile (no header, no rows)")
         if not rows:
             raise ProfileError(f"{source}: profile has a header but no rows")
+        # Several TP/DP ranks of one stage: the stage takes as long as its slowest
+        # rank; energy stays per GPU (mean), matching the single-rank format.
+        merged = {key: (max(e[0] for e in entries), sum(e[1] for e in entries) / len(entries))
+                  for key, entries in rows.items()}
+        plain, reference, samples = split_by_size(merged, source, ProfileError)
         points: dict[Key, list[ProfilePoint]] = {}
-        for (stage, chunk, instruction, freq), entries in rows.items():
-            # Several TP/DP ranks of one stage: the stage takes as long as its slowest
-            # rank; energy stays per GPU (mean), matching the single-rank format.
-            time_s = max(e[0] for e in entries)
-            energy_j = sum(e[1] for e in entries) / len(entries)
+        for (stage, chunk, instruction, freq), (time_s, energy_j) in plain.items():
             points.setdefault((stage, instruction, chunk), []).append(ProfilePoint(freq, time_s, energy_j))
-        return cls(points, source=source)
+        return cls(points, source=source, reference_size=reference, length_samples=samples)
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename): a crash never leaves half a profile."""
@@ -204,7 +218,9 @@ class Profile:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         chunked = self.num_chunks > 1
-        writer.writerow(REQUIRED_COLUMNS + ((CHUNK_COLUMN,) if chunked else ()))
+        ref = self.reference_size  # stated on every row once the profile has one (none: today's columns)
+        size_cells = [] if ref is None else [ref.tokens, ref.attention_tokens2]
+        writer.writerow(REQUIRED_COLUMNS + ((CHUNK_COLUMN,) if chunked else ()) + (SIZE_COLUMNS if ref else ()))
         for stage in range(self.num_stages):
             for chunk in range(self.num_chunks):
                 for point_f, point_b in _zip_longest_by_freq(
@@ -213,8 +229,20 @@ class Profile:
                     for instruction, p in (("forward", point_f), ("backward", point_b)):
                         if p is not None:
                             row = [stage, instruction, p.freq_mhz, repr(p.time_s), repr(p.energy_j)]
-                            writer.writerow(row + ([chunk] if chunked else []))
+                            writer.writerow(row + ([chunk] if chunked else []) + size_cells)
+        for x in self.length_samples:
+            writer.writerow([x.stage, x.instruction, x.freq_mhz, repr(x.time_s), repr(x.energy_j)]
+                            + ([x.chunk] if chunked else []) + [x.size.tokens, x.size.attention_tokens2])
         return out.getvalue()
+
+    def size_samples(self) -> tuple[LengthSample, ...]:
+        """Every row as a length sample: the plain rows at :attr:`reference_size`, then :attr:`length_samples`
+        (what :func:`~megatron_envpipe.core.length_costs.fit_length_costs` fits); none without a reference size."""
+        if self.reference_size is None:
+            return ()
+        plain = [LengthSample(stage, chunk, ins, p.freq_mhz, self.reference_size, p.time_s, p.energy_j)
+                 for (stage, ins, chunk), pts in self._sorted.items() for p in pts]
+        return (*plain, *self.length_samples)
 
     # -- queries -----------------------------------------------------------------------
     @property
@@ -475,7 +503,7 @@ def pareto_filter(
 # ran at (median NVML reading during the row's windows) and its spread, and the row's relative
 # uncertainties. Rows whose clock was not reached are never written (docs/gpu-probe.md).
 MEASUREMENT_COLUMNS = ("reached_mhz", "reached_spread_mhz", "time_rel_unc", "energy_rel_unc")
-KNOWN_COLUMNS = (*RANK_COLUMNS, *REQUIRED_COLUMNS, CHUNK_COLUMN, *MEASUREMENT_COLUMNS)
+KNOWN_COLUMNS = (*RANK_COLUMNS, *REQUIRED_COLUMNS, CHUNK_COLUMN, *MEASUREMENT_COLUMNS, *SIZE_COLUMNS)
 
 
 def _check_header(header: list[str], source: str, lineno: int) -> None:
@@ -496,8 +524,8 @@ def _check_header(header: list[str], source: str, lineno: int) -> None:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ProfileError(
             f"{source}:{lineno}: unknown column(s) {', '.join(hints)}{more}; a profile has the columns "
-            f"{','.join(REQUIRED_COLUMNS)}, optionally {CHUNK_COLUMN}, Merak's {','.join(RANK_COLUMNS)} and "
-            f"gpu-check's {','.join(MEASUREMENT_COLUMNS)}"
+            f"{','.join(REQUIRED_COLUMNS)}, optionally {CHUNK_COLUMN}, Merak's {','.join(RANK_COLUMNS)}, "
+            f"gpu-check's {','.join(MEASUREMENT_COLUMNS)} and the micro-batch size's {','.join(SIZE_COLUMNS)}"
         )
 
 

@@ -11,7 +11,8 @@ Nodes are the units of a :class:`~megatron_envpipe.core.schedule.Schedule`. Edge
   an activation until a gradient arrives), so plans are scored on what runs.
 
 A unit costs what the profile gives for its (stage, chunk, instruction) at its
-clock (:attr:`PlanEvaluator.cost_keys`).
+clock (:attr:`PlanEvaluator.cost_keys`); with per-micro-batch sizes, that row
+scaled by a length cost model (:mod:`~megatron_envpipe.core.length_costs`).
 
 Every stage starts at t = 0. Iteration energy is Perseus's formula
 ``sum_units E(f) + P_p2p * sum_stages (T - busy_s)``: compute is charged its
@@ -25,8 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_envpipe.core.graph import EdgeLists, critical_path, earliest_times
+from megatron_envpipe.core.length_costs import LengthCostError, LengthCostModel, MicrobatchSize, size_classes
 from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
-from megatron_envpipe.core.profile import Profile, instruction_of
+from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit, execution_order, unit_dag, unit_index
 
 # Relative tolerance when deciding which predecessor made a unit wait.
@@ -230,6 +232,11 @@ class PlanEvaluator:
     (stage, chunk, instruction). For a schedule with V model chunks the
     profile is taken through :meth:`Profile.for_chunks` (a profile of whole
     stages is split evenly; ``self.profile`` is the one used).
+
+    ``microbatch_sizes`` (one :class:`MicrobatchSize` per micro-batch; needs ``length_model``): units
+    cost the profile's row scaled to their micro-batch's size, and the keys are (stage, chunk,
+    instruction, size class), micro-batches of equal size sharing a class. None: as without sizes.
+    :meth:`key_points` gives a key's points, fastest first, for planners that build options per key.
     """
 
     def __init__(
@@ -240,6 +247,8 @@ class PlanEvaluator:
         p2p_latency_s: float = 0.0,
         extra_dependencies: Sequence[Dependency] = (),
         graph: PipelineGraph | None = None,
+        microbatch_sizes: Sequence[MicrobatchSize] | None = None,
+        length_model: LengthCostModel | None = None,
     ) -> None:
         if profile.num_stages != schedule.num_stages:
             raise ScheduleError(
@@ -253,20 +262,35 @@ class PlanEvaluator:
         self.profile = profile
         self.p2p_power_w = p2p_power_w
         self.graph = graph or PipelineGraph.shared(schedule, p2p_latency_s, extra_dependencies)
-        self.cost_keys: list[tuple[int, int, str]] = list(
+        self.microbatch_sizes = None if microbatch_sizes is None else tuple(microbatch_sizes)
+        self.cost_keys: list[tuple] = list(
             zip(self.graph.stage_of, self.graph.chunk_of, self.graph.instruction_of)
         )
-        self._time = {
-            key: {p.freq_mhz: p.time_s for p in profile.points(key[0], key[2], key[1])} for key in set(self.cost_keys)
-        }
-        self._energy = {
-            key: {p.freq_mhz: p.energy_j for p in profile.points(key[0], key[2], key[1])}
-            for key in set(self.cost_keys)
-        }
+        if self.microbatch_sizes is None:
+            self._points = {key: profile.points(key[0], key[2], key[1]) for key in set(self.cost_keys)}
+        else:
+            classes, self.size_classes = _check_sizes(self.microbatch_sizes, length_model, schedule)
+            self.cost_keys = [(*key, classes[unit.microbatch]) for key, (_, unit) in zip(self.cost_keys, self.graph.nodes)]
+            self._points = {key: _sized_points(profile, length_model, key, self.size_classes[key[3]])  # type: ignore[arg-type]
+                            for key in set(self.cost_keys)}
+        self._point_at = {key: {p.freq_mhz: p for p in pts} for key, pts in self._points.items()}
+        self._time = {key: {p.freq_mhz: p.time_s for p in pts} for key, pts in self._points.items()}
+        self._energy = {key: {p.freq_mhz: p.energy_j for p in pts} for key, pts in self._points.items()}
         self._keys = self.cost_keys
         # Per node its key's clock -> time / energy table (one lookup per unit instead of two).
         self._time_at = [self._time[k] for k in self._keys]
         self._energy_at = [self._energy[k] for k in self._keys]
+
+    def key_points(self, key: tuple) -> tuple[ProfilePoint, ...]:
+        """The points (clock, time, energy) of one of :attr:`cost_keys`, fastest clock first."""
+        return self._points[key]
+
+    def key_point(self, key: tuple, freq_mhz: int) -> ProfilePoint:
+        """One of :attr:`cost_keys` at one clock (sized where the evaluator has sizes); ProfileError if unprofiled."""
+        point = self._point_at[key].get(freq_mhz)
+        if point is None:
+            return self.profile.point(key[0], key[2], freq_mhz, key[1])  # raises ProfileError with the clock list
+        return point
 
     def durations(self, freqs: Sequence[int]) -> list[float]:
         try:
@@ -283,9 +307,9 @@ class PlanEvaluator:
             raise
 
     def _raise_unprofiled(self, freqs: Sequence[int]) -> None:
-        for (s, chunk, ins), f in zip(self._keys, freqs):
-            if f not in self._time[(s, chunk, ins)]:
-                self.profile.point(s, ins, f, chunk)  # raises ProfileError with the clock list
+        for key, f in zip(self._keys, freqs):
+            if f not in self._time[key]:
+                self.profile.point(key[0], key[2], f, key[1])  # raises ProfileError with the clock list
 
     def simulate(self, freqs: Sequence[int]) -> Timeline:
         return self.graph.simulate(self.durations(freqs))
@@ -293,6 +317,29 @@ class PlanEvaluator:
     def score(self, freqs: Sequence[int], timeline: Timeline | None = None) -> PlanScore:
         timeline = timeline or self.simulate(freqs)
         return score_timeline(timeline, self.unit_energies(freqs), self.p2p_power_w)
+
+
+def _check_sizes(sizes: tuple[MicrobatchSize, ...], length_model: LengthCostModel | None, schedule: Schedule
+                 ) -> tuple[tuple[int, ...], tuple[MicrobatchSize, ...]]:
+    """Size class per micro-batch and the classes' sizes; errors say what to pass."""
+    if length_model is None:
+        raise LengthCostError("per-micro-batch sizes need a length cost model (length_model) to cost them")
+    if len(sizes) != schedule.num_microbatches:
+        raise LengthCostError(f"{len(sizes)} micro-batch sizes for a schedule of {schedule.num_microbatches} "
+                              "micro-batches: give one size per micro-batch")
+    bad = [i for i, size in enumerate(sizes) if not isinstance(size, MicrobatchSize)]
+    if bad:
+        raise LengthCostError(f"micro-batch size {bad[0]} is {sizes[bad[0]]!r}, not a MicrobatchSize")
+    return size_classes(sizes)
+
+
+def _sized_points(profile: Profile, model: LengthCostModel, key: tuple[int, int, str, int], size: MicrobatchSize
+                  ) -> tuple[ProfilePoint, ...]:
+    """The profile's points of (stage, chunk, instruction) scaled to a micro-batch of ``size``."""
+    stage, chunk, ins, _ = key
+    points = profile.points(stage, ins, chunk)
+    factors = model.factors_at(stage, chunk, ins, [p.freq_mhz for p in points], size)
+    return tuple(ProfilePoint(p.freq_mhz, p.time_s * ft, p.energy_j * fe) for p, (ft, fe) in zip(points, factors))
 
 
 def score_timeline(timeline: Timeline, unit_energy_j: Sequence[float], p2p_power_w: float) -> PlanScore:

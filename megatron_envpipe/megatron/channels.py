@@ -98,6 +98,8 @@ class ChannelGroups:
     ``act[s]`` carries activations from stage ``s`` to ``s + 1``, ``grad[s]``
     gradients from ``s + 1`` to ``s``; only the pairs this rank belongs to.
     ``wrap[kind]``: the wrap-around channels of a pipeline with model chunks.
+    ``shape[(kind, s)]``: with variable sequence lengths, the shape channels of
+    pair (s, s + 1) (kind ``act_shape`` or ``grad_shape``).
     """
 
     strategy: str
@@ -106,14 +108,17 @@ class ChannelGroups:
     act: dict[int, Any] = field(default_factory=dict)
     grad: dict[int, Any] = field(default_factory=dict)
     wrap: dict[str, Any] = field(default_factory=dict)
+    shape: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     def store(self, channel: Channel, group: Any) -> None:
         snd, rcv, kind = channel
         if self.stage in (snd, rcv):
             if is_wrap(channel):
                 self.wrap[kind] = group
-            else:
+            elif kind in (ins.ACT, ins.GRAD):
                 (self.act if kind == ins.ACT else self.grad)[min(snd, rcv)] = group
+            else:
+                self.shape[(kind, min(snd, rcv))] = group
 
 
 def _layout(api: Any, pp_group: Any, strategy: str) -> ChannelGroups:
@@ -121,36 +126,39 @@ def _layout(api: Any, pp_group: Any, strategy: str) -> ChannelGroups:
     return ChannelGroups(strategy, ranks, ranks.index(api.get_rank()))
 
 
-def per_pair_groups(pp_group: Any, api: Any = dist, wrap: bool = False) -> ChannelGroups:
+_DESC = {ins.ACT: "ENVPIPE_ACTIVATIONS", ins.GRAD: "ENVPIPE_GRADIENTS", ins.ACT_SHAPE: "ENVPIPE_ACTIVATION_SHAPES",
+         ins.GRAD_SHAPE: "ENVPIPE_GRADIENT_SHAPES"}
+
+
+def per_pair_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> ChannelGroups:
     """Two ``new_group`` per pair of every pipeline, on every rank (world-wide calls)."""
     out = _layout(api, pp_group, PER_PAIR)
     everyone: list[Any] = [None] * api.get_world_size()
     api.all_gather_object(everyone, list(out.ranks))  # every rank must create every pipeline's groups
     for pipeline in sorted({tuple(r) for r in everyone}):
-        for channel in creation_order(len(pipeline), wrap):
+        for channel in creation_order(len(pipeline), wrap, shapes):
             snd, rcv, kind = channel
-            group = api.new_group(sorted([pipeline[snd], pipeline[rcv]]),
-                                  group_desc="ENVPIPE_ACTIVATIONS" if kind == ins.ACT else "ENVPIPE_GRADIENTS")
+            group = api.new_group(sorted([pipeline[snd], pipeline[rcv]]), group_desc=_DESC[kind])
             if pipeline == out.ranks:
                 out.store(channel, group)
     return out
 
 
-def world_direction_groups(pp_group: Any, api: Any = dist, wrap: bool = False) -> ChannelGroups:
+def world_direction_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> ChannelGroups:
     """One world-sized group per direction; lazy NCCL makes a communicator per pair inside each.
 
     The wrap-around channels get two more: at P = 2 the wrap pair is the
     neighbour pair, and one communicator for both directions of a kind would
-    put the two ranks' first operations in a cycle.
+    put the two ranks' first operations in a cycle. ``shapes``: one more per
+    direction for the shape messages (two more with ``wrap``).
     """
     out = _layout(api, pp_group, WORLD_GROUPS)
-    groups = {ins.ACT: api.new_group(group_desc="ENVPIPE_ACTIVATIONS"),
-              ins.GRAD: api.new_group(group_desc="ENVPIPE_GRADIENTS")}
+    kinds = (ins.ACT, ins.GRAD, ins.ACT_SHAPE, ins.GRAD_SHAPE) if shapes else (ins.ACT, ins.GRAD)
+    groups = {kind: api.new_group(group_desc=_DESC[kind]) for kind in kinds}
     wrapped = {}
     if wrap:
-        wrapped = {ins.ACT: api.new_group(group_desc="ENVPIPE_WRAP_ACTIVATIONS"),
-                   ins.GRAD: api.new_group(group_desc="ENVPIPE_WRAP_GRADIENTS")}
-    for channel in creation_order(len(out.ranks), wrap):
+        wrapped = {kind: api.new_group(group_desc=_DESC[kind].replace("ENVPIPE_", "ENVPIPE_WRAP_")) for kind in kinds}
+    for channel in creation_order(len(out.ranks), wrap, shapes):
         out.store(channel, (wrapped if is_wrap(channel) else groups)[channel[2]])
     return out
 
@@ -166,7 +174,7 @@ def registered_group_count(api: Any = dist) -> int | None:
     return len(names) if names is not None else None
 
 
-def split_pipeline_groups(pp_group: Any, api: Any = dist, wrap: bool = False) -> ChannelGroups:
+def split_pipeline_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> ChannelGroups:
     """Pair groups split from the (eagerly initialised) pipeline group: collectives over the pipeline only."""
     out = _layout(api, pp_group, SPLIT)
     p = len(out.ranks)
@@ -179,14 +187,13 @@ def split_pipeline_groups(pp_group: Any, api: Any = dist, wrap: bool = False) ->
         for j in range(1, top - min(counts) + 1):
             api.split_group(parent_pg=pp_group, split_ranks=[[g] for g in range(p) if top - counts[g] >= j],
                             group_desc="ENVPIPE_PAD")
-    for members in disjoint_classes(p, wrap):
+    for members in disjoint_classes(p, wrap, shapes):
         pairs = [sorted(c[:2]) for c in members]
         covered = {g for pair in pairs for g in pair}
         # Uncovered stages get a one-rank group, so that every stage registers one group per call.
         split = pairs + [[g] for g in range(p) if g not in covered]
         kind = members[0][2]
-        group = api.split_group(parent_pg=pp_group, split_ranks=split,
-                                group_desc="ENVPIPE_ACTIVATIONS" if kind == ins.ACT else "ENVPIPE_GRADIENTS")
+        group = api.split_group(parent_pg=pp_group, split_ranks=split, group_desc=_DESC[kind])
         for channel in members:
             out.store(channel, group)
     return out
@@ -198,20 +205,21 @@ def _eager_world(api: Any) -> bool:
     return getattr(world, "bound_device_id", None) is not None
 
 
-def create_channel_groups(pp_group: Any, api: Any = dist, wrap: bool = False) -> ChannelGroups:
+def create_channel_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> ChannelGroups:
     """This rank's channel groups, made with as few world-wide calls as torch allows.
 
     Every rank of the world calls it at the same point (the first iteration),
     for its own pipeline. ``api`` is ``torch.distributed`` or a stand-in.
-    ``wrap``: model chunks, so the wrap-around channels too.
+    ``wrap``: model chunks, so the wrap-around channels too. ``shapes``:
+    variable sequence lengths, so the shape channels too.
     """
     if api.get_world_size(pp_group) < 2:
         return _layout(api, pp_group, "none")
     if not _eager_world(api):
-        return world_direction_groups(pp_group, api, wrap)
+        return world_direction_groups(pp_group, api, wrap, shapes)
     if hasattr(api, "split_group") and "nccl" in str(api.get_backend(pp_group)):
-        return split_pipeline_groups(pp_group, api, wrap)
-    return per_pair_groups(pp_group, api, wrap)
+        return split_pipeline_groups(pp_group, api, wrap, shapes)
+    return per_pair_groups(pp_group, api, wrap, shapes)
 
 
 def _fingerprint(group: Any) -> int:
@@ -249,14 +257,15 @@ class PipelineChannels:
     the first use of each channel, in the pipeline's one creation order.
     """
 
-    def __init__(self, pp_group: Any, api: Any = dist, wrap: bool = False) -> None:
-        groups = create_channel_groups(pp_group, api, wrap)
+    def __init__(self, pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> None:
+        groups = create_channel_groups(pp_group, api, wrap, shapes)
         self.strategy = groups.strategy
-        self.wrap = wrap
+        self.wrap, self.shapes = wrap, shapes
         self.ranks, self.stage = groups.ranks, groups.stage
         self.act: dict[int, Any] = groups.act  # stage -> group for activations stage -> stage+1
         self.grad: dict[int, Any] = groups.grad  # stage -> group for gradients stage+1 -> stage
         self.wrapped: dict[str, Any] = groups.wrap  # kind -> group of the wrap-around channel
+        self.shape: dict[tuple[str, int], Any] = groups.shape  # (shape kind, stage) -> group of a shape channel
         self.warmed = False
         log.debug("EnvPipe stage %d: P2P channel groups by %s", self.stage, self.strategy)
 
@@ -264,6 +273,8 @@ class PipelineChannels:
         snd, rcv, kind = channel
         if is_wrap(channel):
             return self.wrapped[kind]
+        if kind in (ins.ACT_SHAPE, ins.GRAD_SHAPE):
+            return self.shape[(kind, min(snd, rcv))]
         return (self.act if kind == ins.ACT else self.grad)[min(snd, rcv)]
 
     def warm_up(self, device: torch.device, timeout: datetime.timedelta) -> None:
@@ -279,7 +290,7 @@ class PipelineChannels:
         """
         if self.warmed:
             return
-        for channel in warmup_order(self.stage, len(self.ranks), self.wrap):
+        for channel in warmup_order(self.stage, len(self.ranks), self.wrap, self.shapes):
             snd, rcv, kind = channel
             group = self.group(channel)
             peer = self.ranks[rcv if snd == self.stage else snd]
@@ -302,6 +313,10 @@ class PipelineChannels:
 # (kind, is_send, micro-batch, chunk): one message of one iteration.
 TransferKey = tuple[str, bool, int, int]
 
+# Shape kind -> the data kind it announces, and the data receive posted once the shape is in.
+_DATA_OF = {ins.ACT_SHAPE: ins.ACT, ins.GRAD_SHAPE: ins.GRAD}
+_DATA_RECV = {ins.ACT_SHAPE: ins.RecvActivationStart, ins.GRAD_SHAPE: ins.RecvGradStart}
+
 
 class P2PTransfers:
     """A stage's in-flight sends and receives of one iteration.
@@ -310,11 +325,18 @@ class P2PTransfers:
     it (at most ``timeout_s``) and returns its tensor. Received tensors are
     allocated here with the P2P shapes; an activation receive requires grad so
     the stage's backward produces the input gradient.
+
+    ``shapes`` (variable sequence lengths): a shape message (three int64, the
+    tensor's size, as Megatron's ``_communicate_shapes``) precedes each data
+    message on the channels' shape channels; the wait for a shape posts its data
+    receive, with the size it brought (the program's ``Recv*Start`` that follows
+    finds it posted). :meth:`post_known_receives` does so as soon as a shape is
+    in, so data still arrives ahead of use.
     """
 
     def __init__(self, channels: PipelineChannels, stage: int, num_stages: int, *, timeout_s: float,
                  recv_shape: tuple[int, ...], send_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, shapes: bool = False) -> None:
         self.channels = channels
         self.stage, self.num_stages = stage, num_stages
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -322,6 +344,8 @@ class P2PTransfers:
         self.dtype, self.device = dtype, device
         self.pending: dict[TransferKey, tuple[Any, torch.Tensor]] = {}
         self.reaped: set[TransferKey] = set()  # activation sends found complete (and freed) early
+        self.shapes = shapes
+        self.early: set[TransferKey] = set()  # shape receives whose data receive was posted early
         channels.warm_up(device, self.timeout)  # first iteration only: before any program op
 
     def _route(self, instr: ins.CommInstruction) -> tuple[int, Any]:
@@ -330,15 +354,29 @@ class P2PTransfers:
         return self.channels.ranks[instr.peer(self.stage, self.num_stages)], self.channels.group(channel)
 
     def start_send(self, instr: ins.CommInstruction, tensor: torch.Tensor) -> None:
+        """Send ``tensor``, or for a shape message the size of the data ``tensor`` sent right after it."""
+        if instr.kind in _DATA_OF:
+            tensor = torch.tensor(tensor.size(), dtype=torch.int64, device=self.device)
         peer, group = self._route(instr)
         work = dist.isend(tensor, dst=peer, group=group)
         self.pending[(instr.kind, True, instr.microbatch, instr.chunk)] = (work, tensor)
 
     def start_recv(self, instr: ins.CommInstruction) -> None:
-        peer, group = self._route(instr)
+        key = (instr.kind, False, instr.microbatch, instr.chunk)
         is_act = instr.kind == ins.ACT
-        shape = self.recv_shape if is_act else self.send_shape
-        tensor = torch.empty(shape, dtype=self.dtype, device=self.device, requires_grad=is_act)
+        if instr.kind in _DATA_OF:
+            tensor = torch.empty((3,), dtype=torch.int64, device=self.device)
+        elif self.shapes:
+            if key not in self.pending:  # posted by the wait for its shape
+                raise RuntimeError(f"EnvPipe stage {self.stage}: {instr} is posted before its shape arrived")
+            return
+        else:
+            tensor = torch.empty(self.recv_shape if is_act else self.send_shape, dtype=self.dtype,
+                                 device=self.device, requires_grad=is_act)
+        self._post_recv(instr, tensor)
+
+    def _post_recv(self, instr: ins.CommInstruction, tensor: torch.Tensor) -> None:
+        peer, group = self._route(instr)
         work = dist.irecv(tensor, src=peer, group=group)
         self.pending[(instr.kind, False, instr.microbatch, instr.chunk)] = (work, tensor)
 
@@ -351,10 +389,39 @@ class P2PTransfers:
             if instr.is_send and instr.kind == ins.ACT and key in self.reaped:
                 self.reaped.discard(key)
                 return None
+            if key in self.early:  # a shape already read by post_known_receives
+                self.early.discard(key)
+                return None
             raise RuntimeError(f"EnvPipe stage {self.stage}: {instr} has no matching start")
         work, tensor = entry
         self._wait(work, instr, self._route(instr)[0])
+        if instr.kind in _DATA_OF and not instr.is_send:  # the shape is in: post its data's receive
+            data = _DATA_RECV[instr.kind](instr.microbatch, instr.chunk)
+            self._post_recv(data, torch.empty(tensor.tolist(), dtype=self.dtype, device=self.device,
+                                              requires_grad=data.kind == ins.ACT))
         return tensor
+
+    def post_known_receives(self) -> None:
+        """Post the data receive of every shape already received (never blocks).
+
+        The program posts a data receive only right before its wait (its size
+        comes with the shape); posting it as soon as the shape is in lets the
+        data arrive while the stage computes, as a prefetched receive would.
+        Receives are posted earlier, never in another order: per kind (a stage
+        receives each kind on one channel) in posting order, up to the first
+        shape still in flight. Posting a receive never blocks, so no wait changes.
+        """
+        in_flight: set[str] = set()
+        for key, (work, _) in list(self.pending.items()):  # insertion order: posting order
+            kind, is_send, mb, chunk = key
+            if is_send or kind not in _DATA_OF or kind in in_flight:
+                continue
+            if not work.is_completed():
+                in_flight.add(kind)
+                continue
+            self.finish(ins.RecvActivationShapeFinish(mb, chunk) if kind == ins.ACT_SHAPE
+                        else ins.RecvGradShapeFinish(mb, chunk))  # completed: returns at once, posts the data's
+            self.early.add(key)
 
     def reap_activation_sends(self) -> list[tuple[int, int]]:
         """(micro-batch, chunk) whose activation send already completed (never blocks).
@@ -375,6 +442,7 @@ class P2PTransfers:
     def clear(self) -> None:
         """Drop every in-flight transfer (after an error, so a retry does not leak)."""
         self.pending.clear()
+        self.early.clear()
 
     def _wait(self, work: Any, instr: ins.Instruction, peer: int | None) -> None:
         where = f"EnvPipe stage {self.stage} (rank {dist.get_rank()}): {instr} with peer rank {peer}"

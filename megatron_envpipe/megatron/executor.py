@@ -17,12 +17,14 @@ timers, pseudo-freeing an output only after its send completed,
 grad and param sync as :mod:`~megatron_envpipe.megatron.grad_sync` says). The
 math is Megatron's: only the order of units and the clocks change. Before a
 schedule's programs run for the first time, they are proved deadlock-free
-(``check_deadlock`` with lazy communicators and the channels' warm-up).
+(``check_deadlock`` with lazy communicators and the channels' warm-up). With
+Megatron's ``variable_seq_lengths`` each data message is preceded by a shape
+message on channels of its own (:mod:`~megatron_envpipe.megatron.shape_exchange`).
 Device set-up is :mod:`~megatron_envpipe.megatron.devices`, energy reports
 :mod:`~megatron_envpipe.megatron.reporting`.
 
 Anything it does not support (forward-only evaluation, virtual pipelines
-unless EnvPipe's scheduling is ``interleaved``, shape handshakes, partial
+unless EnvPipe's scheduling is ``interleaved``, standalone MTP stages, partial
 activation checkpointing, CUDA graphs, multi-module pipelines, ...:
 :mod:`~megatron_envpipe.megatron.support`) goes to Megatron's original
 schedule, logged once per reason.
@@ -42,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_envpipe.core import instructions as ins
-from megatron_envpipe.core.communicators import warmup_programs
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.schedule import B, F, Unit
 from megatron_envpipe.core.vocabulary import Scheduling
@@ -56,6 +57,7 @@ from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.memory import MemoryProbe
 from megatron_envpipe.megatron.reporting import report_energy
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
+from megatron_envpipe.megatron.shape_exchange import uses_shape_messages
 from megatron_envpipe.megatron.state import STATE
 from megatron_envpipe.megatron.stragglers import apply_sim_straggler, follow_stragglers
 from megatron_envpipe.megatron.support import default_pg_collection, interleaved_unsupported_reason, unsupported_reason
@@ -245,10 +247,13 @@ class StageIteration:
             raise ValueError("EnvPipe supports one tensor per P2P message")
         self.recv_shape, self.send_shape = tuple(recv[0]), tuple(send[0])
         pp = self.groups.pp_group
-        channels = STATE.channels_for(pp, tuple(dist.get_process_group_ranks(pp)), wrap=interleaved)
+        self.shapes = uses_shape_messages(config)  # sizes vary: a shape message ahead of each data message
+        channels = STATE.channels_for(pp, tuple(dist.get_process_group_ranks(pp)), wrap=interleaved,
+                                      shapes=self.shapes)
         self.transfers = P2PTransfers(
             channels, self.stage, self.num_stages, timeout_s=runtime.config.comm_timeout_s,
             recv_shape=self.recv_shape, send_shape=self.send_shape, dtype=self.dtype, device=self.device,
+            shapes=self.shapes,
         )
         # Per-(micro-batch, chunk) state, emptied by the end of the iteration.
         self.inputs: dict[Key, Any] = {}
@@ -278,6 +283,15 @@ class StageIteration:
             ins.RecvGradFinish: self._recv_grad_finish,
             ins.SendGradStart: self._send_grad_start,
             ins.SendGradFinish: self._send_grad_finish,
+            # Shape messages (variable sequence lengths): P2PTransfers turns a data tensor into its size.
+            ins.RecvActivationShapeStart: self._recv_start,
+            ins.RecvActivationShapeFinish: self._recv_shape_finish,
+            ins.SendActivationShapeStart: self._send_activation_start,
+            ins.SendActivationShapeFinish: self._send_grad_finish,
+            ins.RecvGradShapeStart: self._recv_start,
+            ins.RecvGradShapeFinish: self._recv_shape_finish,
+            ins.SendGradShapeStart: self._send_grad_start,
+            ins.SendGradShapeFinish: self._send_grad_finish,
         })
 
     def _prepare(self) -> Any:
@@ -291,16 +305,6 @@ class StageIteration:
                                f"the model {self.num_chunks}")
         return plan
 
-    def _check_deadlock(self, plan: Any) -> None:
-        """Prove the programs (with the channels' warm-up) complete under NCCL's rendezvous.
-
-        Their messages depend on the schedule only (clock plans add SetFrequency), so once per schedule.
-        """
-        if STATE.proved_schedule is plan.schedule:
-            return
-        ins.check_deadlock(plan.programs, lazy_communicators=True,
-                           warmup=warmup_programs(self.num_stages, wrap=self.interleaved))
-        STATE.proved_schedule = plan.schedule
 
     def run(self) -> list[Any]:
         config = self.config
@@ -312,6 +316,8 @@ class StageIteration:
                 layout["model_chunks"] = self.num_chunks
             if self.interleaved:  # units are chunks: a profile of another chunk count does not apply
                 layout["model_chunks"] = self.num_chunks
+            if self.shapes:  # units of varying lengths: not a profile of seq_length-token micro-batches
+                layout["variable_seq_lengths"] = True
             setup_device(STATE, self.groups, self.device, layout, self.num_chunks)
             self.hooks = STATE.hooks
             # Each node reads its own profile cache: all ranks take the first one's, or a node that found
@@ -323,11 +329,12 @@ class StageIteration:
         started = time.perf_counter()
         apply_sim_straggler(self.runtime.config, self.hooks, self.groups, self.runtime.iteration)
         plan = self._prepare()
-        self._check_deadlock(plan)
-        program = plan.programs[self.stage].instructions
+        # With shape messages if the lengths vary; proved deadlock-free (with the warm-up) once per schedule.
+        programs = STATE.programs.programs(plan, self.shapes, self.interleaved)
+        program = programs[self.stage].instructions
         if self.runtime.config.verbose and STATE.shown_program != program:
             STATE.shown_program = program
-            log.info("EnvPipe stage %d program (%s):\n%s", self.stage, plan.phase, plan.programs[self.stage])
+            log.info("EnvPipe stage %d program (%s):\n%s", self.stage, plan.phase, programs[self.stage])
         model_arg = self.models if self.interleaved else self.models[0]
         embedding_module = None
         if config.finalize_model_grads_func is not None:
@@ -482,12 +489,18 @@ class StageIteration:
         if self.timer is not None:
             self.timer.wait_begins()
 
+    def _recv_shape_finish(self, instr: ins.CommInstruction) -> None:
+        self._mark_wait()  # the wait for the input begins at its shape, just before its data
+        self.transfers.finish(instr)
+
     def _recv_activation_finish(self, instr: ins.RecvActivationFinish) -> None:
-        self._mark_wait()
+        if not self.shapes:
+            self._mark_wait()
         self.inputs[(instr.microbatch, instr.chunk)] = self.transfers.finish(instr)
 
     def _recv_grad_finish(self, instr: ins.RecvGradFinish) -> None:
-        self._mark_wait()
+        if not self.shapes:
+            self._mark_wait()
         self.grads_in[(instr.microbatch, instr.chunk)] = self.transfers.finish(instr)
 
     def _send_activation_start(self, instr: ins.SendActivationStart) -> None:
@@ -512,6 +525,8 @@ class StageIteration:
         """Pseudo-free outputs whose activation send already completed (never blocks)."""
         for key in self.transfers.reap_activation_sends():
             self._deallocate(key)
+        if self.shapes:
+            self.transfers.post_known_receives()
 
     def _abandon(self) -> None:
         """On error: drop references so a retry does not leak; leave open no-sync."""

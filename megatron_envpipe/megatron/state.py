@@ -16,10 +16,10 @@ from typing import Any
 
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.instructions import Instruction
-from megatron_envpipe.core.schedule import Schedule
 from megatron_envpipe.megatron.channels import PipelineChannels
 from megatron_envpipe.megatron.device_time import DeviceTimeLink
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
+from megatron_envpipe.megatron.shape_exchange import ProvedPrograms
 
 __all__ = ["STATE", "ExecutorState"]
 
@@ -35,10 +35,10 @@ class ExecutorState:
     original: Callable[..., Any] | None = None  # Megatron's own 1F1B, for what EnvPipe does not run
     original_interleaved: Callable[..., Any] | None = None  # Megatron's own interleaved schedule, likewise
     warned: set[str] = field(default_factory=set)  # fallback reasons already logged
-    # By pipeline ranks and whether they include the wrap-around channels (model chunks).
-    channels: dict[tuple[tuple[int, ...], bool], PipelineChannels] = field(default_factory=dict)
+    # By pipeline ranks, whether they include the wrap-around channels (model chunks) and shape channels.
+    channels: dict[tuple[tuple[int, ...], bool, bool], PipelineChannels] = field(default_factory=dict)
     shown_program: tuple[Instruction, ...] | None = None  # the program last printed by --envpipe-verbose
-    proved_schedule: Schedule | None = None  # the schedule whose programs check_deadlock last passed
+    programs: ProvedPrograms = field(default_factory=ProvedPrograms)  # the programs check_deadlock last passed
     device_time: DeviceTimeLink | None = None  # a simulated GPU's stamps in virtual time (set up with the device)
 
     def configure(self, runtime: EnvPipeRuntime, original: Callable[..., Any],
@@ -58,7 +58,7 @@ class ExecutorState:
         self.device_ready = False
         self.device_time = None
         self.warned = set()
-        self.proved_schedule = None
+        self.programs = ProvedPrograms()
         if old is not self.hooks:
             old.close()
 
@@ -73,7 +73,7 @@ class ExecutorState:
         self.original = None
         self.original_interleaved = None
         self.channels = {}
-        self.proved_schedule = None
+        self.programs = ProvedPrograms()
 
     def use_hooks(self, hooks: ExecutionHooks) -> None:
         """Replace the hooks (the first iteration's GPU hooks); the previous ones are closed."""
@@ -87,12 +87,13 @@ class ExecutorState:
         self.warned.add(reason)
         return True
 
-    def channels_for(self, pp_group: Any, ranks: tuple[int, ...], wrap: bool = False) -> PipelineChannels:
+    def channels_for(self, pp_group: Any, ranks: tuple[int, ...], wrap: bool = False,
+                     shapes: bool = False) -> PipelineChannels:
         """The P2P channels of the pipeline with these ``ranks`` (created by every rank at once);
-        ``wrap``: with the wrap-around channels of model chunks."""
-        channels = self.channels.get((ranks, wrap))
+        ``wrap``: with the wrap-around channels of model chunks; ``shapes``: with shape channels."""
+        channels = self.channels.get((ranks, wrap, shapes))
         if channels is None:
-            channels = self.channels[(ranks, wrap)] = PipelineChannels(pp_group, wrap=wrap)
+            channels = self.channels[(ranks, wrap, shapes)] = PipelineChannels(pp_group, wrap=wrap, shapes=shapes)
         return channels
 
 

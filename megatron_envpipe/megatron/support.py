@@ -1,7 +1,7 @@
 """Which of Megatron's schedule calls EnvPipe's executor runs, and Megatron's default groups.
 
-Anything the executor does not support (forward-only evaluation, shape
-handshakes, partial activation checkpointing, CUDA graphs, encoder-decoder
+Anything the executor does not support (forward-only evaluation, standalone
+multi-token-prediction stages, partial activation checkpointing, CUDA graphs, encoder-decoder
 models, ...) is named by :func:`unsupported_reason`; the executor then runs
 Megatron's original schedule, logging the reason once. Megatron-core is
 imported inside the functions, so this module imports with torch absent.
@@ -21,13 +21,19 @@ def unsupported_reason(model: Any, config: Any, kwargs: dict[str, Any], interlea
     fields that exist only in some megatron-core releases. ``overlap_p2p_comm``
     only makes Megatron's interleaved schedule's P2P asynchronous, as EnvPipe's
     always is: the same math, so it runs with model chunks (1F1B has no such mode).
+    ``variable_seq_lengths`` runs, with a shape message ahead of each data message
+    (:mod:`~megatron_envpipe.megatron.shape_exchange`); ``mtp_standalone``, which
+    also makes Megatron exchange shapes, puts multi-token prediction on a stage of
+    its own, a layout the executor does not run.
     """
     if kwargs.get("forward_only"):
         return "forward-only (evaluation) iterations"
     if config.overlap_p2p_comm and not interleaved:
         return "overlap_p2p_comm"
-    if getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False):
-        return "variable sequence lengths (shape handshake)"
+    if getattr(config, "mtp_standalone", False):
+        return "mtp_standalone (multi-token prediction on a stage of its own)"
+    if getattr(config, "variable_seq_lengths", False) and kwargs.get("adjust_tensor_shapes_fn") is not None:
+        return "adjust_tensor_shapes_fn with variable_seq_lengths (the sizes come with each message)"
     if config.num_microbatches_with_partial_activation_checkpoints is not None:
         return "partial activation checkpointing (num_microbatches_with_partial_activation_checkpoints)"
     if getattr(config, "cuda_graph_impl", "none") not in (None, "none") or getattr(config, "enable_cuda_graph", False):

@@ -131,8 +131,8 @@ class SwitchingState:
         distinct = list(dict.fromkeys(keys))
         index = {key: i for i, key in enumerate(distinct)}
         ids = [index[key] for key in keys]
-        profile, p2p = evaluator.profile, evaluator.p2p_power_w
-        points = [profile.points(stage, ins, chunk) for stage, chunk, ins in distinct]
+        p2p = evaluator.p2p_power_w
+        points = [evaluator.key_points(key) for key in distinct]  # per micro-batch size class too, if sized
         times = [{p.freq_mhz: p.time_s for p in pts} for pts in points]
         energies = [{p.freq_mhz: p.energy_j for p in pts} for pts in points]
         self.durations: dict[int, list[float]] = {}

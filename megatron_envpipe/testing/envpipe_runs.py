@@ -27,9 +27,11 @@ import torch
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.core.hooks import RecordingHooks
+from megatron_envpipe.core.instructions import with_shape_messages
 from megatron_envpipe.core.vocabulary import Scheduling
 from megatron_envpipe.megatron.executor import envpipe_forward_backward, envpipe_interleaved_forward_backward
 from megatron_envpipe.megatron.patch import install
+from megatron_envpipe.megatron.shape_exchange import uses_shape_messages
 from megatron_envpipe.megatron.state import STATE
 from megatron_envpipe.testing.harness import rank_batches, run_schedule
 
@@ -107,9 +109,12 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
             live.append(_live_tensors())
     rank = torch.distributed.get_rank()
     if record_dir is not None:
+        program = plan.programs[stage] if plan is not None else None
+        if program is not None and uses_shape_messages(_model_of(kwargs).config):  # variable lengths
+            program = with_shape_messages(program)
         record = {
             "executed": hooks.instructions[start:],
-            "planned": [str(i) for i in plan.programs[stage].instructions] if plan is not None else [],
+            "planned": [str(i) for i in program.instructions] if program is not None else [],
             "phase": plan.phase if plan is not None else "Megatron's schedule",
             "extra_warmup": list(plan.schedule.extra_warmup) if plan is not None else [],
             "live_tensors": live,

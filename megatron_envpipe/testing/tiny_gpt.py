@@ -60,6 +60,14 @@ class TinyGPTSpec:
     # schedule frees them before an overlapped (async) send has read them (fixed in 0.19): with
     # overlap_p2p_comm on 0.16 the stock reference needs it off.
     deallocate_pipeline_outputs: bool = True
+    # Variable sequence lengths (Megatron's variable_seq_lengths, shapes exchanged per message): each
+    # micro-batch draws its length uniformly from [min_seq_length, seq_length]. None: all seq_length.
+    min_seq_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_seq_length is not None and not 1 <= self.min_seq_length <= self.seq_length:
+            raise ValueError(f"TinyGPTSpec: min_seq_length must be None or 1..seq_length ({self.seq_length}), "
+                             f"got {self.min_seq_length!r}")
 
 
 def build_config(spec: TinyGPTSpec, pipeline_size: int, tensor_parallel_size: int = 1,
@@ -97,6 +105,9 @@ def build_config(spec: TinyGPTSpec, pipeline_size: int, tensor_parallel_size: in
         # No DDP wrapper on CPU (its buffers are CUDA-only): data-parallel replicas
         # average their grads in a plain all-reduce instead; one replica has nothing to finalize.
         finalize_model_grads_func=average_data_parallel_grads if data_parallel_size > 1 else None,
+        variable_seq_lengths=spec.min_seq_length is not None,
+        # No MoE here; Megatron's config refuses variable lengths with its default (allgather) dispatcher.
+        **({"moe_token_dispatcher_type": "alltoall"} if spec.min_seq_length is not None else {}),
     )
 
 
@@ -156,21 +167,20 @@ def synthetic_batches(spec: TinyGPTSpec, num_microbatches: int, replica: int = 0
     ``next()``. A schedule that pulls too many micro-batches gets StopIteration.
     """
     generator = torch.Generator().manual_seed(spec.seed + replica)
-    shape = (spec.micro_batch_size, spec.seq_length)
-    positions = torch.arange(spec.seq_length).expand(shape)
-    causal = torch.ones(spec.seq_length, spec.seq_length, dtype=torch.bool).triu(1)
     for _ in range(num_microbatches):
-        sequence = torch.randint(
-            spec.vocab_size, (spec.micro_batch_size, spec.seq_length + 1), generator=generator
-        )
+        length = spec.seq_length
+        if spec.min_seq_length is not None:  # drawn first, from the same generator: every stage agrees
+            length = int(torch.randint(spec.min_seq_length, spec.seq_length + 1, (1,), generator=generator))
+        shape = (spec.micro_batch_size, length)
+        sequence = torch.randint(spec.vocab_size, (spec.micro_batch_size, length + 1), generator=generator)
         keep = torch.rand(shape, generator=generator) >= spec.masked_fraction
         yield {
             "tokens": sequence[:, :-1].contiguous(),
             "labels": sequence[:, 1:].contiguous(),
             "loss_mask": keep.float(),
-            "position_ids": positions.clone(),
+            "position_ids": torch.arange(length).expand(shape).clone(),
             # Megatron convention: True marks a position that must not be attended.
-            "attention_mask": causal.view(1, 1, spec.seq_length, spec.seq_length).clone(),
+            "attention_mask": torch.ones(length, length, dtype=torch.bool).triu(1).view(1, 1, length, length),
         }
 
 

@@ -23,6 +23,10 @@ def test_instruction_classes_are_the_concrete_ones():
         "SetFrequency", "Forward", "Backward", "Free",
         "RecvActivationStart", "RecvActivationFinish", "SendActivationStart", "SendActivationFinish",
         "RecvGradStart", "RecvGradFinish", "SendGradStart", "SendGradFinish",
+        # Shape messages (variable sequence lengths).
+        "RecvActivationShapeStart", "RecvActivationShapeFinish", "SendActivationShapeStart",
+        "SendActivationShapeFinish", "RecvGradShapeStart", "RecvGradShapeFinish", "SendGradShapeStart",
+        "SendGradShapeFinish",
     }
 
 

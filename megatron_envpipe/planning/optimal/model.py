@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from operator import getitem
 from typing import Any
 
+from megatron_envpipe.core.length_costs import LengthCostModel, MicrobatchSize
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule
 from megatron_envpipe.core.timeline import Dependency, PlanEvaluator, PlanScore, Timeline
@@ -67,24 +68,28 @@ class TimeEnergyModel:
         p2p_power_w: float,
         p2p_latency_s: float = 0.0,
         extra_dependencies: Sequence[Dependency] = (),
+        microbatch_sizes: Sequence[MicrobatchSize] | None = None,
+        length_model: LengthCostModel | None = None,
     ) -> None:
         self.schedule = schedule
         self.profile = profile
         self.candidates_mhz = tuple(candidates_mhz)
         self.p2p_power_w = p2p_power_w
         self.p2p_latency_s = p2p_latency_s
-        self.evaluator = PlanEvaluator(schedule, profile, p2p_power_w, p2p_latency_s, extra_dependencies)
+        self.evaluator = PlanEvaluator(schedule, profile, p2p_power_w, p2p_latency_s, extra_dependencies,
+                                       microbatch_sizes=microbatch_sizes, length_model=length_model)
         graph = self.graph = self.evaluator.graph
         self.n = len(graph.nodes)
         self.num_stages = schedule.num_stages
-        # Costs per (stage, chunk, instruction), read through the evaluator (its profile is
-        # the one split into the schedule's chunks), so chunks that differ are planned as they are.
+        # Costs per (stage, chunk, instruction[, size class]), read through the evaluator (its profile is
+        # the one split into the schedule's chunks), so chunks (and micro-batch sizes) that differ are
+        # planned as they are.
         ev_profile = self.evaluator.profile
         keys = self.keys = self.evaluator.cost_keys
-        by_key: dict[tuple[int, int, str], tuple[ClockOption, ...]] = {}
+        by_key: dict[tuple, tuple[ClockOption, ...]] = {}
         for key in dict.fromkeys(keys):
-            s, chunk, ins = key
-            opts = clock_options(ev_profile.points(s, ins, chunk), p2p_power_w, candidates_mhz)
+            s, chunk, ins = key[:3]
+            opts = clock_options(self.evaluator.key_points(key), p2p_power_w, candidates_mhz)
             if not opts:
                 where = f"stage {s}" + (f" chunk {chunk}" if chunk else "")
                 raise PlannerError(f"{ev_profile.source}: {where} {ins} has no clock among the candidates")
@@ -144,7 +149,7 @@ class TimeEnergyModel:
             lp_backend()  # raises SolverUnavailable with the install hint
             raise
         n = self.n
-        key_id: dict[tuple[int, int, str], int] = {}
+        key_id: dict[tuple, int] = {}
         key_first: list[int] = []  # per key: its first segment in the flat lists below
         key_count: list[int] = []
         key_t0: list[float] = []
@@ -282,7 +287,8 @@ class TimeEnergyModel:
         sched, graph = self.schedule, self.graph
         p, m = sched.num_stages, sched.num_microbatches
         chunks = sched.num_chunks
-        if not self._lp.warm_starts or graph.extra_dependencies:
+        # Per-micro-batch sizes: the steady state does not repeat, so a short pipeline's optimum is no start.
+        if not self._lp.warm_starts or graph.extra_dependencies or self.evaluator.microbatch_sizes is not None:
             return None
         warmup = max(next((i for i, u in enumerate(order) if not u.is_forward), len(order))
                      for order in sched.orders)
