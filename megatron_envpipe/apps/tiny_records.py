@@ -84,6 +84,8 @@ def envpipe_summary() -> dict[str, Any]:
                            "planned_at_iteration": runtime.planned_at}
     if runtime.device is not None:
         out["device"] = asdict(runtime.device)
+    if runtime.iteration_plans is not None:  # variable-length micro-batches
+        out["per_iteration_plans"] = runtime.iteration_plans.report()
     result = runtime.last_result
     if result is not None:
         out["plan"] = {

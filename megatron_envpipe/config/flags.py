@@ -133,6 +133,10 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    default=d.straggler_window,
                    help="data-parallel pipelines agree on the slowest pace once every N iterations, over the "
                         "mean of those N (default 3)")
+    g.add_argument("--envpipe-per-iteration-plans", dest="envpipe_per_iteration_plans",
+                   action=argparse.BooleanOptionalAction, default=d.per_iteration_plans,
+                   help="with variable sequence lengths: plan every iteration's clocks for its micro-batches' "
+                        "sizes in the background, read one iteration ahead (default: on with --envpipe-type optimal)")
     g.add_argument("--envpipe-sim-straggler", dest="envpipe_sim_straggler", type=sim_straggler_arg, default=None,
                    metavar="REPLICA:FACTOR[@ITER]",
                    help="simulated GPU: the GPUs of data-parallel replica REPLICA run every unit FACTOR times longer "

@@ -117,6 +117,9 @@ class EnvPipeConfig:
     straggler_threshold: float = 0.02
     straggler_window: int = 3  # iterations per pace agreement (its own flag: works with --envpipe-reconfig default)
     sim_straggler: SimStraggler | None = None
+    # Variable-length micro-batches (megatron/iteration_plans.py): plan each iteration's clocks from its
+    # micro-batches' sizes in the background; None: on with --envpipe-type optimal.
+    per_iteration_plans: bool | None = None
 
     def __post_init__(self) -> None:
         # Flag strings become the vocabulary's members (equal to them); unknown names stay for validate().
@@ -191,6 +194,13 @@ class EnvPipeConfig:
         if self.max_slowdown and self.target_time_s is not None:
             bad(f"--envpipe-max-slowdown {show(self.max_slowdown)} and --envpipe-target-time "
                 f"{show(self.target_time_s)} both set the optimal plan's deadline: give only one")
+        if self.per_iteration_plans and self.plan_type != PlanType.OPTIMAL:
+            bad(f"--envpipe-per-iteration-plans plans clocks with --envpipe-type optimal's planner (this run has "
+                f"--envpipe-type {self.plan_type}): add --envpipe-type optimal or drop the flag")
+        if self.per_iteration_plans and self.target_time_s is not None:
+            bad(f"--envpipe-per-iteration-plans plans each iteration for the stock run's time at its sizes, "
+                f"--envpipe-target-time {show(self.target_time_s)} for one fixed time: drop one of them "
+                "(or add --no-envpipe-per-iteration-plans)")
         if (self.max_slowdown or self.target_time_s is not None) and self.plan_type != PlanType.OPTIMAL:
             bad("--envpipe-max-slowdown and --envpipe-target-time need --envpipe-type optimal "
                 f"(this run has --envpipe-type {self.plan_type})")
@@ -355,6 +365,10 @@ class EnvPipeConfig:
                 f"--envpipe-scheduling {self.scheduling} has no interleaved (virtual-pipeline) order "
                 f"({', '.join(vpp_flags)}), so {settings} would not run: add --envpipe-scheduling interleaved, "
                 f"drop the virtual-pipeline flags, or run {stock}")
+        if self.per_iteration_plans and getattr(args, "variable_seq_lengths", None) is False:
+            raise EnvPipeConfigError(
+                "--envpipe-per-iteration-plans plans per iteration for micro-batches of varying lengths, and this "
+                "run's are all alike: add --variable-seq-lengths or drop the flag")
         spec = _table_gpu(self.gpu)
         if self.profile is not None and self.p2p_power_w is None and spec is not None and spec.p2p_power_w is None:
             raise EnvPipeConfigError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_envpipe.core.length_costs import MicrobatchSize
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.schedule import Unit
 
@@ -22,6 +23,12 @@ class ExecutionHooks:
 
     def iteration_begin(self, stage: int, iteration: int) -> None:
         """Before the stage's first instruction of an iteration."""
+
+    def iteration_sizes(self, sizes: Sequence[MicrobatchSize] | None) -> None:
+        """After ``iteration_begin``, before ``clock_plan``: this iteration's micro-batch sizes as the
+        length model sees them, one per micro-batch (index = ``Unit.microbatch``); None: all
+        micro-batches alike / unknown. The simulated GPU costs each unit at its size; the start-up
+        profiler records each measured unit's size; real devices measure and need nothing."""
 
     def clock_plan(self, units: Sequence[Unit], freqs_mhz: Sequence[int],
                    times_s: Sequence[float] | None) -> None:
@@ -61,12 +68,17 @@ class RecordingHooks(ExecutionHooks):
     wants_instructions: bool = True
     # (units, clocks) of every clock_plan call; not an event, so event lists stay as they were
     clock_plans: list[tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=list)
+    # the sizes of every iteration_sizes call, in order; not an event either
+    sizes: list[tuple[MicrobatchSize, ...] | None] = field(default_factory=list)
 
     def instruction(self, instr: object) -> None:
         self.instructions.append(str(instr))
 
     def iteration_begin(self, stage: int, iteration: int) -> None:
         self.events.append(f"begin S{stage} it{iteration}")
+
+    def iteration_sizes(self, sizes: Sequence[MicrobatchSize] | None) -> None:
+        self.sizes.append(None if sizes is None else tuple(sizes))
 
     def clock_plan(self, units: Sequence[Unit], freqs_mhz: Sequence[int],
                    times_s: Sequence[float] | None) -> None:

@@ -26,6 +26,7 @@ from megatron_envpipe.gpu.base import (
 )
 from megatron_envpipe.gpu.none import NoGpu
 from megatron_envpipe.gpu.nvml import NvmlGpu
+from megatron_envpipe.gpu.sim_lengths import simulated_length_model
 from megatron_envpipe.gpu.simulated import SimulatedGpu
 
 __all__ = [
@@ -63,7 +64,8 @@ def open_gpu(
     ``jitter`` adds seeded unit-time noise (a fraction of the unit's time), and ``dynamics`` how the
     simulated GPU departs from an ideal one (clock latency, stepped counter, heat); with ``virtual_clock``
     the simulated GPU runs on it (virtual time: ``time_scale`` is 1, nothing sleeps for real), else on
-    ``time.perf_counter`` scaled by ``time_scale``.
+    ``time.perf_counter`` scaled by ``time_scale``. Units of a given micro-batch size (``set_unit_size``)
+    scale its rows by :func:`~megatron_envpipe.gpu.sim_lengths.simulated_length_model`.
     """
     spec = spec or "auto"
     if spec == "none":
@@ -71,6 +73,8 @@ def open_gpu(
     if spec.startswith("simulated"):
         source = spec.partition(":")[2]
         profile = Profile.from_csv(shipped_profile(source))
+        # Sized units (variable-length micro-batches) scale rows by it; fitted before for_pipeline drops samples.
+        length_model = simulated_length_model(profile, source, num_stages)
         if num_stages is not None:
             profile = profile.for_pipeline(num_stages)
         if num_chunks > 1:  # Megatron's interleaved pipeline: a unit is one of V equal model chunks
@@ -83,7 +87,7 @@ def open_gpu(
             "clock": virtual_clock.now, "sleep": virtual_clock.sleep, "time_scale": 1.0}
         return SimulatedGpu(profile, stage, **{"time_scale": time_scale, **timebase}, p2p_power_w=p2p_power_w,
                             name=f"Simulated GPU ({source})", jitter=jitter,
-                            dynamics=dynamics)
+                            dynamics=dynamics, length_model=length_model)
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")
     try:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from megatron_envpipe.core.length_costs import MicrobatchSize
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.energy import EnergyMonitor
 
@@ -171,6 +172,7 @@ class UnitSample:
     energy_j: float
     chunk: int = 0  # the unit's model chunk (Megatron's interleaved pipeline)
     energy_se_j: float = 0.0  # standard error of energy_j from the attribution (0: not known)
+    size: MicrobatchSize | None = None  # its micro-batch's size (variable lengths); None: not given
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+from megatron_envpipe.core.length_costs import MicrobatchSize
 from megatron_envpipe.errors import EnvPipeError
 
 
@@ -103,6 +104,10 @@ class GpuDevice(ABC):
     def unit_begin(self, stage: int, kind: str) -> None:
         """A forward (``F``) or backward (``B``) unit starts. Real GPUs ignore this;
         the simulated GPU uses it to model the unit's time and energy."""
+
+    def set_unit_size(self, size: MicrobatchSize | None, chunk: int = 0) -> None:
+        """The next unit's micro-batch size (variable lengths; None: the profile's reference size) and
+        model chunk. Real GPUs ignore it (they measure); the simulated GPU costs the unit at that size."""
 
     def unit_end(self, stage: int, kind: str) -> None:
         """The unit's compute was issued (host side)."""

@@ -17,6 +17,9 @@
   (:class:`~megatron_envpipe.gpu.clocks.DelayedEvent`); simulated GPU: made at
   that device time in ``unit_end``. The boundary's own ``set_frequency`` is then
   skipped. Only when clocks change moves: the order and the math never do.
+* ``iteration_sizes`` (variable-length micro-batches): each unit's micro-batch size goes to the
+  device before the unit (the simulated GPU costs it at that size; real GPUs measure) and tags the
+  unit's profiling sample, so the start-up profiler fits the length model from them.
 * Every iteration's energy comes from the counter read at its two edges, and
   profiling iterations attribute energy to each unit and P2P wait from the
   background energy monitor's trace (interpolated NVML counter).
@@ -40,6 +43,7 @@ from typing import Any
 from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY
 from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.hooks import ExecutionHooks
+from megatron_envpipe.core.length_costs import MicrobatchSize
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.core.virtual_clock import VirtualClock
@@ -55,6 +59,7 @@ from megatron_envpipe.gpu.energy import (
 )
 from megatron_envpipe.gpu.safety import REPAIR_HINT
 from megatron_envpipe.gpu.sweep import StageSamples, UnitWindow, stage_samples
+from megatron_envpipe.gpu.sweep_lengths import sized_stage_samples
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -159,12 +164,16 @@ class GpuHooks(ExecutionHooks):
         # The simulated GPU knows each unit's exact (modelled) window; host marks
         # would add scheduling noise on a busy CPU.
         self._device_windows: list[tuple[str, float, float]] = []
+        self._sizes: tuple[MicrobatchSize, ...] | None = None  # this iteration's, per micro-batch
+        self._unit_sizes: list[MicrobatchSize | None] = []  # each unit's this iteration, in the order begun
 
     # -- ExecutionHooks --------------------------------------------------------------
     def iteration_begin(self, stage: int, iteration: int) -> None:
         self.stage = stage
         self.iteration = iteration
         self._device_windows = []
+        self._sizes = None
+        self._unit_sizes = []
         self._plan = None
         self._next_unit = 0
         self._running = None
@@ -179,6 +188,18 @@ class GpuHooks(ExecutionHooks):
                 self._meter.begin(iteration)
             except DEVICE_ERRORS as exc:
                 self._fault = self._note(exc)
+
+    def iteration_sizes(self, sizes: Sequence[MicrobatchSize] | None) -> None:
+        self._sizes = None if sizes is None else tuple(sizes)
+
+    def _size_of(self, unit: Unit) -> MicrobatchSize | None:
+        sizes = self._sizes
+        if sizes is None:
+            return None
+        if not 0 <= unit.microbatch < len(sizes):
+            raise ValueError(f"stage {self.stage} iteration {self.iteration}: unit {unit} of micro-batch "
+                             f"{unit.microbatch}, but iteration_sizes gave {len(sizes)} sizes (one per micro-batch)")
+        return sizes[unit.microbatch]
 
     def clock_plan(self, units: Sequence[Unit], freqs_mhz: Sequence[int],
                    times_s: Sequence[float] | None) -> None:
@@ -214,6 +235,10 @@ class GpuHooks(ExecutionHooks):
     def unit_begin(self, unit: Unit) -> None:
         self._led_mhz = None  # a lead is for the boundary right after the unit it was made in
         self._running = self._plan_index(unit)
+        size = self._size_of(unit)
+        self._unit_sizes.append(size)
+        if self._sizes is not None:  # without sizes the device is called exactly as before
+            self.device.set_unit_size(size, unit.chunk)
         self.device.unit_begin(self.stage, unit.kind)
         if not self.device.simulated:  # a real GPU: the worker waits for this unit's begin, then the offset
             offset_s = self._lead_offset_s()
@@ -359,15 +384,14 @@ class GpuHooks(ExecutionHooks):
             windows = self._device_windows
             # The GPU blocks (P2P power) in the gaps between its units.
             blocking = [(a[2], b[1]) for a, b in zip(windows, windows[1:]) if b[1] > a[2]]
+        options = {"time_scale": self.time_scale, "min_blocking_s": (
+            MIN_BLOCKING_WINDOW_S * self.time_scale if self.device.simulated else MIN_BLOCKING_WINDOW_S)}
+        units = [UnitWindow(k, a, b) for k, a, b in windows]
         try:
-            samples = stage_samples(
-                self.monitor,
-                [UnitWindow(k, a, b) for k, a, b in windows],
-                blocking,
-                time_scale=self.time_scale,
-                min_blocking_s=(MIN_BLOCKING_WINDOW_S * self.time_scale if self.device.simulated
-                                else MIN_BLOCKING_WINDOW_S),
-            )
+            if self._sizes is None:
+                samples = stage_samples(self.monitor, units, blocking, **options)
+            else:  # each unit's micro-batch size: a power per size, and the profiler fits the length model
+                samples = sized_stage_samples(self.monitor, units, self._unit_sizes, blocking, **options)
         except DEVICE_ERRORS as exc:
             self._note(exc, "profile of iteration")
             return None

@@ -34,7 +34,13 @@ averages over ``power_average_s``; every power is scaled by the heat factor
 ``power_factor(seconds since the device was created)`` (unit times do not drift); a
 ``blocking_power_w`` in the dynamics (measured by ``envpipe gpu-check``) replaces ``p2p_power_w``.
 :meth:`SimulatedGpu.true_energy_mj` is the exact integral, the ground truth a real GPU
-does not have. See docs/simulated-gpu.md.
+does not have.
+
+Variable-length micro-batches (issue 25): with a ``length_model``
+(:class:`~megatron_envpipe.core.length_costs.LengthCostModel`), a unit announced by
+:meth:`SimulatedGpu.set_unit_size` takes the profile row at the running clock scaled by the
+model's factors for its size (time x the time factor; energy x the energy factor, so power x
+their ratio); a unit without a size is the profile's row, exactly as before. See docs/simulated-gpu.md.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from collections.abc import Callable
 
 from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics
 from megatron_envpipe.core.jitter import JitterError, UnitJitter
+from megatron_envpipe.core.length_costs import LengthCostError, LengthCostModel, MicrobatchSize
 from megatron_envpipe.core.profile import Profile, ProfileError, instruction_of
 from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError
 from megatron_envpipe.gpu.sim_device_model import EnergyMark, EnergyModel, PowerHistory, UnitRun, last_tick_wall_s
@@ -82,6 +89,7 @@ class SimulatedGpu(GpuDevice):
         sm_clock_range_mhz: tuple[int, int] | None = None,
         dynamics: DeviceDynamics = EXACT,
         blocking_power_w_at: Callable[[int], float] | None = None,
+        length_model: LengthCostModel | None = None,
     ) -> None:
         if not 0 <= stage < profile.num_stages:
             raise GpuError(f"simulated GPU: stage {stage} is not in the profile (stages 0..{profile.num_stages - 1})")
@@ -99,8 +107,15 @@ class SimulatedGpu(GpuDevice):
             self._jitter = UnitJitter(jitter, f"{seed}|stage{stage}")
         except JitterError as exc:
             raise GpuError(f"simulated GPU: {exc}") from None
+        if length_model is not None and not isinstance(length_model, LengthCostModel):
+            raise GpuError(f"simulated GPU: length_model must be a LengthCostModel (core/length_costs.py), "
+                           f"got {length_model!r}")
         self.profile = profile
         self.stage = stage
+        # Scales a unit's row to its micro-batch's size (None: every unit at the profile's size).
+        self.length_model = length_model
+        self._next_size: tuple[MicrobatchSize, int] | None = None  # set_unit_size's, for the next unit
+        self._unit_size: tuple[MicrobatchSize, int] | None = None  # the open unit's
         self.time_scale = float(time_scale)
         # A measured blocking power (gpu-check step 4, in the dynamics preset) replaces the table's P2P power.
         self.p2p_power_w = float(p2p_power_w if dynamics.blocking_power_w is None else dynamics.blocking_power_w)
@@ -233,6 +248,17 @@ class SimulatedGpu(GpuDevice):
             energy_mj = self._energy_at(now) - self._energy_at_past(start)
             return energy_mj / 1000.0 / ((now - start) / self.time_scale)
 
+    def set_unit_size(self, size: MicrobatchSize | None, chunk: int = 0) -> None:
+        """The next unit's micro-batch size (None: the profile's own row) and model chunk."""
+        if size is not None and not isinstance(size, MicrobatchSize):
+            raise GpuError(f"{self._name}: a unit's size must be a MicrobatchSize, got {size!r}")
+        if size is not None and self.length_model is None:
+            raise GpuError(f"{self._name}: a unit of {size} but this simulated GPU has no length model: give "
+                           f"SimulatedGpu(length_model=...) (default_length_model_for(source), or one fitted "
+                           f"from a profile measured at >= 2 sizes)")
+        with self._lock:
+            self._next_size = None if size is None else (size, int(chunk))
+
     def unit_begin(self, stage: int, kind: str) -> None:
         self._check_stage(stage)
         instr = instruction_of(kind)
@@ -244,15 +270,28 @@ class SimulatedGpu(GpuDevice):
                 )
             now = self._clock()
             self._advance(now)  # a clock change that has landed by now: this unit starts at it
-            try:
-                point = self.profile.point(self.stage, instr, self._model_clock)
-            except ProfileError as exc:
-                raise GpuError(f"{self._name}: {exc}") from None
+            self._unit_size, self._next_size = self._next_size, None  # a size is for one unit
+            time_s, power_w = self._row(instr, self._model_clock)
             # Jitter stretches or shrinks the unit at the profile's power: its energy scales with it.
             factor = self._jitter.factor() * self.slowdown
-            duration_wall_s = point.time_s * factor * self.time_scale
-            self._unit = UnitRun(kind, instr, now, factor, self._model_clock, point.power_w, duration_wall_s)
+            duration_wall_s = time_s * factor * self.time_scale
+            self._unit = UnitRun(kind, instr, now, factor, self._model_clock, power_w, duration_wall_s)
             self._mark()
+
+    def _row(self, instr: str, freq_mhz: int) -> tuple[float, float]:
+        """(time s, power W) of the open unit at ``freq_mhz``: the profile's row, scaled to the unit's size."""
+        try:
+            point = self.profile.point(self.stage, instr, freq_mhz)
+        except ProfileError as exc:
+            raise GpuError(f"{self._name}: {exc}") from None
+        if self._unit_size is None:
+            return point.time_s, point.power_w  # the profile's row itself (bit for bit as before sizes)
+        size, chunk = self._unit_size
+        try:
+            time_factor, energy_factor = self.length_model.factors(self.stage, chunk, instr, freq_mhz, size)
+        except LengthCostError as exc:
+            raise GpuError(f"{self._name}: {exc}") from None
+        return point.time_s * time_factor, point.power_w * energy_factor / time_factor
 
     def unit_end(self, stage: int, kind: str) -> None:
         """Sleep until the unit has taken its modelled time (longer host work is not shortened)."""
@@ -284,6 +323,7 @@ class SimulatedGpu(GpuDevice):
         with self._lock:
             self._advance(self._clock())
             self._unit = None
+            self._unit_size = None
             self._last_window = (unit.kind, unit.begin_wall_s, unit.end_wall_s)
             self._mark()
 
@@ -377,9 +417,8 @@ class SimulatedGpu(GpuDevice):
             self._set_idle_power(running_mhz)
             unit = self._unit
             if unit is not None:
-                full_wall_s = self.profile.time_s(self.stage, unit.instruction, running_mhz) \
-                    * unit.jitter_factor * self.time_scale
-                power_w = self.profile.point(self.stage, unit.instruction, running_mhz).power_w
+                time_s, power_w = self._row(unit.instruction, running_mhz)
+                full_wall_s = time_s * unit.jitter_factor * self.time_scale
                 if unit.switch(at, running_mhz, power_w, full_wall_s):
                     self._mark()
         self._integrate_to(wall_s)

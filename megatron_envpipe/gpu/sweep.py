@@ -15,15 +15,17 @@ spends one iteration per clock once two iterations at one clock have agreed
 then as good as their mean), and fills the gaps next to the valley with a few
 more clocks, within a third of EnvPipe's cost on the same clocks.
 Deterministic, so every rank fed the same gathered samples decides the same.
+Units with micro-batch sizes (variable lengths): :mod:`megatron_envpipe.gpu.sweep_lengths`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import replace
 
+from megatron_envpipe.core.length_costs import MicrobatchSize
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS
 from megatron_envpipe.gpu.attribution import (
@@ -38,6 +40,8 @@ from megatron_envpipe.gpu.attribution import (
 )
 from megatron_envpipe.gpu.heat_drift import HeatDrift, fit_heat_drift
 from megatron_envpipe.gpu.sweep_clocks import refinement_clocks, sweep_candidates
+from megatron_envpipe.gpu.sweep_lengths import iteration_estimates, rows_at, size_means, sized_profile
+from megatron_envpipe.gpu.sweep_results import ClockResult, ProfileRow
 from megatron_envpipe.gpu.sweep_stats import blocking_power_w, robust_mean, robust_mean_se
 
 __all__ = [
@@ -45,6 +49,8 @@ __all__ = [
     "UnitWindow", "attribute_blocking", "attribute_units", "blocking_power_w", "refinement_clocks", "robust_mean",
     "stage_samples", "startup_sweep", "sweep_candidates",
 ]
+
+log = logging.getLogger("megatron_envpipe")
 
 # EnvPipe's profiler: PROFILE_ITER_LIMIT 5 -> 6 iterations per clock (envpipe.md §5).
 ENVPIPE_ITERATIONS_PER_CLOCK = 6
@@ -54,18 +60,6 @@ COST_SHARE_OF_ENVPIPE = 1 / 3
 # Clocks added near the valley by default: on the A40 profiles, 4 at 30 MHz fill the two 90 MHz gaps
 # next to the valley and bring optimal plans within 0.3 points of plans from every clock (bench/profiler_cost.py).
 REFINE_CLOCKS = 4
-
-
-# -- rows ------------------------------------------------------------------------------
-class ProfileRow(NamedTuple):
-    """A Perseus CSV row."""
-
-    stage: int
-    instruction: str
-    freq_mhz: int
-    time_s: float
-    energy_j: float
-    chunk: int = 0  # the model chunk (Megatron's interleaved pipeline); 0 without
 
 
 # -- candidates ---------------------------------------------------------------------
@@ -93,25 +87,6 @@ def _mean_or_none(values: Sequence[float | None]) -> float | None:
 
 
 # -- the sweep -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ClockResult:
-    """What one clock's iterations gave: robust per-(stage, instruction) rows."""
-
-    freq_mhz: int
-    iterations: int
-    rows: tuple[ProfileRow, ...]
-    refined: bool = False  # measured after the coarse sweep, to fill a gap near the valley
-    energy_se_j: tuple[float, ...] = ()  # per row: standard error of its energy (attribution and spread)
-    at_s: tuple[float | None, ...] = ()  # per stage: when its iterations ran (device seconds; heat drift)
-
-    def energy_j(self) -> float:
-        """Per-micro-batch F+B energy summed over stages."""
-        return math.fsum(r.energy_j for r in self.rows)
-
-    def time_s(self) -> float:
-        return math.fsum(r.time_s for r in self.rows)
-
-
 class ClockSweep:
     """Lockstep clock sweep from the maximum down, with early stop below the valley,
     then a few clocks that refine the sweep near the valley.
@@ -237,6 +212,10 @@ class ClockSweep:
         self._blocking: list[BlockingSample] = []
         self._heat: list[list[tuple[float, float]]] = []  # per stage: (time, blocking power) per iteration
         self._drift_cache: tuple[int, tuple[HeatDrift | None, ...]] | None = None
+        # Sized units: every clock's rows at this size (the first clock's largest); the length fit's outcome.
+        self.reference_size: MicrobatchSize | None = None
+        self.length_fit = ""
+        self._sizes_seen = False  # some unit had a size
 
     # -- driving ---------------------------------------------------------------------------
     @property
@@ -322,8 +301,12 @@ class ClockSweep:
             )
 
     # -- iterations per clock --------------------------------------------------------------
-    def _estimates(self, it: StageSamples) -> dict[tuple[str, str], tuple[float, float]]:
-        """One iteration's (mean, standard error) per (kind, "time"/"energy")."""
+    def _estimates(self, it: StageSamples, reference: MicrobatchSize | None = None
+                   ) -> dict[tuple[str, str], tuple[float, float]]:
+        """One iteration's (mean, standard error) per (kind, "time"/"energy"); sized units at ``reference``."""
+        sized = iteration_estimates(it.units, reference, self.trim_fraction) if reference is not None else None
+        if sized is not None:
+            return sized
         out = {}
         for kind in ("F", "B"):
             units = [u for u in it.units if u.kind == kind]
@@ -334,7 +317,9 @@ class ClockSweep:
     def _disagreement(self, a: StageSamples, b: StageSamples) -> str:
         """Why two iterations' estimates of one stage are not steady ('' when they are)."""
         tol = self.stable_tolerance
-        ea, eb = self._estimates(a), self._estimates(b)
+        sizes = [u.size for u in (*a.units, *b.units)]
+        reference = (self.reference_size or max(sizes)) if None not in sizes else None  # both sized: compare there
+        ea, eb = self._estimates(a, reference), self._estimates(b, reference)
         for key, (ma, sa) in ea.items():
             mb, sb = eb[key]
             mean = (abs(ma) + abs(mb)) / 2
@@ -374,7 +359,7 @@ class ClockSweep:
     # -- clocks ----------------------------------------------------------------------------
     def _finish_clock(self) -> None:
         freq = self._queue[self._index]
-        rows, ses = [], []
+        rows, ses, by_type = [], [], {}
         for stage in range(self._num_stages or 0):
             # Model chunks (Megatron's interleaved pipeline): one row per chunk, from that chunk's units.
             chunks = 1 + max(u.chunk for it in self._pending for u in it[stage].units)
@@ -383,6 +368,7 @@ class ClockSweep:
                     units = [u for it in self._pending for u in it[stage].units if u.kind == kind and u.chunk == chunk]
                     if not units:
                         raise ValueError(f"stage {stage} at {freq} MHz: no {instruction} samples of model chunk {chunk}")
+                    by_type[(stage, chunk, instruction)] = units
                     energy, spread_se = robust_mean_se([u.energy_j for u in units], self.trim_fraction)
                     rows.append(ProfileRow(stage, instruction, freq,
                                            robust_mean([u.time_s for u in units], self.trim_fraction), energy, chunk))
@@ -391,8 +377,20 @@ class ClockSweep:
                     fit_se = math.fsum(u.energy_se_j for u in units) / len(units) / math.sqrt(len(self._pending))
                     ses.append(math.hypot(fit_se, spread_se))
         at_s = tuple(_mean_or_none([it[s].at_s for it in self._pending]) for s in range(self._num_stages or 0))
+        samples, averaged = (), ()
+        self._sizes_seen |= any(u.size is not None for units in by_type.values() for u in units)
+        if all(u.size is not None for units in by_type.values() for u in units):
+            # Units of different sizes are never averaged into one row: rows at one size, every clock alike.
+            samples = size_means(by_type, freq, self.trim_fraction)
+            self.reference_size = self.reference_size or max(x.size for x in samples)
+            at_ref = rows_at(samples, self.reference_size)
+            if at_ref is not None:
+                averaged = tuple(rows)
+                rows = [r._replace(time_s=at_ref[(r.stage, r.chunk, r.instruction, freq)][0],
+                                   energy_j=at_ref[(r.stage, r.chunk, r.instruction, freq)][1]) for r in rows]
         self.results.append(ClockResult(freq, len(self._pending), tuple(rows), refined=self.refining,
-                                        energy_se_j=tuple(ses), at_s=at_s))
+                                        energy_se_j=tuple(ses), at_s=at_s, samples=samples,
+                                        averaged=averaged))
         self._pending = []
         self._index += 1
         if not self.refining:
@@ -476,11 +474,13 @@ class ClockSweep:
             factors = [d.factor(t) if d is not None and t is not None else 1.0
                        for d, t in zip(drift, r.at_s or [None] * len(drift))]
             rows = tuple(row._replace(energy_j=row.energy_j / factors[row.stage]) for row in r.rows)
+            averaged = tuple(row._replace(energy_j=row.energy_j / factors[row.stage]) for row in r.averaged)
+            samples = tuple(replace(x, energy_j=x.energy_j / factors[x.stage]) for x in r.samples)
             # The drift model is a fit too, extrapolated to the hot state: half the largest correction it
             # made on a stage counts as the uncertainty of every row of that stage.
             ses = tuple(math.hypot(se / factors[row.stage], 0.5 * spread[row.stage] * new.energy_j)
                         for row, new, se in zip(r.rows, rows, r.energy_se_j))
-            out.append(ClockResult(r.freq_mhz, r.iterations, rows, r.refined, ses, r.at_s))
+            out.append(ClockResult(r.freq_mhz, r.iterations, rows, r.refined, ses, r.at_s, samples, averaged))
         return out
 
     def row_uncertainties(self) -> dict[tuple[int, str, int, int], float]:
@@ -516,20 +516,36 @@ class ClockSweep:
     def refined_clocks_mhz(self) -> tuple[int, ...]:
         return tuple(sorted((r.freq_mhz for r in self.results if r.refined), reverse=True))
 
-    def rows(self) -> list[ProfileRow]:
-        """Perseus rows of every measured clock, by stage, instruction, clock (fastest first)."""
+    def rows(self, averaged: bool = False) -> list[ProfileRow]:
+        """Perseus rows of every measured clock, by stage, instruction, clock (fastest first);
+        ``averaged``: with sizes, every size averaged into one row (the fixed-length rows)."""
         order = {ins: i for i, ins in enumerate(INSTRUCTIONS)}
-        rows = [row for r in self.measured_results() for row in r.rows]
+        rows = [row for r in self.measured_results() for row in (r.averaged or r.rows if averaged else r.rows)]
         return sorted(rows, key=lambda r: (r.stage, r.chunk, order[r.instruction], -r.freq_mhz))
 
     def profile(self) -> Profile:
+        """The measured profile; with micro-batch sizes, at the reference size with every other size's
+        samples (the length fit), or, where fewer than 2 sizes were measured, the fixed-length rows (logged)."""
         if not self.results:
             raise ValueError("no clock has been measured yet")
+        source = f"<start-up profiler: {len(self.results)} clocks, {self.iterations_used} iterations>"
+        measured = self.measured_results()
+        samples = [x for r in measured for x in r.samples]
+        if self._sizes_seen:
+            unsized = [r.freq_mhz for r in measured if not r.samples]  # an iteration's sizes were unknown
+            profile, why = (None, f"no sizes in some iterations at {unsized} MHz") if unsized else \
+                sized_profile(samples, source)
+            if profile is not None:
+                self.length_fit = f"length fit from {len({x.size for x in samples})} sizes"
+                return profile
+            if not self.length_fit.endswith(why):
+                log.warning("EnvPipe profiler: no length fit, keeping fixed-length rows (every micro-batch size "
+                            "averaged) as without sizes: %s", why)
+            self.length_fit = f"no length fit: {why}"
         points: dict[tuple[int, str, int], list[ProfilePoint]] = {}
-        for row in self.rows():
+        for row in self.rows(averaged=True):
             point = ProfilePoint(row.freq_mhz, row.time_s, row.energy_j)
             points.setdefault((row.stage, row.instruction, row.chunk), []).append(point)
-        source = f"<start-up profiler: {len(self.results)} clocks, {self.iterations_used} iterations>"
         return Profile(points, source=source)
 
     def envpipe_iterations(self) -> int:
@@ -556,5 +572,5 @@ class ClockSweep:
             f"{'not measured' if p2p is None else f'{p2p:.1f} W'}; "
             + (f"{self.unmeasured_iterations} iteration(s) unmeasured; " if self.unmeasured_iterations else "")
             + (f"unsteady: {'; '.join(self.unsteady_events[:3])}; " if self.unsteady_events else "")
-            + (self.stop_reason or "running")
+            + (self.stop_reason or "running") + (f"; {self.length_fit}" if self.length_fit else "")
         )

@@ -54,6 +54,7 @@ from megatron_envpipe.megatron.devices import profile_layout_key, setup_device
 from megatron_envpipe.megatron.dispatch import Handler, checked_handler_table
 from megatron_envpipe.megatron.grad_sync import GradSync, InterleavedSync, OneChunkSync
 from megatron_envpipe.megatron.groups import StageGroups
+from megatron_envpipe.megatron.iteration_plans import IterationPlans, iteration_plans_for
 from megatron_envpipe.megatron.memory import MemoryProbe
 from megatron_envpipe.megatron.reporting import report_energy
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
@@ -227,6 +228,7 @@ class StageIteration:
         self.interleaved = interleaved
         self.num_chunks = len(models)
         self.m = num_microbatches
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
         self.pgc, self.force_all_reduce = pg_collection, force_all_reduce
         self.groups = StageGroups.of(pg_collection)
@@ -267,6 +269,7 @@ class StageIteration:
         self.device_time: DeviceTimeLink | None = None  # set by run(): a simulated GPU in virtual time
         self.memory: MemoryProbe | None = None  # set by run() when the plan measures memory
         self.own_wall_s: float | None = None  # wall time up to the gradient sync (stragglers, no virtual time)
+        self.iteration_plans: IterationPlans | None = None  # set by run() with variable sequence lengths
 
     def handler_table(self) -> dict[type[ins.Instruction], Handler]:
         """Instruction type -> bound handler; raises HandlerTableError if one is missing."""
@@ -328,7 +331,14 @@ class StageIteration:
         self.device_time = STATE.device_time
         started = time.perf_counter()
         apply_sim_straggler(self.runtime.config, self.hooks, self.groups, self.runtime.iteration)
+        sizes = None  # micro-batch sizes: known (one iteration ahead) only where they vary
+        if self.shapes:
+            self.iteration_plans = iteration_plans_for(self.runtime, self.seq_length, self.micro_batch_size)
+            self.data_iterators = self.iteration_plans.wrap(self.data_iterators, self.m)
+            sizes = self.iteration_plans.exchange(self.groups, self.m)
         plan = self._prepare()
+        if self.iteration_plans is not None:  # this iteration's own clocks, if planned in time
+            plan = self.iteration_plans.install(plan, self.stage)
         # With shape messages if the lengths vary; proved deadlock-free (with the warm-up) once per schedule.
         programs = STATE.programs.programs(plan, self.shapes, self.interleaved)
         program = programs[self.stage].instructions
@@ -350,6 +360,7 @@ class StageIteration:
             self.sync = OneChunkSync(config, self.models[0], last_backward, self.first)
         self.sync.begin()
         self.hooks.iteration_begin(self.stage, self.runtime.iteration)
+        self.hooks.iteration_sizes(sizes)
         if plan.plan is not None:  # None: no clock is set (no clock control)
             self.hooks.clock_plan(order, plan.plan.freqs_mhz[self.stage],
                                   plan.unit_times_s[self.stage] if plan.unit_times_s is not None else None)
@@ -418,6 +429,8 @@ class StageIteration:
         link, scale = self.device_time, self.runtime.device.time_scale if self.runtime.device else 1.0
         own_s = link.own_time_s if link is not None else (self.own_wall_s or 0.0) / scale
         report_energy(self.runtime, self.hooks, self.groups, iteration)
+        if self.iteration_plans is not None:
+            self.iteration_plans.after_iteration(self.groups, iteration)
         follow_stragglers(self.runtime, self.groups, iteration, own_s)  # switches from the next iteration on
 
     # -- handlers: compute -------------------------------------------------------------

@@ -31,14 +31,9 @@ reason in :attr:`LookaheadIterator.problem`; the training goes on unchanged.
 **Which ranks know the sizes.** Only ranks that pull data: in the tiny GPT every stage, in
 Megatron-LM the first and last stages (middle stages pass None, or never pull), and with tensor
 parallelism only the ranks that read before broadcasting to their group. Every rank of a pipeline
-needs the same sizes for its plan. How they would get there (wired in a later round, not here):
-at the start of schedule call ``i`` every rank of the pipeline posts one asynchronous broadcast of
-``2 M`` int64 (tokens and attention_tokens2 of iteration ``i + 1``) from the first stage's data
-rank over a dedicated process group, as the straggler exchange uses its own group; the source rank
-calls :meth:`DataLookahead.read_ahead` first, so its sizes of ``i + 1`` are complete when it posts.
-Every rank posts it at the same point of the same call, so collectives stay in the same order on
-every rank, and the planner thread waits on the request, with a whole iteration for it to arrive;
-a late or failed broadcast means no sizes, and the previous plan runs (logged, counted).
+needs the same sizes for its plan: :mod:`~megatron_envpipe.megatron.iteration_plans` broadcasts
+the first stage's sizes of iteration ``i + 1`` over the pipeline group during iteration ``i``
+(asynchronously, one small message per iteration).
 """
 
 from __future__ import annotations

@@ -295,6 +295,10 @@ def summarize(runtime: EnvPipeRuntime | None) -> str | None:
     line = summary_line(planned, runtime.baseline, runtime.device.simulated, local.num_gpus, local.replicas)
     if line is not None:
         log.info("%s", line)
+    plans = runtime.iteration_plans  # variable-length micro-batches: what the per-iteration plans did
+    told = plans.summary() if plans is not None else None
+    if told is not None:
+        log.info("%s", told)
     return line
 
 

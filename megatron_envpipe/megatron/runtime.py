@@ -123,6 +123,8 @@ class EnvPipeRuntime:
         # (slowest replica, its pace s) while the last agreement found this pipeline waiting for a slower one
         # at the gradient sync (followed or not): iterations then last longer than planned, and that is why.
         self.dp_wait: tuple[int, float] | None = None
+        # Variable-length micro-batches: megatron/iteration_plans.IterationPlans, made at the first such call.
+        self.iteration_plans: Any = None
 
     # -- facts from the executor ---------------------------------------------------------
     def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None) -> None:

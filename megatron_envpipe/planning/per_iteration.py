@@ -72,7 +72,9 @@ class IterationPlanner:
     """Plans each iteration's clocks from its micro-batches' sizes, for one fixed order (module docstring)."""
 
     def __init__(self, profile: Profile, length_model: LengthCostModel, num_microbatches: int,
-                 config: PlannerConfig) -> None:
+                 config: PlannerConfig, schedule: Schedule | None = None) -> None:
+        """``schedule``: the order to plan (e.g. the run-time's start-up plan's, so that programs differ only
+        in their clocks); None: the one the optimal planner chooses at the reference size."""
         config.validate()
         if config.plan_type != PlanType.OPTIMAL:
             raise PlannerError(f"per-iteration plans use --type optimal's clock planner, got --type "
@@ -95,8 +97,8 @@ class IterationPlanner:
         self.f_max_mhz = setup.f_max_mhz
         self.baseline_schedule: Schedule = setup.baseline_plan.schedule
         self.switch_cost_j = config.effective_switch_cost_j
-        self.schedule: Schedule = setup.schedules[0][1]
-        if len(setup.schedules) > 1:  # ours: the extra warm-up the planner chooses at the reference size
+        self.schedule: Schedule = schedule if schedule is not None else setup.schedules[0][1]
+        if schedule is None and len(setup.schedules) > 1:  # ours: the extra warm-up the planner chooses at the reference size
             chosen = plan_optimal(profile, num_microbatches, config).details["extra_warmup_chosen"]
             self.schedule = dict(setup.schedules)[chosen]
         self.dependencies = config.dependencies(self.schedule)

@@ -90,7 +90,7 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
         _installed["config"] = config
         _installed["calls"] = 0
     hooks: RecordingHooks = _installed["hooks"]
-    start = len(hooks.instructions)
+    start, start_sizes = len(hooks.instructions), len(hooks.sizes)
     runtime = STATE.runtime
     m = kwargs["num_microbatches"]
     p, stage = _pipeline_position()
@@ -118,6 +118,9 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
             "phase": plan.phase if plan is not None else "Megatron's schedule",
             "extra_warmup": list(plan.schedule.extra_warmup) if plan is not None else [],
             "live_tensors": live,
+            # hooks.iteration_sizes per iteration: (tokens, attention_tokens2) per micro-batch, or None
+            "sizes": [None if sizes is None else [[x.tokens, x.attention_tokens2] for x in sizes]
+                      for sizes in hooks.sizes[start_sizes:]],
         }
         path = Path(record_dir) / f"rank{rank}-{_installed['calls']}.json"
         write_json_atomic(path, record, indent=None)

@@ -14,18 +14,20 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics
 from megatron_envpipe.core.gpu_specs import GpuSpec
+from megatron_envpipe.core.length_costs import LengthCostModel, MicrobatchSize
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu.energy import EnergyMonitor
 from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.gpu.sweep import ClockSweep, ProfileRow, stage_samples, sweep_candidates
+from megatron_envpipe.gpu.sweep import ClockSweep, ProfileRow, UnitWindow, stage_samples, sweep_candidates
+from megatron_envpipe.gpu.sweep_lengths import sized_stage_samples
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 
@@ -43,7 +45,9 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
                               host_delays: dict[tuple[int, str, int], list[float]] | None = None,
                               host_load: list[float] | None = None,
                               dynamics: DeviceDynamics = EXACT,
-                              counter_periods_s: list[float | None] | None = None) -> float:
+                              counter_periods_s: list[float | None] | None = None,
+                              sizes: Sequence[Sequence[MicrobatchSize] | None] | None = None,
+                              length_model: LengthCostModel | None = None) -> float:
     """Run ``sweep`` to the end on one simulated GPU per stage of ``truth``; returns the seconds it took.
 
     What the runtime does per profiling iteration, in real time: lock the sweep's clock on every
@@ -64,12 +68,17 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
     poller), and after each lock the run waits the clock latency before the first unit, so that
     every unit runs at the swept clock. The monitors measure the counter's period themselves;
     ``counter_periods_s`` gets each stage's as measured (device seconds; 0: exact).
+    ``sizes``: variable-length micro-batches: iteration k's micro-batch m has size
+    ``sizes[k % len(sizes)][m]`` (an entry None: that iteration's sizes are not known); the GPUs cost
+    units by ``length_model`` and every sample carries its size, as the runtime's hooks do (``iteration_sizes``).
     """
     vc = VirtualClock() if virtual_time else None
     clock, sleep = (vc.now, vc.sleep) if vc is not None else (time.monotonic, time.sleep)
     if dynamics.counter_period_s > 0:
         poll_interval_s = min(poll_interval_s, dynamics.counter_period_s * time_scale / (POLLS_PER_COUNTER_UPDATE + 0.37))
     extra = {} if dynamics.exact else {"dynamics": dynamics}  # EXACT: the device exactly as before
+    if length_model is not None:
+        extra["length_model"] = length_model
     gpus = [SimulatedGpu(truth, s, time_scale=time_scale, p2p_power_w=p2p_power_w, clock=clock, sleep=sleep,
                          **extra)
             for s in range(truth.num_stages)]
@@ -90,6 +99,7 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
             if dynamics.clock_latency_s > 0:
                 sleep(dynamics.clock_latency_s * time_scale)  # lock, then wait until the SMs run at it
             per_stage = []
+            mb_sizes = sizes[sweep.iterations_used % len(sizes)] if sizes else None
             for s, g in enumerate(gpus):
                 units, blocking = [], []
                 for m in range(microbatches):
@@ -99,6 +109,8 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
                             sleep(0.002 * (m + 1))
                             blocking.append((w0, clock()))
                         t0_s = clock()
+                        if mb_sizes is not None:
+                            g.set_unit_size(mb_sizes[m])
                         g.unit_begin(s, kind)
                         g.unit_end(s, kind)
                         units.append((kind, t0_s, clock()) if timing == "host" else g.last_unit_window())
@@ -116,7 +128,12 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
                         if (monitors[s].covered_until() or -math.inf) >= end_s:
                             break
                         vc.sleep(poll_interval_s)
-                per_stage.append(stage_samples(monitors[s], units, blocking, time_scale=time_scale))
+                if mb_sizes is None:
+                    per_stage.append(stage_samples(monitors[s], units, blocking, time_scale=time_scale))
+                else:  # units ran F, B per micro-batch
+                    per_stage.append(sized_stage_samples(monitors[s], [UnitWindow(*w) for w in units],
+                                                         [mb_sizes[i // 2] for i in range(len(units))], blocking,
+                                                         time_scale=time_scale))
             sweep.record(freq, per_stage)
         lost1 = host_lost_time_s() if lost0 is not None else None  # before the pollers' threads end
         if lost0 is not None and lost1 is not None:

@@ -53,6 +53,9 @@ MAPPED = {
         "tests/apps/test_example_tiny_gpt.py",
     "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 --device cpu "
     "--variable-seq-lengths --train-iters 20 --no-envpipe": "tests/apps/test_tiny_variable_lengths.py",
+    "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 --device cpu "
+    "--variable-seq-lengths --train-iters 20 --envpipe-type optimal --envpipe-scheduling ours "
+    "--envpipe-gpu simulated:a40/gpt3-175b": "tests/megatron/test_variable_lengths_acceptance.py",
     "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 2 --device cpu "
     "--train-iters 40 --envpipe-type optimal --envpipe-scheduling ours --envpipe-gpu simulated:a40/gpt3-175b "
     "--envpipe-sim-straggler 1:1.15": "tests/megatron/test_stragglers_acceptance.py",
