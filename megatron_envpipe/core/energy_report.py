@@ -79,6 +79,9 @@ class EnergyReport:
     baseline: Baseline | None = None  # measured; None: compare with predicted_baseline_j
     iterations: int = 1  # iterations the means are over
     gpus: tuple[GpuFigure, ...] = ()  # per GPU, from its counter between log points (empty: first window)
+    # Variable-length micro-batches: the plan figures are the per-iteration plans' (against the stock run
+    # for the same sizes), and the baseline ran micro-batches of other sizes (said in the line).
+    per_iteration_plans: bool = False
 
     @property
     def compared_with(self) -> Baseline | None:
@@ -133,9 +136,11 @@ class EnergyReport:
             planned = f" (planned {100 * self.planned_saving:.2f}%)" if self.planned_saving is not None else ""
             slower = self.slowdown_vs_baseline
             time = f", time {100 * slower:+.2f}%" if slower is not None else ""
-            parts.append(f"saving {100 * self.saving:.2f}%{planned}{time} vs {base.describe()}")
+            sizes = " (micro-batches of other sizes)" if self.per_iteration_plans else ""
+            parts.append(f"saving {100 * self.saving:.2f}%{planned}{time} vs {base.describe()}{sizes}")
         if self.planned_time_s:
-            parts.append(f"time {100 * self.slowdown_vs_plan:+.2f}% vs the plan's {self.planned_time_s:.3f} s")
+            whose = "the per-iteration plans'" if self.per_iteration_plans else "the plan's"
+            parts.append(f"time {100 * self.slowdown_vs_plan:+.2f}% vs {whose} {self.planned_time_s:.3f} s")
         gpu = self.gpu_mean()
         if gpu is not None:
             parts.append(f"per GPU {gpu.energy_j:.1f} J/iter, {gpu.power_w:.1f} W")

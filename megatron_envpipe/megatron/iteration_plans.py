@@ -325,14 +325,21 @@ class IterationPlans:
         return planned, _unit_times(planner, planned, stage)
 
     # -- report --------------------------------------------------------------------------
+    def window_prediction(self, iterations: int) -> tuple[float, float] | None:
+        """(mean predicted iteration time, predicted saving against the stock run for the same sizes) of the
+        energy window's ``iterations`` when each ran its own plan; None otherwise (the start-up plan's apply)."""
+        w = self.window
+        if iterations < 1 or w.planned != iterations or w.baseline_energy_j <= 0:
+            return None
+        return w.time_s / w.planned, 1.0 - w.energy_j / w.baseline_energy_j
+
     def after_iteration(self, groups: StageGroups, iteration: int) -> None:
-        """On the last rank at every energy-log point: the window's line."""
-        if self.off_reason is not None or self._planner is None:
+        """At every energy-log point: the window's line (on the last rank), and a new window (on every rank)."""
+        if self.off_reason is not None or self._planner is None or (iteration + 1) % log_interval(self.runtime):
             return
-        if (iteration + 1) % log_interval(self.runtime) or dist.get_rank() != dist.get_world_size() - 1:
-            return
-        log.info("%s", self.window.line(self.stats, f"iteration {iteration + 1}"))
-        self.window = PlanStats()
+        if dist.get_rank() == dist.get_world_size() - 1:
+            log.info("%s", self.window.line(self.stats, f"iteration {iteration + 1}"))
+        self.window = PlanStats()  # on every rank: each one's energy line reads its own window
 
     def summary(self) -> str | None:
         if self._planner is None:

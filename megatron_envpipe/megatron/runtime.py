@@ -328,9 +328,15 @@ class EnvPipeRuntime:
             planned_time = result.deadline_s if result.deadline_s is not None else result.score.iteration_time_s
             if self.pace_time_s is not None:  # following a straggler: its pace's plan
                 planned_time = self.pace_time_s
+        saving = result.energy_saving if result is not None else None
+        # Variable-length micro-batches: a window run wholly under per-iteration plans is held to their figures.
+        own = (self.iteration_plans.window_prediction(iterations)
+               if result is not None and self.pace_time_s is None and self.iteration_plans is not None else None)
+        if own is not None:
+            planned_time, saving = own
         report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated,
-                              planned_time, result.energy_saving if result is not None else None,
-                              self.baseline if result is not None else None, iterations, tuple(gpus))
+                              planned_time, saving, self.baseline if result is not None else None, iterations,
+                              tuple(gpus), per_iteration_plans=own is not None)
         self.energy_log.append(report)
         return report
 

@@ -72,3 +72,12 @@ def test_per_iteration_plans_train_with_stock_losses_and_log_their_saving(tmp_pa
     assert plans["planned"] + plans["fallbacks"] + plans["unknown"] == ITERATIONS - 3, plans
     assert plans["planned"] >= 1 and plans["unknown"] == 0, plans
     assert 0 < plans["energy_j"] < plans["baseline_energy_j"], plans
+    # The energy line of a window run wholly under per-iteration plans is held to their figures (iterations
+    # 5-6, unless a plan was late on a loaded host); the mixed window 3-4 keeps the start-up plan's.
+    energy = {int(m.group(1)): line for line in log.splitlines()
+              if (m := re.search(r"EnvPipe energy \(simulated\) \| iterations? (?:\d+-)?(\d+) \|", line))}
+    assert "vs the plan's" in energy[4] and "per-iteration" not in energy[4], energy
+    if plans["fallbacks"] == 0:
+        assert "vs the per-iteration plans'" in energy[6] and "(micro-batches of other sizes)" in energy[6], energy
+    else:
+        print(f"a per-iteration plan was late ({plans}): the window 5-6 check is skipped")
