@@ -78,6 +78,9 @@ def _fallback(reason: str, kwargs: dict[str, Any], interleaved: bool = False) ->
     original = STATE.original_interleaved if interleaved else STATE.original
     if original is None:
         raise RuntimeError("EnvPipe executor called before megatron_envpipe.install()")
+    plans = getattr(STATE.runtime, "iteration_plans", None)
+    if plans is not None:  # variable lengths: read through the look-ahead, or its read-ahead would be skipped
+        kwargs = {**kwargs, "data_iterator": plans.passed_on(kwargs["data_iterator"])}
     return original(**kwargs)
 
 

@@ -8,7 +8,7 @@ plan for the average micro-batch wastes slack. Per schedule call ``i`` on every 
    :class:`~megatron_envpipe.megatron.lookahead.DataLookahead` (what training pulls does not change) and
    the wrapped ones are passed on. The pipeline's first stage reads data in Megatron-LM and in the tiny GPT
    alike: it reads ahead and posts one asynchronous broadcast over the pipeline group of iteration
-   ``i + 1``'s sizes (``1 + 2 M`` int64: a "known" flag, tokens, attention_tokens2). Every rank posts it
+   ``i + 1``'s sizes (``2 + 2 M`` int64: a "known" flag, M, tokens, attention_tokens2). Every rank posts it
    at the same point of the same call, so collectives keep one order. The sizes of iteration ``i`` come
    from the broadcast posted in call ``i - 1`` (complete long since; iteration 0's are broadcast once,
    blocking, at the first call). A first stage without data (e.g. a tensor-parallel rank that Megatron-LM
@@ -16,8 +16,10 @@ plan for the average micro-batch wastes slack. Per schedule call ``i`` on every 
 2. **Sizes the cost model sees** (:class:`SizeMapping`, the one mapping): where the unit costs come from a
    shipped profile (``--envpipe-gpu simulated:<shipped>`` or ``--envpipe-profile <shipped>``), whose
    default length model has a reference micro-batch of one 2048-token sequence, each micro-batch's
-   sequence lengths are scaled by ``reference tokens / (seq_length x micro_batch_size)``: this run's
-   longest (padded) micro-batch costs what the profile's row costs, shorter ones less. Otherwise (a profile
+   sequence lengths are scaled by ``k = reference tokens / (seq_length x micro_batch_size)``: this run's
+   full (padded) micro-batch has the row's tokens, as ``micro_batch_size`` sequences of ``k x seq_length``
+   (with one sequence per micro-batch, exactly the row; with more, its attention term is smaller), shorter
+   ones less. Otherwise (a profile
    measured on this model) sizes are taken as they are. The executor hands these sizes to
    ``hooks.iteration_sizes`` every iteration, the same that the plans are made from.
 3. **Plans in the background.** Once the start-up plan exists (profile agreed), one worker thread builds a
@@ -85,7 +87,7 @@ class SizeMapping:
         if self.scale == 1.0:
             return size
         tokens = max(1, round(size.tokens * self.scale))
-        # Lengths scale by k, their squares by k**2; kept in tokens..tokens**2 after rounding.
+        # Every sequence becomes k times longer: squares k**2 times larger; kept in tokens..tokens**2 after rounding.
         attention = min(tokens * tokens, max(tokens, round(size.attention_tokens2 * self.scale * self.scale)))
         return MicrobatchSize(tokens, attention)
 
@@ -103,9 +105,12 @@ class SizeMapping:
             reference = default_length_model_for(source).reference
         except LengthCostError:  # not a shipped model's profile: sizes as read
             return cls()
-        return cls(reference.tokens / full_tokens,
-                   f"scaled x {reference.tokens / full_tokens:g}: a full micro-batch ({seq_length} x "
-                   f"{micro_batch_size} tokens) costs {source}'s row ({reference})")
+        # Sequences k times longer: a full micro-batch has the reference's tokens, as micro_batch_size
+        # sequences (one sequence of them all where micro_batch_size is 1: then exactly the reference).
+        k = reference.tokens / full_tokens
+        return cls(k, f"scaled x {k:g}: a full micro-batch ({micro_batch_size} x {seq_length} tokens) has the "
+                      f"{reference.tokens} tokens of {source}'s row ({reference}), as {micro_batch_size} "
+                      f"sequence(s) of {k * seq_length:g}")
 
 
 def costs_source(config: EnvPipeConfig) -> str | None:
@@ -220,6 +225,11 @@ class IterationPlans:
     def exchange(self, groups: StageGroups, num_microbatches: int) -> tuple[MicrobatchSize, ...] | None:
         """This iteration's sizes (from the last call's broadcast); posts the next iteration's broadcast."""
         first_call = self._pending is None
+        if groups.tp_size > 1 and self.off_reason is None:
+            # Only tensor-parallel rank 0 reads data in Megatron-LM: the other ranks of a stage would keep the
+            # start-up plan while it ran per-iteration plans, and their all-reduces tie them to one pace.
+            self.enabled, self.off_reason = False, "tensor parallelism > 1 (not supported yet)"
+            log.warning("EnvPipe per-iteration plans off: %s", self.off_reason)
         if first_call:
             self._post(groups, num_microbatches, ahead=0)
         work, buffer = self._pending
@@ -264,6 +274,7 @@ class IterationPlans:
                 self.stats.unknown += 1
                 self.window.unknown += 1
         elif ready is not None and not ready.done():
+            ready.cancel()  # still queued: never run it (a plan for a past iteration); the queue stays short
             self.stats.fallbacks += 1
             self.window.fallbacks += 1
             if not self._told_late:
@@ -309,6 +320,10 @@ class IterationPlans:
             log.warning("EnvPipe per-iteration plans off: %s", exc)
             return None
         log.info("EnvPipe per-iteration plans on: length model %s; sizes %s", model.source, self.mapping.why)
+        if pcfg.timing_margin or pcfg.clock_latency_s:
+            log.warning("EnvPipe per-iteration plans: the start-up plan's timing margin (%g) and clock latency "
+                        "(%g s) are not applied to per-iteration plans: they meet the stock time of each "
+                        "iteration's sizes exactly as profiled", pcfg.timing_margin, pcfg.clock_latency_s)
         return planner
 
     def _plan_next(self, pending: tuple[Any, torch.Tensor], stage: int
@@ -323,6 +338,19 @@ class IterationPlans:
             return None
         planned = planner.plan(sizes)
         return planned, _unit_times(planner, planned, stage)
+
+    def passed_on(self, data_iterator: Any) -> Any:
+        """What a call that falls back to Megatron's own schedule must read: the wrapped iterator(s) where
+        ``data_iterator`` is what this object wraps (the micro-batches it read ahead stay next in line), else
+        ``data_iterator`` itself (e.g. an evaluation iterator)."""
+        look, sources = self._lookahead, self._sources
+        if look is None or sources is None:
+            return data_iterator
+        given = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        if len(given) != len(sources) or any(a is not b for a, b in zip(given, sources, strict=True)):
+            return data_iterator
+        wrapped = look.data_iterator
+        return wrapped if isinstance(data_iterator, list) else wrapped[0]
 
     # -- report --------------------------------------------------------------------------
     def window_prediction(self, iterations: int) -> tuple[float, float] | None:
@@ -359,16 +387,23 @@ class IterationPlans:
 
 
 def _encode(sizes: Sequence[MicrobatchSize] | None, m: int) -> torch.Tensor:
+    """``[known, M, tokens x M, attention_tokens2 x M]``: M travels along, so a message sent before the
+    micro-batch count changed (Megatron-LM's batch-size ramp-up) reads as unknown, not as a crash."""
     if sizes is None or len(sizes) != m:
-        return torch.zeros(1 + 2 * m, dtype=torch.int64)
-    return torch.tensor([1, *(s.tokens for s in sizes), *(s.attention_tokens2 for s in sizes)], dtype=torch.int64)
+        return torch.tensor([0, m, *([0] * 2 * m)], dtype=torch.int64)
+    return torch.tensor([1, m, *(s.tokens for s in sizes), *(s.attention_tokens2 for s in sizes)],
+                        dtype=torch.int64)
 
 
 def _decode(buffer: torch.Tensor, m: int) -> tuple[MicrobatchSize, ...] | None:
+    """The sizes of a message for ``m`` micro-batches; None: unknown, for another M, or not sizes at all."""
     values = buffer.cpu().tolist()
-    if not values or values[0] != 1:
+    if len(values) != 2 + 2 * m or values[0] != 1 or values[1] != m:
         return None
-    return tuple(MicrobatchSize(t, a) for t, a in zip(values[1:1 + m], values[1 + m:], strict=True))
+    try:
+        return tuple(MicrobatchSize(t, a) for t, a in zip(values[2:2 + m], values[2 + m:], strict=True))
+    except LengthCostError:  # data the look-ahead could not size sensibly: keep the running plan
+        return None
 
 
 def _unit_times(planner: IterationPlanner, planned: PlannedIteration, stage: int) -> tuple[float, ...] | None:

@@ -65,6 +65,9 @@ class ExecutorState:
     def reset(self) -> None:
         """``uninstall()``: close the hooks (resetting clocks) and forget the run-time and channels."""
         self.hooks.close()
+        plans = getattr(self.runtime, "iteration_plans", None)
+        if plans is not None:  # the per-iteration planner's thread
+            plans.close()
         self.runtime = None
         self.hooks = ExecutionHooks()
         self.user_hooks = False

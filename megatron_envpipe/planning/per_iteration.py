@@ -44,8 +44,8 @@ class IterationPlan:
     """One iteration's plan for its micro-batches' sizes, and what it and the stock run cost.
 
     Energies include the clock changes the plan makes when iterations repeat, at the config's effective
-    switch cost (the stock run, at one clock, makes none). ``fallback``: why the plan is the stock run
-    itself (empty when it is a real plan): its order at f_max could not meet the deadline.
+    switch cost (the stock run, at one clock, makes none). ``fallback``: why the plan is the fixed order with
+    every unit at f_max (empty when it is a real plan): that order cannot meet the deadline for these sizes.
     """
 
     plan: FrequencyPlan
@@ -144,8 +144,11 @@ class IterationPlanner:
         try:
             sol = model.solve(deadline)
             plan, score = FrequencyPlan.from_flat(self.schedule, sol.freqs_mhz), sol.score
-        except InfeasibleDeadline as exc:  # `ours`'s order cannot keep up with these sizes: run stock
-            plan, score, fallback = stock_plan, stock, f"the stock order at f_max: {exc}"
+        except InfeasibleDeadline as exc:
+            # The fixed order cannot keep up with these sizes: it runs at f_max. Never the stock order: a
+            # plan of another order would change the programs, which are proved for the fixed order only.
+            plan = FrequencyPlan.constant(self.schedule, [self.f_max_mhz] * self.schedule.num_stages)
+            score, fallback = self.score(plan, sizes), f"the fixed order at f_max: {exc}"
         return IterationPlan(
             plan=plan, sizes=sizes, iteration_time_s=score.iteration_time_s, energy_j=self.energy_j(plan, score),
             baseline_time_s=stock.iteration_time_s, baseline_energy_j=self.energy_j(stock_plan, stock),

@@ -88,7 +88,8 @@ class _HeldBroadcast:
 
 
 def _message(sizes: list[MicrobatchSize]) -> torch.Tensor:
-    return torch.tensor([1, *(s.tokens for s in sizes), *(s.attention_tokens2 for s in sizes)], dtype=torch.int64)
+    return torch.tensor([1, len(sizes), *(s.tokens for s in sizes), *(s.attention_tokens2 for s in sizes)],
+                        dtype=torch.int64)
 
 
 def test_a_late_plan_runs_the_previous_one_counted_then_each_iteration_its_own(tmp_path: Path):
@@ -153,3 +154,28 @@ def test_every_rank_gets_the_first_stages_sizes_of_each_iteration(tmp_path: Path
         # The second iteration reads a new iterator object (the harness's repeat): the sizes posted a call
         # earlier were the first iterator's next iteration, which it does not have: unknown, on every rank.
         assert sizes == [expected, None], (rank, sizes)
+
+
+def test_a_sizes_message_for_another_micro_batch_count_or_bad_sizes_reads_as_unknown():
+    from megatron_envpipe.megatron import iteration_plans as ip
+
+    sizes = [MicrobatchSize.from_lengths([3, 3])] * 3  # (6, 18): any token count pairs with any attention
+    assert ip._decode(ip._encode(sizes, 3), 3) == tuple(sizes)
+    assert ip._decode(ip._encode(sizes, 3), 4) is None  # sent before Megatron-LM's ramp-up changed M
+    assert ip._decode(ip._encode(sizes, 3), 2) is None
+    assert ip._decode(ip._encode(None, 3), 3) is None
+    assert ip._decode(torch.tensor([1, 1, 5, 99]), 1) is None  # attention above tokens**2: not a size
+
+
+def test_a_call_that_falls_back_reads_through_the_look_ahead(tmp_path: Path):
+    # A training call that runs Megatron's own schedule after the iterator was wrapped must read the
+    # micro-batches the look-ahead already holds first, in order; any other iterator is passed as it is.
+    config = EnvPipeConfig(plan_type="optimal", scheduling="1f1b", gpu="simulated:a40/gpt3-175b")
+    plans = IterationPlans(EnvPipeRuntime(config), SizeMapping())
+    source = iter([{"tokens": torch.zeros(1, n)} for n in range(1, 13)])
+    wrapped = plans.wrap([source], 2)
+    assert next(wrapped[0])["tokens"].shape[1] == 1  # the look-ahead reads on
+    assert plans.passed_on(source) is wrapped[0] and plans.passed_on([source]) == wrapped
+    assert [b["tokens"].shape[1] for b in plans.passed_on(source)][:3] == [2, 3, 4]
+    other = iter([])
+    assert plans.passed_on(other) is other

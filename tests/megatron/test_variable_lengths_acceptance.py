@@ -58,7 +58,7 @@ def test_per_iteration_plans_train_with_stock_losses_and_log_their_saving(tmp_pa
                for f in (rank["functions"] for rank in run["schedule"]))
 
     assert "EnvPipe per-iteration plans on: length model default length model (gpt3-175b" in log, log[-4000:]
-    assert "sizes scaled x 16: a full micro-batch (64 x 2 tokens)" in log
+    assert "sizes scaled x 16: a full micro-batch (2 x 64 tokens) has the 2048 tokens" in log
     lines = [PLAN_LINE.search(line) for line in log.splitlines() if "EnvPipe per-iteration plans |" in line]
     assert [m.group(1) for m in lines if m] == ["4", "6"], log[-4000:]  # every log interval under the plan
     assert all(0 < float(m.group(3)) < 60 for m in lines if m)  # a saving vs stock at f_max, same sizes

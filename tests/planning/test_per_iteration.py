@@ -116,3 +116,22 @@ def test_average_size_caps_attention_at_one_sequence():
     assert average_size([a, a]) == a
     with pytest.raises(LengthCostError, match="no micro-batch sizes"):
         average_size([])
+
+
+def test_an_order_that_cannot_keep_up_runs_at_f_max_in_the_same_order(prof, model, monkeypatch):
+    # Never another order (the stock one): the executor's programs are proved for the fixed order only.
+    from megatron_envpipe.planning.optimal.deadline import InfeasibleDeadline
+
+    planner = IterationPlanner(prof, model, M, config("ours"))
+    assert planner.schedule is not planner.baseline_schedule
+
+    def infeasible(self, deadline_s, padded=False, search_work=0):
+        raise InfeasibleDeadline(f"no plan meets {deadline_s:.6g} s")
+
+    monkeypatch.setattr(TimeEnergyModel, "solve", infeasible)
+    sizes = random_sizes(7)
+    got = planner.plan(sizes)
+    assert got.fallback.startswith("the fixed order at f_max: no plan meets")
+    assert got.plan.schedule is planner.schedule
+    assert set(got.plan.flat()) == {planner.f_max_mhz}
+    assert got.iteration_time_s == planner.score(got.plan, sizes).iteration_time_s
