@@ -70,6 +70,7 @@ ENVPIPE_FOLLOW_STRAGGLERS=${ENVPIPE_FOLLOW_STRAGGLERS:-}       # 0: never follow
 ENVPIPE_STRAGGLER_THRESHOLD=${ENVPIPE_STRAGGLER_THRESHOLD:-}   # follow when the slowest is this fraction slower; empty: 0.02
 ENVPIPE_STRAGGLER_WINDOW=${ENVPIPE_STRAGGLER_WINDOW:-}         # agree on the slowest pace every N iterations; empty: 3
 ENVPIPE_SIM_STRAGGLER=${ENVPIPE_SIM_STRAGGLER:-}               # simulated GPU: REPLICA:FACTOR[@ITER], e.g. 1:1.15; empty: none
+ENVPIPE_PER_ITERATION_PLANS=${ENVPIPE_PER_ITERATION_PLANS:-}   # variable lengths: 0: no per-iteration plans; empty: on with optimal
 # After torchrun, on every node: `envpipe reset-clocks` repairs GPUs whose clocks
 # the run left locked. force: also GPUs whose locking process still runs (a
 # straggler; right on exclusive nodes); yes: only those of dead processes; no: skip.
@@ -311,6 +312,10 @@ envpipe_compose_args() {
     _envpipe_opt --envpipe-straggler-threshold "$ENVPIPE_STRAGGLER_THRESHOLD"
     _envpipe_opt --envpipe-straggler-window "$ENVPIPE_STRAGGLER_WINDOW"
     _envpipe_opt --envpipe-sim-straggler "$ENVPIPE_SIM_STRAGGLER"
+    case "$ENVPIPE_PER_ITERATION_PLANS" in
+        1 | yes | true) ENVPIPE_ARGS+=(--envpipe-per-iteration-plans) ;;
+        0 | no | false) ENVPIPE_ARGS+=(--no-envpipe-per-iteration-plans) ;;
+    esac
     if envpipe_disabled; then
         # Stock Megatron: EnvPipe is never installed, so nothing of it can touch the run.
         if [ "$ENVPIPE_EXAMPLE" = megatron-lm ]; then
