@@ -158,6 +158,10 @@ def test_a_gpu_idling_at_zero_watts_is_measured_exactly(profile, tmp_path, monke
     unchanged at zero power is the truth; the edges are read directly, so nothing waits."""
     monkeypatch.setenv("ENVPIPE_STATE_DIR", str(tmp_path))
     scale = 0.02
+    # The monotonic clock counted from the test's start, as on a freshly booted host: at 68,000 s of uptime
+    # unit edges ~0.002 s apart carry ~1e-9 of float rounding, the tolerance this exact counter is held to.
+    real, origin = time.perf_counter, time.perf_counter()
+    monkeypatch.setattr(time, "perf_counter", lambda: real() - origin)
     gpu = SimulatedGpu(profile, 0, time_scale=scale, p2p_power_w=0.0, clock=time.perf_counter)
     hooks = GpuHooks(gpu, control=True, cuda=False, time_scale=scale)
     try:
