@@ -13,6 +13,10 @@ if [ -z "$PYTHON" ]; then
     echo "gpu_check.sh: error: no python3 on PATH: install Python 3.11+ (README.md) or set PYTHON" >&2
     exit 2
 fi
+if ! command -v "$PYTHON" >/dev/null 2>&1 || ! "$PYTHON" -c "import sys; sys.exit(sys.version_info < (3, 11))" >/dev/null 2>&1; then
+    printf 'gpu_check.sh: error: PYTHON=%q is not a Python 3.11+ interpreter: set PYTHON to one (or unset it)\n' "$PYTHON" >&2
+    exit 2
+fi
 if ! "$PYTHON" -c "import megatron_envpipe" >/dev/null 2>&1; then
     repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     export PYTHONPATH="${repo}${PYTHONPATH:+:${PYTHONPATH}}"

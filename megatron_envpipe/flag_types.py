@@ -112,10 +112,10 @@ class SimStraggler:
 
 def sim_straggler_arg(text: str) -> SimStraggler:
     """argparse type of ``--envpipe-sim-straggler``: ``REPLICA:FACTOR[@ITER]``, e.g. ``1:1.15@10``."""
-    body, _, at = text.strip().partition("@")
+    body, sep, at = text.strip().partition("@")
     replica, colon, factor = body.partition(":")
     try:
-        if not colon:
+        if not colon or sep and not at:  # "1:1.15@" names no iteration: not silently iteration 0
             raise ValueError
         value = SimStraggler(int(replica), float(factor), int(at) if at else 0)
     except ValueError:
@@ -141,6 +141,7 @@ TRAINING_NUMBERS: dict[str, tuple[str, FlagRange, str]] = {
     "profile_iterations": ("--envpipe-profile-iterations", RANGES["profile_iterations"], "2"),
     "sim_time_scale": ("--envpipe-sim-time-scale", RANGES["sim_time_scale"], "0.02"),
     "sim_jitter": ("--envpipe-sim-jitter", RANGES["sim_jitter"], "0.03 (3 %)"),
+    "sim_unit_scale": ("--envpipe-sim-unit-scale", RANGES["sim_unit_scale"], "0.25"),
     "sim_clock_latency_ms": ("--envpipe-sim-clock-latency-ms", RANGES["sim_clock_latency_ms"], "15"),
     "sim_counter_period_ms": ("--envpipe-sim-counter-period-ms", RANGES["sim_counter_period_ms"], "100"),
     "sim_thermal_drift": ("--envpipe-sim-thermal-drift", RANGES["sim_thermal_drift"], "0.03 (3 %)"),
@@ -212,15 +213,7 @@ def num_microbatches_of(args: Any, pipeline_size: int) -> int | None:
         return None
     mbs = getattr(args, "micro_batch_size", None)
     gbs = getattr(args, "global_batch_size", None)
-    dp = getattr(args, "data_parallel_size", None)
-    if not is_whole(dp):
-        world = getattr(args, "world_size", None)
-        if not is_whole(world):
-            world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
-        tp = getattr(args, "tensor_model_parallel_size", None) or 1
-        cp = getattr(args, "context_parallel_size", None) or 1
-        per_replica = tp * pipeline_size * cp if is_whole(tp) and is_whole(cp) else 0
-        dp = world // per_replica if world and per_replica and world % per_replica == 0 else None
+    dp = data_parallel_size_of(args, pipeline_size)
     if not (is_whole(mbs) and mbs >= 1 and is_whole(dp) and dp >= 1):
         return None
     if gbs is None:
@@ -228,3 +221,18 @@ def num_microbatches_of(args: Any, pipeline_size: int) -> int | None:
     if not is_whole(gbs) or gbs < 1 or gbs % (mbs * dp):
         return None
     return gbs // (mbs * dp)
+
+
+def data_parallel_size_of(args: Any, pipeline_size: int) -> int | None:
+    """Data-parallel replicas, as Megatron derives them before any rank starts: ``data_parallel_size`` if the
+    namespace has it, else ``WORLD_SIZE / (TP x PP x CP)`` (the launcher's world size); None when unknown."""
+    dp = getattr(args, "data_parallel_size", None)
+    if is_whole(dp):
+        return dp
+    world = getattr(args, "world_size", None)
+    if not is_whole(world):
+        world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    cp = getattr(args, "context_parallel_size", None) or 1
+    per_replica = tp * pipeline_size * cp if is_whole(tp) and is_whole(cp) else 0
+    return world // per_replica if world and per_replica and world % per_replica == 0 else None

@@ -44,6 +44,7 @@ ENVPIPE_EXTRA_WARMUP=${ENVPIPE_EXTRA_WARMUP:-}           # e.g. 4,3,1,0; empty: 
 ENVPIPE_P2P_POWER=${ENVPIPE_P2P_POWER:-}                 # W of a GPU blocked in P2P; empty: GPU table
 ENVPIPE_RECONFIG_STEP=${ENVPIPE_RECONFIG_STEP:-}         # MHz per reconfiguration step; empty: GPU table
 ENVPIPE_MAX_SLOWDOWN=${ENVPIPE_MAX_SLOWDOWN:-}           # optimal: allowed slowdown, e.g. 0.05; empty: 0
+ENVPIPE_DEADLINE_FROM=${ENVPIPE_DEADLINE_FROM:-}         # optimal: plan to another schedule's time, e.g. 1f1b; empty: own
 ENVPIPE_TARGET_TIME=${ENVPIPE_TARGET_TIME:-}             # optimal: s per iteration something else sets; empty: none
 ENVPIPE_SWITCH_COST_J=${ENVPIPE_SWITCH_COST_J:-}         # J per clock change the plan may give up to avoid one; empty: off
 ENVPIPE_MAX_CLOCK_CHANGES=${ENVPIPE_MAX_CLOCK_CHANGES:-} # clock changes per rank per iteration; empty: no budget
@@ -55,6 +56,7 @@ ENVPIPE_PREFETCH=${ENVPIPE_PREFETCH:-2}                  # receives posted ahead
 ENVPIPE_COMM_TIMEOUT=${ENVPIPE_COMM_TIMEOUT:-300}        # s before a stuck P2P transfer raises
 ENVPIPE_SIM_TIME_SCALE=${ENVPIPE_SIM_TIME_SCALE:-0.02}   # simulated GPU: wall s per simulated s
 ENVPIPE_SIM_JITTER=${ENVPIPE_SIM_JITTER:-}               # simulated GPU: unit-time noise, e.g. 0.03; empty: none
+ENVPIPE_SIM_UNIT_SCALE=${ENVPIPE_SIM_UNIT_SCALE:-}       # simulated GPU: unit times x this, e.g. 0.25 (a faster GPU); empty: 1
 ENVPIPE_SIM_TIME=${ENVPIPE_SIM_TIME:-}                   # simulated GPU: virtual | wall; empty: virtual
 ENVPIPE_SIM_DYNAMICS=${ENVPIPE_SIM_DYNAMICS:-}           # simulated GPU: exact | realistic | FILE; empty: exact
 ENVPIPE_SIM_CLOCK_LATENCY_MS=${ENVPIPE_SIM_CLOCK_LATENCY_MS:-}    # simulated GPU: clock latency, ms; empty: the preset's
@@ -290,12 +292,14 @@ envpipe_compose_args() {
     _envpipe_opt --envpipe-p2p-power "$ENVPIPE_P2P_POWER"
     _envpipe_opt --envpipe-reconfig-step "$ENVPIPE_RECONFIG_STEP"
     _envpipe_opt --envpipe-max-slowdown "$ENVPIPE_MAX_SLOWDOWN"
+    _envpipe_opt --envpipe-deadline-from "$ENVPIPE_DEADLINE_FROM"
     _envpipe_opt --envpipe-target-time "$ENVPIPE_TARGET_TIME"
     _envpipe_opt --envpipe-switch-cost-j "$ENVPIPE_SWITCH_COST_J"
     _envpipe_opt --envpipe-max-clock-changes "$ENVPIPE_MAX_CLOCK_CHANGES"
     _envpipe_opt --envpipe-timing-margin "$ENVPIPE_TIMING_MARGIN"
     _envpipe_opt --envpipe-reconfig-window "$ENVPIPE_RECONFIG_WINDOW"
     _envpipe_opt --envpipe-sim-jitter "$ENVPIPE_SIM_JITTER"
+    _envpipe_opt --envpipe-sim-unit-scale "$ENVPIPE_SIM_UNIT_SCALE"
     _envpipe_opt --envpipe-sim-time "$ENVPIPE_SIM_TIME"
     _envpipe_opt --envpipe-sim-dynamics "$ENVPIPE_SIM_DYNAMICS"
     _envpipe_opt --envpipe-sim-clock-latency-ms "$ENVPIPE_SIM_CLOCK_LATENCY_MS"

@@ -27,15 +27,16 @@ import statistics
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from megatron_envpipe.apps.menu_table import print_menu
 from megatron_envpipe.apps.plot import PlotUnavailableError, draw_timelines
 from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
 from megatron_envpipe.core.atomic import check_writable, write_json_atomic
+from megatron_envpipe.core.file_numbers import loads_toml
 from megatron_envpipe.core.gpu_specs import GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.jitter import MAX_JITTER
 from megatron_envpipe.core.plan import format_envpipe
@@ -53,6 +54,8 @@ from megatron_envpipe.core.vocabulary import (
 from megatron_envpipe.errors import EnvPipeError, UsageError
 from megatron_envpipe.gpu import open_gpu
 from megatron_envpipe.megatron.localhost import free_port
+from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.planning.menu import build_menu
 from megatron_envpipe.planning.planner import plan_envpipe
 
 
@@ -116,10 +119,8 @@ class DemoConfig:
             except FileNotFoundError as exc:
                 raise DemoError(str(exc)) from None
         path = Path(path)
-        try:
-            data = tomllib.loads(read_text(path, "demo config", DemoError))
-        except tomllib.TOMLDecodeError as exc:
-            raise DemoError(f"{path}: not valid TOML: {exc}") from None
+        # Numbers bounded while parsing: a 400-digit integer is one line naming the key, not an OverflowError.
+        data = loads_toml(read_text(path, "demo config", DemoError), str(path), DemoError)
         if set(data) != {"demo"} or not isinstance(data["demo"], dict):
             raise DemoError(f"{path}: a demo config is one [demo] table (found {', '.join(data) or 'nothing'}): "
                             "start from configs/demo.toml")
@@ -409,8 +410,38 @@ def _stock_losses(run: dict[str, Any]) -> list[float]:
     return reference["losses"]
 
 
+# What the training processes import (module, package to install); the planning core needs none of them.
+TRAINING_MODULES = (("torch", "torch"), ("megatron.core", "megatron-core"), ("sentencepiece", "sentencepiece"))
+
+
+def missing_training_packages(find_spec: Any = None) -> list[str]:
+    """The packages the tiny GPT's training needs that are not installed (found without importing them)."""
+    import importlib.util
+
+    find_spec = find_spec or importlib.util.find_spec
+    missing = []
+    for module, package in TRAINING_MODULES:
+        try:
+            found = find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package absent (megatron), or a broken one
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
+def check_training_packages() -> None:
+    """A planning-core-only install (``pip install .``) cannot train: say which packages, in one line."""
+    missing = missing_training_packages()
+    if missing:
+        raise DemoError(f"envpipe demo trains a tiny GPT, which needs {', '.join(missing)}, not installed in this "
+                        f"Python ({sys.executable}): run bash install.sh, or pip install -e '.[megatron]'; "
+                        f"without them, envpipe plan/simulate show what EnvPipe plans (docs/planning.md)")
+
+
 def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu: str | None = None) -> int:
     # Everything the user gave is checked before anything is created or started.
+    check_training_packages()
     cfg = DemoConfig.load(config)
     _check_gpu(gpu, cfg)
     out = check_writable(out, "demo output directory", directory=True)
@@ -487,4 +518,13 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
                "planned_saving_full_profile": plan.energy_saving, "sim_jitter": cfg.sim_jitter}
     write_json_atomic(out / "summary.json", summary)
     print(f"summary: {out / 'summary.json'}")
+    print_demo_menu(profile, cfg.microbatches, gpu_key)
     return 0 if same else 1
+
+
+def print_demo_menu(profile: Profile, num_microbatches: int, gpu_key: str) -> None:
+    """What each schedule would buy on this pipeline: `envpipe menu` on the demo's profile (planned, not trained)."""
+    menu = build_menu(profile, num_microbatches, PlannerConfig(gpu=get_gpu_spec(gpu_key), switch_cost_j=None))
+    print("\nA menu of time and energy for this pipeline (planned from the profile, not trained; envpipe menu, "
+          "docs/menu.md):\n")
+    print_menu(menu)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.megatron.host_p2p import current_counts
 from megatron_envpipe.megatron.state import STATE
+from megatron_envpipe.planning.deadline import saving_against
 
 __all__ = ["envpipe_installed", "envpipe_summary", "function_name", "gather_schedules", "write_losses"]
 
@@ -97,4 +98,11 @@ def envpipe_summary() -> dict[str, Any]:
             "predicted_baseline_energy_j": result.baseline.energy_j,
             "frequencies": result.plan.to_dict()["stages"],
         }
+        deadline = runtime.deadline
+        if deadline is not None:  # --envpipe-deadline-from 1f1b: 1F1B at f_max as predicted, the plan against it
+            out["plan"]["deadline_from"] = {
+                "schedule": "1f1b", "reference_time_s": deadline.reference.iteration_time_s,
+                "reference_energy_j": deadline.reference.energy_j, "predicted_time_s": result.score.iteration_time_s,
+                "predicted_energy_j": result.energy_j, "predicted_saving_vs_1f1b": saving_against(result, deadline.reference),
+            }
     return out

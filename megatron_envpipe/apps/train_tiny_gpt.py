@@ -78,7 +78,8 @@ from megatron_envpipe.apps.tiny_parallel import (
 )
 from megatron_envpipe.apps.tiny_records import envpipe_summary, function_name, gather_schedules, write_losses
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
-from megatron_envpipe.core.atomic import same_file
+from megatron_envpipe.config.launch_checks import check_output_files
+from megatron_envpipe.core.atomic import OutputPathError, check_output
 from megatron_envpipe.megatron.compat import check_megatron_installed, cpu_shims, model_parallel_manual_seed
 from megatron_envpipe.megatron.host_p2p import host_p2p
 
@@ -192,10 +193,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ("--variable-seq-length-sigma", args.variable_seq_length_sigma, DEFAULT_LENGTH_SIGMA)) if value != default]
         if given:
             bad(f"{' '.join(given)} shape(s) the lengths of --variable-seq-lengths: add that flag or drop them")
-    gpu_profile = (getattr(args, "envpipe_gpu", None) or "").partition("simulated:")[2]
-    for flag, source in (("--envpipe-profile", getattr(args, "envpipe_profile", None)), ("--envpipe-gpu", gpu_profile)):
-        if args.losses_out is not None and source and same_file(args.losses_out, source):
-            bad(f"--losses-out {args.losses_out} is the {flag} input {source}: give --losses-out another file name")
+    if args.losses_out is not None:  # writable now, none of the run's inputs, not --envpipe-energy-csv
+        try:
+            if args.no_envpipe:
+                check_output(args.losses_out, "--losses-out")
+            else:
+                check_output_files(EnvPipeConfig.from_args(args), str(args.losses_out))
+        except (OutputPathError, EnvPipeConfigError) as exc:
+            bad(str(exc))
     args.num_microbatches = args.global_batch_size // args.micro_batch_size
     return args
 

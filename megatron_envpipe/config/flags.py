@@ -10,6 +10,7 @@ import argparse
 from megatron_envpipe.config.settings import EnvPipeConfig
 from megatron_envpipe.core.vocabulary import PLAN_TYPE_NAMES, RECONFIG_NAMES, SCHEDULING_NAMES
 from megatron_envpipe.flag_types import fraction, int_list, max_inflight_arg, memory_model_arg, sim_straggler_arg
+from megatron_envpipe.planning.deadline import DEADLINE_FROM_NAMES
 from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S
 
 __all__ = ["add_envpipe_args"]
@@ -80,6 +81,9 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--envpipe-sim-jitter", dest="envpipe_sim_jitter", type=fraction, default=d.sim_jitter,
                    help="simulated GPU: unit-time noise as a fraction of the unit's time, e.g. 0.03 or 3%% "
                         "(normal, clipped at 3 sigma, seeded per stage; default 0)")
+    g.add_argument("--envpipe-sim-unit-scale", dest="envpipe_sim_unit_scale", type=float, default=d.sim_unit_scale,
+                   help="simulated GPU: every unit's time and energy times this, its power unchanged: a faster GPU "
+                        "than the profile's, e.g. 0.25 for H100-class units from the A40 profiles (default 1)")
     g.add_argument("--envpipe-sim-dynamics", dest="envpipe_sim_dynamics", default=d.sim_dynamics,
                    help="simulated GPU: exact (default: clocks change at once, exact energy counter, no heat), "
                         "realistic (configs/realistic-gpu.toml: published A100/H100-class figures) or a TOML file "
@@ -114,6 +118,11 @@ def add_envpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--envpipe-max-slowdown", dest="envpipe_max_slowdown", type=fraction, default=d.max_slowdown,
                    help="--envpipe-type optimal: allowed iteration-time increase over 1F1B at f_max, "
                         "e.g. 0.05 or 5%%")
+    g.add_argument("--envpipe-deadline-from", dest="envpipe_deadline_from", choices=DEADLINE_FROM_NAMES,
+                   default=d.deadline_from,
+                   help="--envpipe-type optimal: plan to 1F1B's iteration time at the maximum clock, predicted from "
+                        "the profile: interleaved, faster at f_max, spends the difference on lower clocks "
+                        "(docs/menu.md)")
     g.add_argument("--envpipe-target-time", dest="envpipe_target_time_s", type=float, default=None,
                    help="--envpipe-type optimal: plan for iterations lasting this many seconds anyway (e.g. a "
                         "straggler sets the pace); the GPUs block at P2P power until then")

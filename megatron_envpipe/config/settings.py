@@ -20,7 +20,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from megatron_envpipe.core.atomic import OutputPathError, check_writable
+from megatron_envpipe.config.deadline_flags import check_deadline_from, check_interleaved_budget
+from megatron_envpipe.config.launch_checks import check_launch, check_output_files
 from megatron_envpipe.core.device_dynamics import DeviceDynamics, DeviceDynamicsError, load_dynamics
 from megatron_envpipe.core.flag_ranges import RANGES
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
@@ -90,6 +91,7 @@ class EnvPipeConfig:
     sim_time: str = "virtual"  # simulated GPU: its own virtual clock (megatron/device_time.py) or scaled wall time
     sim_time_scale: float = 0.02  # simulated GPU, wall time: wall seconds per simulated second
     sim_jitter: float = 0.0  # simulated GPU: unit-time noise, a fraction of the unit's time (seeded per stage)
+    sim_unit_scale: float = 1.0  # simulated GPU: every unit's time and energy x this (a faster GPU: < 1)
     # Simulated GPU's departures from an ideal one (core.device_dynamics): a preset or TOML file, and
     # single figures over it (None: the preset's).
     sim_dynamics: str = "exact"
@@ -120,6 +122,9 @@ class EnvPipeConfig:
     # Variable-length micro-batches (megatron/iteration_plans.py): plan each iteration's clocks from its
     # micro-batches' sizes in the background; None: on with --envpipe-type optimal.
     per_iteration_plans: bool | None = None
+    # --envpipe-type optimal: plan to this schedule's iteration time at f_max ("1f1b"; planning/deadline.py),
+    # predicted from the profile; None: the run's own baseline (max_slowdown / target_time_s).
+    deadline_from: str | None = None
 
     def __post_init__(self) -> None:
         # Flag strings become the vocabulary's members (equal to them); unknown names stay for validate().
@@ -155,6 +160,9 @@ class EnvPipeConfig:
                 if not is_whole(r) or r < 0:
                     bad(f"--envpipe-extra-warmup {shown}: stage {s}'s entry {show(r)} must be a whole number "
                         ">= 0 (extra warm-up forwards of that stage), e.g. 3,2,1,0")
+        if self.sim_unit_scale != 1.0 and not (self.gpu or "").startswith("simulated"):
+            bad(f"--envpipe-sim-unit-scale {show(self.sim_unit_scale)} scales the simulated GPU's units only: add "
+                "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-unit-scale")
         if self.sim_jitter > 0 and not (self.gpu or "").startswith("simulated"):
             bad(f"--envpipe-sim-jitter {show(self.sim_jitter)} adds noise to the simulated GPU only: add "
                 "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-jitter")
@@ -184,11 +192,7 @@ class EnvPipeConfig:
             if not self.profile_cache or Path(self.profile_cache).exists() and not Path(self.profile_cache).is_dir():
                 bad(f"--envpipe-profile-cache {self.profile_cache!r} is not a directory: give a directory "
                     "(created on first use) or 'off'")
-        if self.energy_csv is not None:
-            try:  # fails at start-up, not at the first energy line
-                check_writable(self.energy_csv, "--envpipe-energy-csv")
-            except OutputPathError as exc:
-                bad(f"{exc}: give a file in a writable directory, or drop --envpipe-energy-csv")
+        check_output_files(self)  # --envpipe-energy-csv: at start-up, not at the first energy line
         if self.on_no_permission not in ("fail", "monitor"):
             bad(f"--envpipe-on-no-permission {self.on_no_permission!r}: choose fail or monitor")
         if self.max_slowdown and self.target_time_s is not None:
@@ -201,6 +205,7 @@ class EnvPipeConfig:
             bad(f"--envpipe-per-iteration-plans plans each iteration for the stock run's time at its sizes, "
                 f"--envpipe-target-time {show(self.target_time_s)} for one fixed time: drop one of them "
                 "(or add --no-envpipe-per-iteration-plans)")
+        check_deadline_from(self)
         if (self.max_slowdown or self.target_time_s is not None) and self.plan_type != PlanType.OPTIMAL:
             bad("--envpipe-max-slowdown and --envpipe-target-time need --envpipe-type optimal "
                 f"(this run has --envpipe-type {self.plan_type})")
@@ -214,7 +219,9 @@ class EnvPipeConfig:
     def _refuse_ignored(self, given: frozenset[str]) -> None:
         """A flag that would do nothing in this setting is refused, never silently ignored."""
         ignored: list[tuple[str, str, str]] = []  # (field, why it does nothing, what to do instead)
-        if self.scheduling != Scheduling.OURS:
+        # With a deadline from 1F1B, an interleaved run's activations are checked against a budget at start-up.
+        if self.scheduling != Scheduling.OURS and not (self.scheduling == Scheduling.INTERLEAVED
+                                                       and self.deadline_from is not None):
             ignored.append(("max_inflight", f"budgets the extra warm-up of --envpipe-scheduling ours, and "
                             f"--envpipe-scheduling {self.scheduling} has none",
                             "add --envpipe-scheduling ours or drop it"))
@@ -258,6 +265,11 @@ class EnvPipeConfig:
     def check_replicas(self, data_parallel_size: int) -> None:
         """``--envpipe-sim-straggler``'s replica against the data-parallel size (at start-up, where it is known)."""
         sim = self.sim_straggler
+        if sim is not None and data_parallel_size < 2:
+            raise EnvPipeConfigError(
+                f"--envpipe-sim-straggler {sim} slows one data-parallel replica, and this run has "
+                f"{data_parallel_size} (no replica to fall behind): run with data parallelism (world size = "
+                "DP x PP x TP, DP >= 2) or drop --envpipe-sim-straggler")
         if sim is not None and not sim.replica < data_parallel_size:
             raise EnvPipeConfigError(
                 f"--envpipe-sim-straggler {sim}: replica {sim.replica} does not exist: the data-parallel size is "
@@ -365,6 +377,12 @@ class EnvPipeConfig:
                 f"--envpipe-scheduling {self.scheduling} has no interleaved (virtual-pipeline) order "
                 f"({', '.join(vpp_flags)}), so {settings} would not run: add --envpipe-scheduling interleaved, "
                 f"drop the virtual-pipeline flags, or run {stock}")
+        if (self.deadline_from is not None and getattr(args, "variable_seq_lengths", None)
+                and self.per_iteration_plans is not False):
+            raise EnvPipeConfigError(
+                f"--envpipe-deadline-from {self.deadline_from} plans one deadline for the run, and with "
+                "--variable-seq-lengths --envpipe-type optimal plans every iteration for its own sizes: add "
+                "--no-envpipe-per-iteration-plans or drop --envpipe-deadline-from")
         if self.per_iteration_plans and getattr(args, "variable_seq_lengths", None) is False:
             raise EnvPipeConfigError(
                 "--envpipe-per-iteration-plans plans per iteration for micro-batches of varying lengths, and this "
@@ -392,13 +410,12 @@ class EnvPipeConfig:
                 f"pipeline schedule and {settings} would do nothing: set --pipeline-model-parallel-size >= 2, "
                 f"or run {stock}"
             )
-        dp = getattr(args, "data_parallel_size", None)
-        if is_whole(dp):
-            self.check_replicas(dp)
+        check_launch(self, args, pp, simulated, source)  # replicas from the world size, lengths, iterations
         if pp >= 2:
             profile = load_profile(self.profile) if self.profile is not None else None
             self.check_pipeline(pp, num_microbatches_of(args, pp), profile, virtual)
             check_plan_size(self.plan_type, pp, num_microbatches_of(args, pp), virtual, EnvPipeConfigError)
+            check_interleaved_budget(self, pp, num_microbatches_of(args, pp), virtual, args)
             if not (vpp_flags and self.scheduling != Scheduling.INTERLEAVED):  # else Megatron's own schedule runs
                 for flag, given in (("--envpipe-profile", profile), (f"--envpipe-gpu {self.gpu}", simulated)):
                     if given is not None:
@@ -483,7 +500,8 @@ class EnvPipeConfig:
             "gpu": gpu,
             "p2p_power_w": self.p2p_power_w,
             "reconfig_step_mhz": self.reconfig_step_mhz,
-            "max_inflight": self.max_inflight,
+            # Only ours plans within a budget (an interleaved run's is a start-up check).
+            "max_inflight": self.max_inflight if self.scheduling == Scheduling.OURS else None,
             "extra_warmup": self.extra_warmup,
             "max_slowdown": self.max_slowdown,
             "target_time_s": self.target_time_s,

@@ -48,8 +48,11 @@ def check_writable(path: str | os.PathLike[str], what: str, *, directory: bool =
 
 def _check_writable(path: Path, what: str, directory: bool) -> Path:
     if directory:
+        if path.is_symlink() and not path.exists():
+            raise OutputPathError(f"{what} {path}: is a link to nothing: give a directory to write into")
         if path.exists() and not path.is_dir():
-            raise OutputPathError(f"{what} {path}: is a file, not a directory: give a directory to write into")
+            kind = "a file" if path.is_file() else "not a file or directory (a FIFO, device or socket)"
+            raise OutputPathError(f"{what} {path}: is {kind}, not a directory: give a directory to write into")
     else:
         if len(os.fsencode(path.name)) > 255:  # the limit of common file systems; checked first, stat() fails on it
             raise OutputPathError(f"{what} {path.parent / path.name[:40]}...: file name longer than 255 bytes: "
@@ -70,6 +73,23 @@ def _check_writable(path: Path, what: str, directory: bool) -> Path:
     except OSError as exc:
         raise OutputPathError(f"{what} {path}: cannot write in {existing}: {exc.strerror or exc}") from None
     return path
+
+
+def check_output(path: str | os.PathLike[str], what: str, others: Sequence[tuple[str, str | None]] = ()) -> Path:
+    """:func:`check_writable` for a file that will be written (replaced or appended to), plus what a rename
+    does not need: an existing file this user may write (a read-only one fails at start-up, not mid-run),
+    no link to nothing, and none of ``others`` (``(what, path)``: the command's inputs and its other
+    outputs; writing one would destroy it). Raises OutputPathError naming ``what``."""
+    target = check_writable(path, what)
+    if target.is_symlink() and not target.exists():
+        raise OutputPathError(f"{what} {target}: is a link to nothing ({os.readlink(target)}): give a file name")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise OutputPathError(f"{what} {target}: is read-only for this user: give a file you may write")
+    for other, other_path in others:
+        if other_path and same_file(target, other_path):
+            raise OutputPathError(f"{what} {target} is also {other} {other_path}: writing it would destroy that; "
+                                  f"give {what} a file name of its own")
+    return target
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:

@@ -32,11 +32,12 @@ a named preset (``configs/realistic-gpu.toml``) or a TOML file. Pure Python.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from megatron_envpipe.core.clock_latency import ClockLatency
+from megatron_envpipe.core.file_numbers import file_number, loads_toml, one_line, short
+from megatron_envpipe.core.flag_ranges import FlagRange
 from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.errors import UsageError
 
@@ -82,19 +83,19 @@ class DeviceDynamics:
     blocking_power_w: float | None = None  # None: the simulated GPU's own P2P power (the GPU table's)
 
     def __post_init__(self) -> None:
+        # Compared before any conversion (an int of 400 digits does not fit a float); nan and inf fail it too.
         for name, (low, high) in _RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-                    or not low <= value <= high:
-                raise DeviceDynamicsError(f"device dynamics ({self.source}): {name} must be a number in "
-                                          f"[{low:g}, {high:g}], got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+                raise DeviceDynamicsError(f"device dynamics ({short(self.source, 200)}): {name} must be a number in "
+                                          f"[{low:g}, {high:g}], got {short(value)}")
             object.__setattr__(self, name, float(value))
         power = self.blocking_power_w
         if power is not None:
-            if isinstance(power, bool) or not isinstance(power, int | float) or not math.isfinite(power) \
+            if isinstance(power, bool) or not isinstance(power, int | float) \
                     or not 0.0 <= power <= MAX_BLOCKING_POWER_W:
-                raise DeviceDynamicsError(f"device dynamics ({self.source}): blocking_power_w must be a number in "
-                                          f"[0, {MAX_BLOCKING_POWER_W:g}] W, got {power!r}")
+                raise DeviceDynamicsError(f"device dynamics ({short(self.source, 200)}): blocking_power_w must be a "
+                                          f"number in [0, {MAX_BLOCKING_POWER_W:g}] W, got {short(power)}")
             object.__setattr__(self, "blocking_power_w", float(power))
         if self.nvml_call_s > self.clock_latency_s:
             raise DeviceDynamicsError(
@@ -104,6 +105,9 @@ class DeviceDynamics:
             raise DeviceDynamicsError(f"device dynamics ({self.source}): thermal_drift needs thermal_tau_s > 0")
         if not isinstance(self.source, str) or not self.source.strip():
             raise DeviceDynamicsError("device dynamics need a source: where the figures come from")
+        if not self.source.isprintable():  # it is printed in log and error lines: a newline would split (forge) one
+            raise DeviceDynamicsError(f"device dynamics: source {short(self.source, 200)} must be one line of "
+                                      "printable text")
 
     @property
     def exact(self) -> bool:
@@ -141,6 +145,8 @@ class DeviceDynamics:
 EXACT = DeviceDynamics()
 
 # TOML keys (units in the name, as users write them) -> field and factor to seconds.
+# Every key but ``blocking_power_w`` (and ``source``, which defaults to the file's name) must be given:
+# a file lacking a figure would silently run with the exact GPU's.
 _TOML_KEYS = {
     "clock_latency_ms": ("clock_latency_s", 1e-3),
     "nvml_call_ms": ("nvml_call_s", 1e-3),
@@ -151,6 +157,13 @@ _TOML_KEYS = {
     "blocking_power_w": ("blocking_power_w", 1.0),
     "source": ("source", None),
 }
+
+
+OPTIONAL_TOML_KEYS = frozenset({"blocking_power_w", "source"})
+# Each figure's range in the file's own unit, checked before it is converted (x 1e-3 overflows for 10**400).
+_TOML_RANGES = {key: FlagRange("float", 0.0, (_RANGES[name][1] if name in _RANGES else MAX_BLOCKING_POWER_W) / factor,
+                               {"ms": "ms", "s": "s", "w": "W"}.get(key.rpartition("_")[2], ""))
+                for key, (name, factor) in _TOML_KEYS.items() if factor is not None}
 
 
 def preset_path(configs: Path, name: str) -> Path | None:
@@ -175,14 +188,16 @@ def load_dynamics(spec: str, configs: Path) -> DeviceDynamics:
         if not path.exists():
             raise DeviceDynamicsError(f"no preset or file {spec!r}: use one of {', '.join(PRESETS)} or the path "
                                       "of a TOML file with a [dynamics] table")
-    try:
-        data = tomllib.loads(read_text(path, "simulated-GPU dynamics file", DeviceDynamicsError))
-    except tomllib.TOMLDecodeError as exc:
-        raise DeviceDynamicsError(f"{path}: not valid TOML ({exc}); fix the file") from None
+    data = loads_toml(read_text(path, "simulated-GPU dynamics file", DeviceDynamicsError), str(path),
+                      DeviceDynamicsError, {f"dynamics.{k}": r for k, r in _TOML_RANGES.items()})
     table = data.get("dynamics")
     if not isinstance(table, dict):
         raise DeviceDynamicsError(f"{path}: needs a [dynamics] table (keys: {', '.join(_TOML_KEYS)})")
-    unknown = sorted(set(table) - set(_TOML_KEYS))
+    others = sorted(one_line(k) for k in data if k != "dynamics")
+    if others:  # a misspelt [dynamics] twin, or figures meant for it, would otherwise be ignored
+        raise DeviceDynamicsError(f"{path}: unknown table or key(s) {', '.join(others)} next to [dynamics]: a "
+                                  "dynamics file is one [dynamics] table; move the figures into it or remove them")
+    unknown = sorted(one_line(k) for k in set(table) - set(_TOML_KEYS))
     if unknown:
         raise DeviceDynamicsError(f"{path}: unknown key(s) {', '.join(unknown)} in [dynamics] "
                                   f"(known: {', '.join(_TOML_KEYS)})")
@@ -190,11 +205,18 @@ def load_dynamics(spec: str, configs: Path) -> DeviceDynamics:
     for key, value in table.items():
         name, factor = _TOML_KEYS[key]
         if factor is None:
+            if not isinstance(value, str) or not value.strip():
+                raise DeviceDynamicsError(f"{path}: [dynamics] {key} = {short(value)}: give a text saying where "
+                                          "the figures come from")
             values[name] = value
-        elif isinstance(value, bool) or not isinstance(value, int | float):
-            raise DeviceDynamicsError(f"{path}: [dynamics] {key} must be a number, got {value!r}")
         else:
-            values[name] = value * factor
+            values[name] = file_number(value, _TOML_RANGES[key], f"{path}: [dynamics] {key}",
+                                       DeviceDynamicsError) * factor
+    missing = [k for k in _TOML_KEYS if k not in table and k not in OPTIONAL_TOML_KEYS]
+    if missing:
+        raise DeviceDynamicsError(f"{path}: [dynamics] lacks {', '.join(missing)}: every figure is needed (only "
+                                  "blocking_power_w and source are optional), else the exact GPU's would run "
+                                  "silently; start from configs/realistic-gpu.toml")
     known = {f.name for f in fields(DeviceDynamics)}
     try:
         return DeviceDynamics(**{k: v for k, v in values.items() if k in known})

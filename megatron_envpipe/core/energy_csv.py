@@ -13,13 +13,15 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_envpipe.core.atomic import OutputPathError, check_output
 from megatron_envpipe.core.energy_report import EnergyReport
 
-__all__ = ["CSV_COLUMNS", "append_report", "report_rows"]
+__all__ = ["CSV_COLUMNS", "append_report", "check_energy_csv", "report_rows"]
 
 CSV_COLUMNS = ("iteration", "iterations", "stage", "rank", "energy_j_per_iteration", "power_w",
                "time_s_per_iteration", "pipeline_energy_j_per_iteration", "pipeline_time_s_per_iteration",
                "planned_time_s", "saving", "simulated")
+_HEADER = (",".join(CSV_COLUMNS) + "\n").encode()
 
 
 def _fmt(value: object) -> str:
@@ -35,6 +37,23 @@ def report_rows(report: EnergyReport) -> list[Sequence[object]]:
     return [(report.iteration, report.iterations, g.stage, g.rank, g.energy_j, g.power_w, g.time_s,
              report.energy_j, report.time_s, report.planned_time_s, report.saving, int(report.simulated))
             for g in report.gpus]
+
+
+def check_energy_csv(path: str | os.PathLike[str], others: Sequence[tuple[str, str | None]] = ()) -> None:
+    """At start-up: ``path`` can be appended to (:func:`~megatron_envpipe.core.atomic.check_output`: writable,
+    none of the run's inputs or other outputs) and is empty, absent or an energy CSV already (its first
+    line is :data:`CSV_COLUMNS`): rows are never appended to another file. Raises OutputPathError."""
+    target = check_output(path, "--envpipe-energy-csv", others)
+    try:
+        with open(target, "rb") as f:
+            head = f.read(len(_HEADER))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise OutputPathError(f"--envpipe-energy-csv {target}: cannot read it: {exc.strerror or exc}") from None
+    if head and head != _HEADER:  # append_report writes the header and its first rows in one write
+        raise OutputPathError(f"--envpipe-energy-csv {target}: exists and is not an energy CSV (its first line is "
+                              "not the energy CSV header): rows are only appended to one; give a new file name")
 
 
 def append_report(path: str | os.PathLike[str], report: EnergyReport) -> int:

@@ -6,13 +6,16 @@ measured windows (:mod:`megatron_envpipe.megatron.reporting`):
 * :class:`Baseline`: the run's own 1F1B iterations at the maximum clock, measured
   before the plan took over (the profiler's and memory measurement's, or
   ``--envpipe-baseline-iterations`` of their own); where none ran, the planner's
-  prediction, labelled so.
+  prediction, labelled so. Windows run under per-iteration plans (variable-length
+  micro-batches) compare with the stock run predicted for their own micro-batch sizes
+  (:meth:`Baseline.same_sizes`): a baseline of other sizes would not compare like with like.
 * :class:`EnergyReport`: one log window's means per iteration over the pipeline
   (energy summed over its GPUs, time the slowest stage's), against the baseline and
   the plan, plus each GPU's counter figures (J/iter and W, defined as Megatron's
   ``--log-energy``: docs/energy-measurement.md).
-* :func:`summary_line`: the run's mean under the plan against the baseline, and the
-  kWh that pace saves per day.
+* :func:`summary_line`: the run's mean under the plan against the baseline (under
+  per-iteration plans: their windows against the stock run for the same sizes), and
+  the kWh that pace saves per day.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SLOWER_THAN_PLANNED", "Baseline", "EnergyReport", "GpuFigure", "kwh_saved_per_day", "summary_line"]
+__all__ = ["SLOWER_THAN_PLANNED", "Baseline", "EnergyReport", "GpuFigure", "kwh_saved_per_day", "per_iteration_summary",
+           "summary_line"]
 
 # Iterations more than this much slower than the plan's time get a warning (a fraction).
 SLOWER_THAN_PLANNED = 0.01
@@ -36,18 +40,31 @@ class Baseline:
     time_s: float | None  # None: not known (the predicted baseline's time is not printed against)
     iterations: int  # measured iterations averaged; 0: the planner's prediction
     clock_mhz: int | None = None
+    generation: int = 0  # 0: measured before the plan; k: its k-th repeat once the plan ran
+    last_iteration: int | None = None  # a repeat's last iteration (1-based)
+    for_sizes: bool = False  # predicted for the window's own micro-batch sizes (per-iteration plans)
 
     @property
     def measured(self) -> bool:
         return self.iterations > 0
 
+    @classmethod
+    def same_sizes(cls, energy_j: float, time_s: float) -> "Baseline":
+        """Stock Megatron (1F1B at f_max) as the per-iteration plans predict it for the same micro-batch sizes."""
+        return cls(energy_j, time_s, 0, for_sizes=True)
+
     def describe(self) -> str:
+        if self.for_sizes:
+            return (f"stock 1F1B at f_max predicted for the same micro-batch sizes, {self.energy_j:.1f} J in "
+                    f"{self.time_s:.3f} s")
         if not self.measured:
             return f"the predicted baseline's {self.energy_j:.1f} J (baseline: predicted)"
         clock = f"{self.clock_mhz} MHz" if self.clock_mhz else "the maximum clock"
         time = f" in {self.time_s:.3f} s" if self.time_s is not None else ""
+        when = (f" measured again up to iteration {self.last_iteration}, at the plan's GPU age"
+                if self.last_iteration is not None else "")
         return (f"the measured baseline's {self.energy_j:.1f} J{time} (1F1B at {clock}, "
-                f"{self.iterations} iteration{'s' if self.iterations != 1 else ''})")
+                f"{self.iterations} iteration{'s' if self.iterations != 1 else ''}{when})")
 
 
 @dataclass(frozen=True)
@@ -79,13 +96,13 @@ class EnergyReport:
     baseline: Baseline | None = None  # measured; None: compare with predicted_baseline_j
     iterations: int = 1  # iterations the means are over
     gpus: tuple[GpuFigure, ...] = ()  # per GPU, from its counter between log points (empty: first window)
-    # Variable-length micro-batches: the plan figures are the per-iteration plans' (against the stock run
-    # for the same sizes), and the baseline ran micro-batches of other sizes (said in the line).
+    # Variable-length micro-batches: the plan figures are the per-iteration plans', and the baseline is
+    # the stock run they predict for the same sizes (Baseline.same_sizes).
     per_iteration_plans: bool = False
 
     @property
     def compared_with(self) -> Baseline | None:
-        if self.baseline is not None and self.baseline.measured:
+        if self.baseline is not None and (self.baseline.measured or self.baseline.for_sizes):
             return self.baseline
         if self.predicted_baseline_j:
             return Baseline(self.predicted_baseline_j, None, 0)
@@ -136,8 +153,7 @@ class EnergyReport:
             planned = f" (planned {100 * self.planned_saving:.2f}%)" if self.planned_saving is not None else ""
             slower = self.slowdown_vs_baseline
             time = f", time {100 * slower:+.2f}%" if slower is not None else ""
-            sizes = " (micro-batches of other sizes)" if self.per_iteration_plans else ""
-            parts.append(f"saving {100 * self.saving:.2f}%{planned}{time} vs {base.describe()}{sizes}")
+            parts.append(f"saving {100 * self.saving:.2f}%{planned}{time} vs {base.describe()}")
         if self.planned_time_s:
             whose = "the per-iteration plans'" if self.per_iteration_plans else "the plan's"
             parts.append(f"time {100 * self.slowdown_vs_plan:+.2f}% vs {whose} {self.planned_time_s:.3f} s")
@@ -172,7 +188,12 @@ def summary_line(reports: Sequence[EnergyReport], baseline: Baseline | None, sim
 
     ``reports``: the windows logged under the plan; ``num_gpus``: the pipeline's GPUs; ``replicas``:
     data-parallel copies of the pipeline (assumed to draw alike), which the kWh figure is summed over.
+    Where windows ran under per-iteration plans (variable-length micro-batches), only those count, against
+    the stock run predicted for the same sizes (:func:`per_iteration_summary`).
     """
+    own = [r for r in reports if r.per_iteration_plans and r.baseline is not None and r.baseline.for_sizes]
+    if own:
+        return per_iteration_summary(own, simulated, num_gpus, replicas)
     if not reports:
         return None
     n = sum(r.iterations for r in reports)
@@ -193,3 +214,25 @@ def summary_line(reports: Sequence[EnergyReport], baseline: Baseline | None, sim
     gpus = num_gpus * replicas
     parts.append(f"at this pace {kwh:.3f} kWh saved per day over {gpus} GPU{'s' if gpus != 1 else ''}{label}")
     return " | ".join(parts)
+
+
+def per_iteration_summary(reports: Sequence[EnergyReport], simulated: bool, num_gpus: int,
+                          replicas: int = 1) -> str:
+    """At exit, for windows run under per-iteration plans: their measured mean against the stock run the
+    plans predict for the same micro-batch sizes (like with like), next to the plans' own predicted saving."""
+    n = sum(r.iterations for r in reports)
+    energy_j = sum(r.energy_j * r.iterations for r in reports) / n
+    time_s = sum(r.time_s * r.iterations for r in reports) / n
+    stock_j = sum(r.baseline.energy_j * r.iterations for r in reports) / n
+    stock_s = sum(r.baseline.time_s * r.iterations for r in reports) / n
+    planned_j = sum(r.baseline.energy_j * (1 - (r.planned_saving or 0.0)) * r.iterations for r in reports) / n
+    label = " (simulated)" if simulated else ""
+    kwh = kwh_saved_per_day(stock_j, energy_j, time_s) * replicas
+    gpus = num_gpus * replicas
+    return " | ".join([
+        f"EnvPipe summary{label} | {n} iterations under per-iteration plans (of iterations "
+        f"{reports[0].first_iteration}-{reports[-1].iteration}): {energy_j:.1f} J over the pipeline in {time_s:.3f} s "
+        "per iteration",
+        f"energy {100 * (energy_j / stock_j - 1):+.2f}% (planned {100 * (planned_j / stock_j - 1):+.2f}%), time "
+        f"{100 * (time_s / stock_s - 1):+.2f}% vs {Baseline.same_sizes(stock_j, stock_s).describe()}",
+        f"at this pace {kwh:.3f} kWh saved per day over {gpus} GPU{'s' if gpus != 1 else ''}{label}"])

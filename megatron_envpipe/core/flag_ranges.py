@@ -42,7 +42,8 @@ class FlagRange:
         if isinstance(value, bool) or not isinstance(value, int | float) or self.kind == "int" and not isinstance(
                 value, int):
             return f"must be a {'whole number' if self.kind == 'int' else 'number'}{in_unit}"
-        if not math.isfinite(value):
+        # An int is compared as it is (exactly, without converting): math.isfinite(10**400) overflows.
+        if isinstance(value, float) and not math.isfinite(value):
             return f"must be a finite number{in_unit}"
         if self.low_open and not value > self.low:
             return f"must be > {self.low:g}{unit}"
@@ -113,6 +114,8 @@ RANGES: dict[str, FlagRange] = {
     "baseline_iterations": FlagRange("int", 0, 1_000, _ITERATIONS, "each one runs at the maximum clock"),
     # -- / --envpipe-sim-time-scale (wall seconds per simulated second)
     "sim_time_scale": FlagRange("float", 0.0, 10.0, "", "slower than the GPU it simulates", low_open=True),
+    # -- / --envpipe-sim-unit-scale (unit times and energies x this)
+    "sim_unit_scale": FlagRange("float", 0.01, 10.0, "", "a GPU 100x faster or 10x slower than the profile's"),
     # -- / --envpipe-sim-jitter
     "sim_jitter": FlagRange("float", 0.0, MAX_JITTER, "", "with 3-sigma clipping every unit keeps time > 0"),
     # -- / --envpipe-sim-clock-latency-ms, --envpipe-sim-counter-period-ms, --envpipe-sim-thermal-drift

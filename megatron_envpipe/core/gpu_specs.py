@@ -39,8 +39,8 @@ P2P_UNKNOWN = "unknown"
 class GpuSpec:
     key: str
     nvml_names: tuple[str, ...]
-    max_clock_mhz: int
-    min_clock_mhz: int
+    max_clock_mhz: int | None  # None: "unknown" in the table (unpublished: NVML's list decides, gpu-check reads it)
+    min_clock_mhz: int | None
     clock_step_mhz: float
     profile_step_mhz: int
     reconfig_step_mhz: int
@@ -64,6 +64,13 @@ class GpuSpec:
             )
         return self.p2p_power_w
 
+    def on_ladder(self, clocks_mhz: Iterable[int]) -> bool:
+        """Whether any of ``clocks_mhz`` is on this GPU's clock grid (always, where its range is unknown: a
+        profile measured on it then says which clocks it has)."""
+        if self.max_clock_mhz is None or self.min_clock_mhz is None:
+            return True
+        return bool(set(clocks_mhz) & set(self.candidate_clocks()))
+
     def candidate_clocks(self, available_mhz: Iterable[int] | None = None) -> tuple[int, ...]:
         """Clocks the planner may use, fastest first; the true maximum is always first.
 
@@ -71,6 +78,9 @@ class GpuSpec:
         [min, max]; without, the table's grid ``max - k*clock_step``.
         """
         if available_mhz is None:
+            if self.max_clock_mhz is None or self.min_clock_mhz is None:
+                raise GpuSpecError(f"{self.key}'s clock range is unknown until `envpipe gpu-check` reads it from the "
+                                   "GPU (configs/gpus.toml): plan from a profile, whose clocks are then used")
             grid = []
             k = 0
             while True:
@@ -80,7 +90,9 @@ class GpuSpec:
                 grid.append(f)
                 k += 1
             return tuple(grid)
-        clocks = sorted({int(f) for f in available_mhz if self.min_clock_mhz <= f <= self.max_clock_mhz}, reverse=True)
+        low = self.min_clock_mhz if self.min_clock_mhz is not None else 0
+        high = self.max_clock_mhz if self.max_clock_mhz is not None else math.inf
+        clocks = sorted({int(f) for f in available_mhz if low <= f <= high}, reverse=True)
         if not clocks:
             raise GpuSpecError(
                 f"none of the available clocks lies in {self.key}'s range "
@@ -91,8 +103,8 @@ class GpuSpec:
 
 _FIELDS = {
     "nvml_names": list,
-    "max_clock_mhz": (int,),
-    "min_clock_mhz": (int,),
+    "max_clock_mhz": (int, str),  # a string only as UNKNOWN
+    "min_clock_mhz": (int, str),
     "clock_step_mhz": (int, float),
     "profile_step_mhz": (int,),
     "reconfig_step_mhz": (int,),
@@ -149,7 +161,7 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
                 raise GpuSpecError(f"{path}: [{key}] lacks {name}; every entry needs {', '.join(_FIELDS)}")
             value = entry[name]
             if isinstance(value, bool) or not isinstance(value, types if isinstance(types, tuple) else (types,)):
-                want = {list: "a list of strings", (int,): "an integer",
+                want = {list: "a list of strings", (int,): "an integer", (int, str): f'an integer or "{P2P_UNKNOWN}"',
                         (int, float, str): f'a number (W) or "{P2P_UNKNOWN}"'}.get(types, "a number")
                 raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} has the wrong type: give {want}")
             if isinstance(value, float) and not math.isfinite(value):  # TOML has nan and inf
@@ -160,15 +172,16 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
         if unknown:
             raise GpuSpecError(f"{path}: [{key}] has unknown key(s) {sorted(unknown)}")
         _check_nvml_names(path, key, entry["nvml_names"], owners)
-        if not 0 < entry["min_clock_mhz"] < entry["max_clock_mhz"] <= MAX_CLOCK_MHZ:
+        high, low = (_clock_or_unknown(path, key, name, entry[name]) for name in ("max_clock_mhz", "min_clock_mhz"))
+        if high is not None and low is not None and not 0 < low < high:
             raise GpuSpecError(f"{path}: [{key}] needs 0 < min_clock_mhz < max_clock_mhz <= {MAX_CLOCK_MHZ}, got "
-                               f"{entry['min_clock_mhz']} and {entry['max_clock_mhz']}")
+                               f"{low} and {high}")
         for name in ("clock_step_mhz", "profile_step_mhz", "reconfig_step_mhz"):
             if entry[name] <= 0:
                 raise GpuSpecError(f"{path}: [{key}] {name} must be positive")
-            if entry[name] > entry["max_clock_mhz"]:
+            if entry[name] > (high if high is not None else MAX_CLOCK_MHZ):
                 raise GpuSpecError(f"{path}: [{key}] {name} = {entry[name]} is above max_clock_mhz")
-        if (entry["max_clock_mhz"] - entry["min_clock_mhz"]) / entry["clock_step_mhz"] > MAX_CLOCKS:
+        if high is not None and low is not None and (high - low) / entry["clock_step_mhz"] > MAX_CLOCKS:
             raise GpuSpecError(f"{path}: [{key}] clock_step_mhz = {entry['clock_step_mhz']} gives over {MAX_CLOCKS} "
                                "clocks: give NVML's clock spacing in MHz (e.g. 15)")
         p2p = entry["p2p_power_w"]
@@ -185,8 +198,8 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
                 GpuSpec(
                     key=key,
                     nvml_names=tuple(entry["nvml_names"]),
-                    max_clock_mhz=entry["max_clock_mhz"],
-                    min_clock_mhz=entry["min_clock_mhz"],
+                    max_clock_mhz=high,
+                    min_clock_mhz=low,
                     clock_step_mhz=float(entry["clock_step_mhz"]),
                     profile_step_mhz=entry["profile_step_mhz"],
                     reconfig_step_mhz=entry["reconfig_step_mhz"],
@@ -199,6 +212,19 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
     if not specs:
         raise GpuSpecError(f"{path}: GPU table is empty")
     return tuple(specs)
+
+
+def _clock_or_unknown(path: str, key: str, name: str, value: int | str) -> int | None:
+    """A clock of the table: an integer in (0, MAX_CLOCK_MHZ], or "unknown" (None: not published)."""
+    if isinstance(value, str):
+        if value != P2P_UNKNOWN:
+            raise GpuSpecError(f'{path}: [{key}] {name} = {value!r} has the wrong type: give an integer (MHz) or '
+                               f'"{P2P_UNKNOWN}"')
+        return None
+    if not 0 < value <= MAX_CLOCK_MHZ:
+        raise GpuSpecError(f"{path}: [{key}] needs 0 < min_clock_mhz < max_clock_mhz <= {MAX_CLOCK_MHZ}: {name} = "
+                           f"{value} (MHz)")
+    return value
 
 
 def _clock_latency(path: str, key: str, entry: dict) -> ClockLatency:

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.length_costs import SIZE_COLUMNS, LengthSample, MicrobatchSize, parse_row_size, split_by_size
+from megatron_envpipe.core.measurement_columns import MEASUREMENT_COLUMNS, check_measurement_cells
 from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS, UnitKind
 from megatron_envpipe.errors import UsageError
@@ -185,6 +186,7 @@ class Profile:
                     f"{source}:{lineno}: time {row['time']} s / energy {row['energy']} J is beyond any micro-batch "
                     f"(limits {MAX_TIME_S:g} s, {MAX_ENERGY_J:g} J): give seconds and joules per micro-batch"
                 )
+            check_measurement_cells(row, freq, f"{source}:{lineno}", ProfileError)  # gpu-check's, ranged
             ranks = tuple(row.get(c, "") for c in RANK_COLUMNS)
             size = parse_row_size(row, f"{source}:{lineno}", ProfileError)
             # One dict look-up per row: a scan of the rows seen so far made a 50 MB profile quadratic.
@@ -499,10 +501,6 @@ def pareto_filter(
     return kept
 
 
-# Optional, written by ``envpipe gpu-check`` step 5 and ignored when read: the clock the SMs actually
-# ran at (median NVML reading during the row's windows) and its spread, and the row's relative
-# uncertainties. Rows whose clock was not reached are never written (docs/gpu-probe.md).
-MEASUREMENT_COLUMNS = ("reached_mhz", "reached_spread_mhz", "time_rel_unc", "energy_rel_unc")
 KNOWN_COLUMNS = (*RANK_COLUMNS, *REQUIRED_COLUMNS, CHUNK_COLUMN, *MEASUREMENT_COLUMNS, *SIZE_COLUMNS)
 
 

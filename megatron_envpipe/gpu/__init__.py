@@ -53,6 +53,7 @@ def open_gpu(
     jitter: float = 0.0,
     dynamics: DeviceDynamics = EXACT,
     virtual_clock: VirtualClock | None = None,
+    unit_scale: float = 1.0,
 ) -> GpuDevice:
     """The device this rank trains on, per ``--envpipe-gpu``.
 
@@ -65,7 +66,8 @@ def open_gpu(
     simulated GPU departs from an ideal one (clock latency, stepped counter, heat); with ``virtual_clock``
     the simulated GPU runs on it (virtual time: ``time_scale`` is 1, nothing sleeps for real), else on
     ``time.perf_counter`` scaled by ``time_scale``. Units of a given micro-batch size (``set_unit_size``)
-    scale its rows by :func:`~megatron_envpipe.gpu.sim_lengths.simulated_length_model`.
+    scale its rows by :func:`~megatron_envpipe.gpu.sim_lengths.simulated_length_model`. ``unit_scale``
+    multiplies every unit's time and energy (power unchanged): a faster GPU than the profile's, named so.
     """
     spec = spec or "auto"
     if spec == "none":
@@ -73,6 +75,8 @@ def open_gpu(
     if spec.startswith("simulated"):
         source = spec.partition(":")[2]
         profile = Profile.from_csv(shipped_profile(source))
+        if unit_scale != 1.0:  # a faster (or slower) GPU: same powers, shorter units
+            profile = profile.scaled(unit_scale, unit_scale, names=("unit scale", "unit scale"))
         # Sized units (variable-length micro-batches) scale rows by it; fitted before for_pipeline drops samples.
         length_model = simulated_length_model(profile, source, num_stages)
         if num_stages is not None:
@@ -86,7 +90,8 @@ def open_gpu(
         timebase = {"clock": time.perf_counter} if virtual_clock is None else {
             "clock": virtual_clock.now, "sleep": virtual_clock.sleep, "time_scale": 1.0}
         return SimulatedGpu(profile, stage, **{"time_scale": time_scale, **timebase}, p2p_power_w=p2p_power_w,
-                            name=f"Simulated GPU ({source})", jitter=jitter,
+                            name=f"Simulated GPU ({source}{f', unit times x{unit_scale:g}' if unit_scale != 1 else ''})",
+                            jitter=jitter,
                             dynamics=dynamics, length_model=length_model)
     if spec == "auto" and not cuda:
         return NoGpu("no GPU control: this rank runs on the CPU")

@@ -19,9 +19,9 @@ from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.energy import EnergyMonitor
 
 __all__ = [
-    "ATTRIBUTION_METHODS", "BlockingSample", "InseparablePowersError", "StageSamples", "UnitSample", "UnitWindow",
-    "attribute_blocking", "attribute_units", "attribute_windows", "fit_window_powers", "fit_window_powers_se",
-    "stage_samples",
+    "ATTRIBUTION_METHODS", "BlockingSample", "InseparablePowersError", "KindPowers", "PowerFit", "StageSamples",
+    "UnitSample", "UnitWindow", "attribute_blocking", "attribute_units", "attribute_windows", "fit_window_powers",
+    "fit_window_powers_cov", "fit_window_powers_se", "stage_samples",
 ]
 
 
@@ -70,8 +70,30 @@ def fit_window_powers_se(
     spare increments. Raises :class:`InseparablePowersError` if the labels
     cannot be told apart.
     """
+    fit = fit_window_powers_cov(monitor, windows, other_label, wait_timeout_s)
+    return {lbl: (p, math.sqrt(max(fit.covariance[(lbl, lbl)], 0.0))) for lbl, p in fit.powers.items()}
+
+
+@dataclass(frozen=True)
+class PowerFit:
+    """Fitted power per label (W) and the fit's covariance of every pair of labels (W^2)."""
+
+    powers: dict[str, float]
+    covariance: dict[tuple[str, str], float]
+    increments: int = 0  # counter increments the fit saw
+
+
+def fit_window_powers_cov(
+    monitor: EnergyMonitor,
+    windows: Sequence[tuple[str, float, float]],
+    other_label: str = "other",
+    wait_timeout_s: float = 1.0,
+) -> PowerFit:
+    """:func:`fit_window_powers_se` with the whole covariance: short forwards and backwards that
+    alternate faster than the counter updates are told apart only along one direction (their sum
+    is sharp, their difference is not), which the standard errors alone do not say."""
     if not windows:
-        return {}
+        return PowerFit({}, {})
     ws = sorted((float(a), float(b), str(lbl)) for lbl, a, b in windows)
     for (a0, b0, l0), (a1, _, l1) in zip(ws, ws[1:]):
         if a1 < b0:
@@ -119,24 +141,34 @@ def fit_window_powers_se(
         raise InseparablePowersError(
             f"cannot separate the powers of {[labels[i] for i in present]}: too few counter samples"
         )
-    return dict(zip((labels[i] for i in present), zip(solution, _standard_errors(normal, present, solution,
-                                                                                  increments))))
+    # A stepped counter's increments have edges (its updates) stamped to within a poll: at the power
+    # drawn, an error no residual shows where many increments repeat one mix of labels.
+    span_s = samples[-1].time_s - samples[0].time_s
+    mean_power_w = (samples[-1].energy_mj - samples[0].energy_mj) / 1000.0 / span_s if span_s > 0 else 0.0
+    stepped = monitor.counter_period_s != 0  # an exact counter's reads are stamped exactly (None: not yet known)
+    stamp_j = abs(mean_power_w) * monitor.poll_interval_s if stepped else 0.0
+    names = [labels[i] for i in present]
+    cov = _covariance(normal, present, solution, increments, stamp_j)
+    return PowerFit(dict(zip(names, solution)),
+                    {(a, b): cov[i][j] for i, a in enumerate(names) for j, b in enumerate(names)}, len(increments))
 
 
-def _standard_errors(normal: list[list[float]], present: list[int], solution: list[float],
-                     increments: list[tuple[list[float], float]]) -> list[float]:
-    """Least-squares standard errors: sigma^2 (A^T A)^-1 on the diagonal, sigma^2 from the residuals
-    (at least the counter's 1 mJ step, uniform: (1e-3 J)^2 / 12 per increment)."""
-    dof = len(increments) - len(present)
-    if dof <= 0:
-        return [0.0] * len(present)
+def _covariance(normal: list[list[float]], present: list[int], solution: list[float],
+                increments: list[tuple[list[float], float]], stamp_j: float = 0.0) -> list[list[float]]:
+    """Least-squares covariance sigma^2 (A^T A)^-1, sigma^2 from the residuals, at least the counter's
+    1 mJ step (uniform: (1e-3 J)^2 / 12 per increment) and the stamps' error (``stamp_j``: the energy
+    of one poll interval; two edges, each uniform over it: stamp_j^2 / 6); without spare increments
+    those floors alone. Infinite on the diagonal where a label cannot be solved for."""
+    k = len(present)
+    dof = len(increments) - k
     rss = math.fsum((d - math.fsum(row[i] * p for i, p in zip(present, solution))) ** 2 for row, d in increments)
-    sigma2 = max(rss / dof, 1e-6 / 12)
+    sigma2 = max(rss / dof if dof > 0 else 0.0, 1e-6 / 12, stamp_j ** 2 / 6)
     reduced = [[normal[r][c] for c in present] for r in present]
-    out = []
-    for j in range(len(present)):
-        col = _solve(reduced, [1.0 if i == j else 0.0 for i in range(len(present))])
-        out.append(math.sqrt(max(sigma2 * col[j], 0.0)) if col is not None else math.inf)
+    out = [[0.0] * k for _ in range(k)]
+    for j in range(k):
+        col = _solve(reduced, [1.0 if i == j else 0.0 for i in range(k)])
+        for i in range(k):
+            out[i][j] = sigma2 * col[i] if col is not None else (math.inf if i == j else 0.0)
     return out
 
 
@@ -184,12 +216,37 @@ class BlockingSample:
 
 
 @dataclass(frozen=True)
+class KindPowers:
+    """One iteration's fitted forward and backward power (W) with their covariance (W^2): the start-up
+    profiler's prior on their ratio (:mod:`megatron_envpipe.gpu.power_ratio`) needs the whole of it."""
+
+    forward_w: float
+    backward_w: float
+    var_forward: float
+    var_backward: float
+    cov: float
+
+    @classmethod
+    def of(cls, fit: PowerFit) -> "KindPowers | None":
+        """From a fit with both kinds (None without them, or with a covariance that is not finite)."""
+        f, b = "F", "B"
+        if f not in fit.powers or b not in fit.powers:
+            return None
+        out = cls(fit.powers[f], fit.powers[b], fit.covariance[(f, f)], fit.covariance[(b, b)],
+                  fit.covariance[(f, b)])
+        values = (out.forward_w, out.backward_w, out.var_forward, out.var_backward, out.cov)
+        return out if all(math.isfinite(v) for v in values) and out.forward_w > 0 and out.backward_w > 0 else None
+
+
+@dataclass(frozen=True)
 class StageSamples:
     """One stage's samples of one iteration."""
 
     units: tuple[UnitSample, ...]
     blocking: tuple[BlockingSample, ...] = ()
     at_s: float | None = None  # the iteration's middle, device seconds on the monitor's clock (heat drift)
+    kind_powers: KindPowers | None = None  # the power fit's (regression attribution only)
+    counter_updates: int | None = None  # counter increments the iteration's fit saw (None: not fitted)
 
     @classmethod
     def of(
@@ -259,8 +316,13 @@ def stage_samples(
     min_blocking_s: float = 0.0,
     wait_timeout_s: float = 1.0,
     method: str = "regress",
+    span: tuple[float, float] | None = None,
 ) -> StageSamples:
     """One stage's :class:`StageSamples` of one iteration, from its windows.
+
+    ``span``: when the stage's iteration began and ended (its first unit waited for its input before,
+    its last one for the pipeline after): those waits are P2P waits too, and counting them as such
+    leaves fewer unknowns to the power fit (short iterations on a fast GPU give it few increments).
 
     ``method="interpolate"``: each window's energy from the interpolated trace
     (Perseus/Merak; biased towards the neighbours' power where a window's edges
@@ -273,6 +335,11 @@ def stage_samples(
     if method not in ATTRIBUTION_METHODS:
         raise ValueError(f"method {method!r}: choose one of {', '.join(ATTRIBUTION_METHODS)}")
     ws = [w if isinstance(w, UnitWindow) else UnitWindow(*w) for w in units]
+    if span is not None and ws:
+        first, last = min(w.start_s for w in ws), max(w.end_s for w in ws)
+        begin_s, end_s = span
+        if math.isfinite(begin_s) and math.isfinite(end_s) and begin_s <= first and last <= end_s:
+            blocking = [(begin_s, first), *blocking, (last, end_s)]
     kept = [(t0, t1) for t0, t1 in blocking if t1 > t0 and t1 - t0 >= min_blocking_s]
     at_s = 0.5 * (min(w.start_s for w in ws) + max(w.end_s for w in ws)) / time_scale if ws else None
     if method == "regress":
@@ -281,10 +348,11 @@ def stage_samples(
         # their power does not leak into "the rest".
         labelled += [(_BLOCKING, t0, t1) for t0, t1 in blocking if t1 > t0]
         try:
-            fitted = fit_window_powers_se(monitor, labelled, wait_timeout_s=wait_timeout_s)
+            fit = fit_window_powers_cov(monitor, labelled, wait_timeout_s=wait_timeout_s)
         except InseparablePowersError:
-            fitted = {}
-        powers = {k: p for k, (p, _) in fitted.items()}
+            fit = PowerFit({}, {})
+        powers = fit.powers
+        fitted = {k: (p, math.sqrt(max(fit.covariance[(k, k)], 0.0))) for k, p in powers.items()}
         needed = {w.kind for w in ws} | ({_BLOCKING} if kept else set())
         # A label the fit could not see, or a negative/absurd power (noise on a label
         # with little time), falls back to interpolation for this iteration.
@@ -297,6 +365,9 @@ def stage_samples(
                 ),
                 tuple(BlockingSample((t1 - t0) / time_scale, powers[_BLOCKING] * (t1 - t0)) for t0, t1 in kept),
                 at_s=at_s,
+                # An exact counter resolves every kind exactly: no prior on their ratio is needed there.
+                kind_powers=KindPowers.of(fit) if monitor.counter_period_s != 0 else None,
+                counter_updates=fit.increments if monitor.counter_period_s != 0 else None,
             )
     return StageSamples(
         tuple(replace(u, energy_se_j=_edge_error_j(monitor, w.start_s, w.end_s))

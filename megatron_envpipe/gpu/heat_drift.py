@@ -12,16 +12,29 @@ squares over a grid of ``tau``; :meth:`HeatDrift.factor` is then the power at
 ``t`` relative to the hot state, by which the profiler divides that iteration's
 energies. No correction (None) where the points show no drift beyond their own
 noise, so an ideal GPU's profile is untouched. Pure Python.
+
+A pipeline's GPUs start together and run the same kind of work, so they heat alike, while one
+stage's blocking power can be biased for a while (short P2P waits on a fast GPU: counter steps
+straddle them). :func:`fit_pipeline_heat_drift` therefore fits one drift to the median over the
+stages of each iteration's power relative to that stage's own median, and gives every stage that
+shape: one stage's bias cannot become its "heat" (on units of 17/42 ms one stage read 45 W for
+nine iterations, then 70 W; fitted alone that was a 57 % drift).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["HeatDrift", "fit_heat_drift"]
+__all__ = ["UNSEEN_HEAT_DRIFT", "HeatDrift", "fit_heat_drift", "fit_pipeline_heat_drift"]
 
+# How much less a cold GPU may draw than a hot one ("a few percent": ml.energy, "Thermally stable
+# profiling", 2026). A sweep that ends before the GPU has heated cannot see it: the profiler then
+# states it as headroom (a hot GPU may draw up to this much more than the rows) instead of claiming
+# the hot state.
+UNSEEN_HEAT_DRIFT = 0.03
 # Fewer points than this cannot tell a drift (3 parameters) from noise.
 MIN_POINTS = 4
 # A drift smaller than this (relative) is left alone: below what any planner can use.
@@ -83,3 +96,34 @@ def fit_heat_drift(points: Sequence[tuple[float, float]]) -> HeatDrift | None:
     if sum(1 for t, _ in pts if abs(drift.factor(t) - 1) >= MIN_AMPLITUDE) < MIN_SHOWN_BY:
         return None
     return drift
+
+
+def fit_pipeline_heat_drift(
+    points: Sequence[Sequence[tuple[int, float, float | None]]],
+) -> tuple[HeatDrift | None, ...]:
+    """One drift for a pipeline (module docstring) from each stage's ``(iteration, time_s, power_w)``
+    points (power None: no P2P wait that iteration); per stage, that drift on the stage's own clock
+    (None for all where none is shown).
+
+    Each stage's times count from its own first point (their clocks need not agree); an iteration
+    enters the fit where at least half the stages with powers have one in it. A stage without any
+    power point gets the drift too (its GPU heats as the others do), at the pipeline's median power."""
+    stages = [[(k, float(t), p) for k, t, p in pts if math.isfinite(t)] for pts in points]
+    powered = [[(k, t, float(p)) for k, t, p in pts if p is not None and math.isfinite(p) and p > 0]
+               for pts in stages]
+    medians = [statistics.median(p for _, _, p in pts) if pts else None for pts in powered]
+    starts = [pts[0][1] if pts else None for pts in stages]
+    by_iteration: dict[int, list[tuple[float, float]]] = {}
+    for pts, start, median in zip(powered, starts, medians):
+        for k, t, p in pts:
+            by_iteration.setdefault(k, []).append((t - start, p / median))
+    present = sum(1 for m in medians if m is not None)
+    trace = [(statistics.median(t for t, _ in v), statistics.median(r for _, r in v))
+             for _, v in sorted(by_iteration.items()) if present and 2 * len(v) >= present]
+    shape = fit_heat_drift(trace)
+    if shape is None:
+        return tuple(None for _ in stages)
+    typical = statistics.median(m for m in medians if m is not None)
+    return tuple(None if start is None else replace(
+        shape, hot_power_w=shape.hot_power_w * (median if median is not None else typical),
+        t0_s=start + shape.t0_s, points=len(pts)) for pts, start, median in zip(powered, starts, medians))

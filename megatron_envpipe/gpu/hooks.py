@@ -160,6 +160,7 @@ class GpuHooks(ExecutionHooks):
         self.unmeasured: dict[str, int] = {}
         self._fault: str | None = None  # this iteration's, once known
         self._begun_s = 0.0
+        self._ended_s = 0.0  # the last iteration's end, on the executor's clock (its waits are P2P waits)
         self._logged: set[str] = set()
         # The simulated GPU knows each unit's exact (modelled) window; host marks
         # would add scheduling noise on a busy CPU.
@@ -311,6 +312,7 @@ class GpuHooks(ExecutionHooks):
         self.led += 1
 
     def iteration_end(self, measurement: IterationMeasurement | None) -> None:
+        self._ended_s = self.clock()
         if self._meter is None or self.monitor is None:
             return
         energy = None
@@ -385,7 +387,8 @@ class GpuHooks(ExecutionHooks):
             # The GPU blocks (P2P power) in the gaps between its units.
             blocking = [(a[2], b[1]) for a, b in zip(windows, windows[1:]) if b[1] > a[2]]
         options = {"time_scale": self.time_scale, "min_blocking_s": (
-            MIN_BLOCKING_WINDOW_S * self.time_scale if self.device.simulated else MIN_BLOCKING_WINDOW_S)}
+            MIN_BLOCKING_WINDOW_S * self.time_scale if self.device.simulated else MIN_BLOCKING_WINDOW_S),
+            "span": (self._begun_s, self._ended_s)}
         units = [UnitWindow(k, a, b) for k, a, b in windows]
         try:
             if self._sizes is None:

@@ -468,9 +468,13 @@ def _open_verified(path: Path, create: bool) -> int | None:
                 if last:
                     raise _refuse(where, "is a symbolic link (never followed for the store itself)",
                                   "pass the real folder") from None
-                if not _trusted_for_links(os.fstat(parent_fd)) or lst.st_uid not in (0, os.geteuid()):
+                if not _trusted_for_links(os.fstat(parent_fd)):
                     raise _refuse(where, f"is a symbolic link (owned by uid {lst.st_uid}) in a folder others can "
                                          "write, so it is not followed", "pass a path without it") from None
+                if lst.st_uid not in (0, os.geteuid()):  # the module doc: only root's links and ours
+                    raise _refuse(where, f"is a symbolic link owned by uid {lst.st_uid}, not by root or this user "
+                                         f"(uid {os.geteuid()}), so it is not followed",
+                                  "pass a path without it") from None
                 hops += 1
                 if hops > MAX_LINK_HOPS:
                     raise _refuse(where, "too many symbolic links", "pass the real folder") from None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 from megatron_envpipe.core.length_costs import MicrobatchSize
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
@@ -38,9 +37,11 @@ from megatron_envpipe.gpu.attribution import (
     attribute_units,
     stage_samples,
 )
-from megatron_envpipe.gpu.heat_drift import HeatDrift, fit_heat_drift
+from megatron_envpipe.gpu.heat_drift import UNSEEN_HEAT_DRIFT, HeatDrift, fit_pipeline_heat_drift
 from megatron_envpipe.gpu.sweep_clocks import refinement_clocks, sweep_candidates
-from megatron_envpipe.gpu.sweep_lengths import iteration_estimates, rows_at, size_means, sized_profile
+from megatron_envpipe.gpu.sweep_corrections import with_heat_drift, with_ratio_prior
+from megatron_envpipe.gpu.sweep_estimates import counter_updates_note, stage_estimates
+from megatron_envpipe.gpu.sweep_lengths import rows_at, size_means, sized_profile
 from megatron_envpipe.gpu.sweep_results import ClockResult, ProfileRow
 from megatron_envpipe.gpu.sweep_stats import blocking_power_w, robust_mean, robust_mean_se
 
@@ -96,18 +97,19 @@ class ClockSweep:
     (at the maximum clock) are discarded.
 
     **Iterations per clock.** A stage is *unsteady* until two iterations at one
-    clock agree: every (instruction, time or energy) estimate within
-    ``stable_tolerance`` (relative) plus three standard errors of the units' own
-    spread, and one iteration's standard error within the tolerance. Until then
-    each clock runs ``iterations_per_clock`` iterations, and up to
-    ``max_iterations_per_clock`` while they disagree. Once every stage is
-    steady (``adaptive``), each clock runs one iteration: a per-iteration
-    regression that is stable gains nothing from a second one. The check runs
-    at the maximum clock first, where iterations are shortest and the
-    regression sees the fewest counter samples: slower clocks only give it
-    more. Real profiles are not monotone in time (the shipped Bloom profile's
-    last forward is 2 % faster at 1560 than at 1740 MHz), so no later check
-    second-guesses a steady stage. ``iterations_per_clock=1`` always runs one.
+    clock agree: every estimate (time per kind; energy of a forward plus a
+    backward where the power fit gives their covariance, else per kind) within
+    ``stable_tolerance`` (relative) plus three standard errors, and the two
+    iterations' mean within the tolerance. The split between forwards and
+    backwards is not judged here: on units shorter than the counter's period
+    more iterations at one clock hardly sharpen it, the stage's pooled power
+    ratio does (gpu/power_ratio.py). Until steady, a clock runs
+    ``iterations_per_clock`` iterations, up to ``max_iterations_per_clock``
+    while they disagree, and never more than leaves one iteration for each
+    coarse clock still to come within :meth:`budget_iterations`. Once every
+    stage is steady (``adaptive``), each clock runs one iteration; no later
+    check second-guesses a steady stage (real profiles are not monotone in
+    time). ``iterations_per_clock=1`` always runs one.
 
     **Early stop.** After each coarse clock the stop metric ``sum over stages
     of E_F + E_B - P_p2p * (t_F + t_B)`` is computed; the coarse sweep ends once
@@ -210,7 +212,8 @@ class ClockSweep:
         self._steady: list[bool] = []
         self._pending: list[tuple[StageSamples, ...]] = []
         self._blocking: list[BlockingSample] = []
-        self._heat: list[list[tuple[float, float]]] = []  # per stage: (time, blocking power) per iteration
+        self._updates: list[int] = []  # counter increments each stage's iteration fit saw (stepped counters)
+        self._heat: list[list[tuple[int, float, float | None]]] = []  # per stage: (iteration, time, blocking W)
         self._drift_cache: tuple[int, tuple[HeatDrift | None, ...]] | None = None
         # Sized units: every clock's rows at this size (the first clock's largest); the length fit's outcome.
         self.reference_size: MicrobatchSize | None = None
@@ -275,14 +278,16 @@ class ClockSweep:
         was_warmup = self.in_warmup
         for stage, s in enumerate(samples if not was_warmup else ()):  # warm-up: discarded, edge effects
             blocked_s = math.fsum(b.time_s for b in s.blocking)
-            if s.at_s is not None and blocked_s > 0:
-                self._heat[stage].append((s.at_s, math.fsum(b.energy_j for b in s.blocking) / blocked_s))
+            if s.at_s is not None:  # a stage without P2P waits still gets the pipeline's drift, on its clock
+                self._heat[stage].append((self.iterations_used, s.at_s, math.fsum(b.energy_j for b in s.blocking)
+                                          / blocked_s if blocked_s > 0 else None))
         self.iterations_used += 1
         self._unmeasured_in_a_row = 0
         if was_warmup:
             return
         self._pending.append(samples)
         self._blocking.extend(b for s in samples for b in s.blocking)
+        self._updates.extend(s.counter_updates for s in samples if s.counter_updates is not None)
         if self._clock_complete(int(freq_mhz)):
             self._finish_clock()
 
@@ -301,33 +306,24 @@ class ClockSweep:
             )
 
     # -- iterations per clock --------------------------------------------------------------
-    def _estimates(self, it: StageSamples, reference: MicrobatchSize | None = None
-                   ) -> dict[tuple[str, str], tuple[float, float]]:
-        """One iteration's (mean, standard error) per (kind, "time"/"energy"); sized units at ``reference``."""
-        sized = iteration_estimates(it.units, reference, self.trim_fraction) if reference is not None else None
-        if sized is not None:
-            return sized
-        out = {}
-        for kind in ("F", "B"):
-            units = [u for u in it.units if u.kind == kind]
-            out[(kind, "time")] = robust_mean_se([u.time_s for u in units], self.trim_fraction)
-            out[(kind, "energy")] = robust_mean_se([u.energy_j for u in units], self.trim_fraction)
-        return out
-
     def _disagreement(self, a: StageSamples, b: StageSamples) -> str:
         """Why two iterations' estimates of one stage are not steady ('' when they are)."""
         tol = self.stable_tolerance
         sizes = [u.size for u in (*a.units, *b.units)]
         reference = (self.reference_size or max(sizes)) if None not in sizes else None  # both sized: compare there
-        ea, eb = self._estimates(a, reference), self._estimates(b, reference)
+        combine = a.kind_powers is not None and b.kind_powers is not None
+        ea, eb = (stage_estimates(x, reference, self.trim_fraction, combine) for x in (a, b))
         for key, (ma, sa) in ea.items():
             mb, sb = eb[key]
             mean = (abs(ma) + abs(mb)) / 2
-            what = f"{instruction_of(key[0])} {key[1]}"
+            what = f"{'forward + backward' if key[0] == 'F+B' else instruction_of(key[0])} {key[1]}"
             if abs(ma - mb) > tol * mean + 3 * math.hypot(sa, sb):
                 return f"{what} differs by {100 * abs(ma - mb) / mean:.2f} % between iterations"
-            if max(sa, sb) > tol * mean:
-                return f"{what} varies by {100 * max(sa, sb) / mean:.2f} % (standard error) within an iteration"
+            # What a third iteration could still improve: the two iterations' mean (short units on a
+            # stepped counter give every single iteration a few % of error; their mean is what is kept).
+            if 0.5 * math.hypot(sa, sb) > tol * mean:
+                return (f"{what} varies by {100 * max(sa, sb) / mean:.2f} % (standard error) within an iteration, "
+                        f"{50 * math.hypot(sa, sb) / mean:.2f} % over both")
         return ""
 
     def _clock_complete(self, freq_mhz: int) -> bool:
@@ -335,7 +331,7 @@ class ClockSweep:
         k = len(self._pending)
         if not self.adaptive:
             return k >= self.iterations_per_clock
-        complete = True
+        complete, unsteady = True, []
         for stage in range(self._num_stages or 0):
             if self._steady[stage]:
                 continue
@@ -345,11 +341,27 @@ class ClockSweep:
             why = self._disagreement(self._pending[-2][stage], self._pending[-1][stage])
             if not why:
                 self._steady[stage] = True
-            elif k < self.max_iterations_per_clock:
-                complete = False
             else:
-                self.unsteady_events.append(f"stage {stage} at {freq_mhz} MHz after {k} iterations: {why}")
-        return complete or k >= self.max_iterations_per_clock
+                complete = complete and k >= self.max_iterations_per_clock
+                unsteady.append((stage, why))
+        out_of_budget = self._budget_left() <= 0
+        if unsteady and (k >= self.max_iterations_per_clock or out_of_budget):
+            cut = "" if k >= self.max_iterations_per_clock else \
+                f" (the budget of {self.budget_iterations()} iterations leaves no more for it)"
+            self.unsteady_events += [f"stage {stage} at {freq_mhz} MHz after {k} iterations{cut}: {why}"
+                                     for stage, why in unsteady]
+        return complete or k >= self.max_iterations_per_clock or out_of_budget
+
+    def budget_iterations(self) -> int:
+        """The most iterations the sweep may use: a third of EnvPipe's on the same coarse clocks, but
+        never fewer than one per coarse clock after the warm-up."""
+        share = math.floor(COST_SHARE_OF_ENVPIPE * self.envpipe_iterations() + 1e-9)
+        return max(share, self.warmup_iterations + len(self.candidates_mhz))
+
+    def _budget_left(self) -> int:
+        """Iterations left for repeating the current clock once every coarse clock still to come has one."""
+        to_come = 0 if self.refining else len(self.candidates_mhz) - self._index - 1
+        return self.budget_iterations() - self.iterations_used - to_come
 
     @property
     def steady(self) -> tuple[bool, ...]:
@@ -388,9 +400,10 @@ class ClockSweep:
                 averaged = tuple(rows)
                 rows = [r._replace(time_s=at_ref[(r.stage, r.chunk, r.instruction, freq)][0],
                                    energy_j=at_ref[(r.stage, r.chunk, r.instruction, freq)][1]) for r in rows]
+        kind_powers = tuple(tuple(it[s].kind_powers for it in self._pending) for s in range(self._num_stages or 0))
         self.results.append(ClockResult(freq, len(self._pending), tuple(rows), refined=self.refining,
                                         energy_se_j=tuple(ses), at_s=at_s, samples=samples,
-                                        averaged=averaged))
+                                        averaged=averaged, kind_powers=kind_powers))
         self._pending = []
         self._index += 1
         if not self.refining:
@@ -428,7 +441,7 @@ class ClockSweep:
         """Drop the refinement clocks the cost goal cannot afford (one iteration each when every stage is
         steady, else ``iterations_per_clock``)."""
         each = 1 if self.adaptive and all(self._steady) else self.iterations_per_clock
-        left = math.floor(COST_SHARE_OF_ENVPIPE * self.envpipe_iterations() + 1e-9) - self.iterations_used
+        left = self.budget_iterations() - self.iterations_used
         affordable = max(0, left // each)
         del self._queue[self._index + affordable:]
 
@@ -459,36 +472,35 @@ class ClockSweep:
         correct); see :mod:`megatron_envpipe.gpu.heat_drift`."""
         key = sum(len(h) for h in self._heat)
         if self._drift_cache is None or self._drift_cache[0] != key:
-            self._drift_cache = (key, tuple(fit_heat_drift(h) for h in self._heat))
+            self._drift_cache = (key, fit_pipeline_heat_drift(self._heat))
         return self._drift_cache[1]
 
+    def ratio_results(self) -> list[ClockResult]:
+        """:attr:`results` with forwards and backwards told apart by each stage's pooled power ratio
+        (:func:`~megatron_envpipe.gpu.sweep_corrections.with_ratio_prior`)."""
+        return with_ratio_prior(self.results, self._num_stages or 0)
+
     def measured_results(self) -> list[ClockResult]:
-        """:attr:`results` with each stage's energies brought to the hot state (divided by the
-        fitted heat drift at the time they were measured); the raw ones where no drift was seen."""
-        drift = self.heat_drift()
-        if not any(drift):
-            return list(self.results)
-        out = []
-        spread = [abs(1 / d.factor(d.t0_s) - 1) if d is not None else 0.0 for d in drift]
-        for r in self.results:
-            factors = [d.factor(t) if d is not None and t is not None else 1.0
-                       for d, t in zip(drift, r.at_s or [None] * len(drift))]
-            rows = tuple(row._replace(energy_j=row.energy_j / factors[row.stage]) for row in r.rows)
-            averaged = tuple(row._replace(energy_j=row.energy_j / factors[row.stage]) for row in r.averaged)
-            samples = tuple(replace(x, energy_j=x.energy_j / factors[x.stage]) for x in r.samples)
-            # The drift model is a fit too, extrapolated to the hot state: half the largest correction it
-            # made on a stage counts as the uncertainty of every row of that stage.
-            ses = tuple(math.hypot(se / factors[row.stage], 0.5 * spread[row.stage] * new.energy_j)
-                        for row, new, se in zip(r.rows, rows, r.energy_se_j))
-            out.append(ClockResult(r.freq_mhz, r.iterations, rows, r.refined, ses, r.at_s, samples, averaged))
-        return out
+        """:meth:`ratio_results` with each stage's energies brought to the hot state (divided by the
+        fitted heat drift at the time they were measured); as measured where no drift was seen."""
+        return with_heat_drift(self.ratio_results(), self.heat_drift())
 
     def row_uncertainties(self) -> dict[tuple[int, str, int, int], float]:
         """``(stage, instruction, MHz, chunk) -> standard error (J)`` of each row's energy: the
-        attribution's (counter step, regression residual), the units' spread and, where the heat
-        drift was corrected, half the correction."""
+        attribution's (counter step and stamps, regression residual, after the forward/backward ratio
+        prior), the units' spread and, where the heat drift was corrected, half the correction. Where no
+        drift was seen, :meth:`heat_headroom` says how much a hot GPU may draw beyond the row."""
         return {(row.stage, row.instruction, row.freq_mhz, row.chunk): se
                 for r in self.measured_results() for row, se in zip(r.rows, r.energy_se_j)}
+
+    def heat_headroom(self) -> tuple[float, ...]:
+        """Per stage: how much higher than its rows a hot GPU's energy may be (a fraction):
+        :data:`~megatron_envpipe.gpu.heat_drift.UNSEEN_HEAT_DRIFT` where no drift was seen (the sweep may
+        have run on a cold GPU), less the drift that was corrected where one was (a sweep shorter than the
+        GPU's heating sees the drift's slope better than its size: 1.4 % fitted where the GPU started 2.9 %
+        cold, over a 25 s sweep of a GPU heating with a 60 s time constant)."""
+        return tuple(UNSEEN_HEAT_DRIFT if d is None else max(0.0, UNSEEN_HEAT_DRIFT - abs(d.amplitude))
+                     for d in self.heat_drift())
 
     def coarse_results(self) -> list[ClockResult]:
         return [r for r in self.measured_results() if not r.refined]
@@ -573,4 +585,6 @@ class ClockSweep:
             + (f"{self.unmeasured_iterations} iteration(s) unmeasured; " if self.unmeasured_iterations else "")
             + (f"unsteady: {'; '.join(self.unsteady_events[:3])}; " if self.unsteady_events else "")
             + (self.stop_reason or "running") + (f"; {self.length_fit}" if self.length_fit else "")
+            + counter_updates_note(self._updates)
         )
+

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from megatron_envpipe.core.length_costs import LengthSample
+from megatron_envpipe.gpu.attribution import KindPowers
 
 
 class ProfileRow(NamedTuple):
@@ -36,6 +37,8 @@ class ClockResult:
     # Sized units: a sample per unit type and size; rows at the sweep's reference size, averaged: all sizes.
     samples: tuple[LengthSample, ...] = ()
     averaged: tuple[ProfileRow, ...] = ()
+    # Per stage, per iteration: the power fit of forwards and backwards (None: not by regression).
+    kind_powers: tuple[tuple[KindPowers | None, ...], ...] = ()
 
     def energy_j(self) -> float:
         """Per-micro-batch F+B energy summed over stages."""

@@ -70,6 +70,7 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
         device = open_gpu(cfg.gpu or "auto", torch.cuda.current_device() if cuda else None,
                           stage=groups.stage, num_stages=groups.num_stages, time_scale=cfg.sim_time_scale,
                           p2p_power_w=cfg.p2p_power_w, cuda=cuda, num_chunks=num_chunks, jitter=cfg.sim_jitter,
+                          unit_scale=cfg.sim_unit_scale,
                           dynamics=cfg.device_dynamics, virtual_clock=virtual)
         # A real GPU idle during the trial lock may park its clock: keep it busy meanwhile.
         load = cuda_spin_load() if cuda and device.backend == "nvml" else None

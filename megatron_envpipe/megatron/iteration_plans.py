@@ -32,6 +32,8 @@ plan for the average micro-batch wastes slack. Per schedule call ``i`` on every 
 4. **Report**: every energy-log interval the last rank logs the window's planned time and energy, the
    predicted saving against the stock order at f_max for the same sizes, planning time (as % of the
    iteration's wall time) and fallbacks; the run's summary gets one line (:meth:`IterationPlans.summary`).
+   A window run wholly under its own plans is held on its energy line (and in the exit summary) to their
+   predicted time and to the stock run they predict for the same sizes (:meth:`IterationPlans.window_prediction`).
 
 Fixed-length runs never build this: no thread, no message.
 """
@@ -50,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.core.energy_report import Baseline
 from megatron_envpipe.core.instructions import build_programs
 from megatron_envpipe.core.length_costs import (
     LengthCostError,
@@ -353,13 +356,16 @@ class IterationPlans:
         return wrapped if isinstance(data_iterator, list) else wrapped[0]
 
     # -- report --------------------------------------------------------------------------
-    def window_prediction(self, iterations: int) -> tuple[float, float] | None:
-        """(mean predicted iteration time, predicted saving against the stock run for the same sizes) of the
-        energy window's ``iterations`` when each ran its own plan; None otherwise (the start-up plan's apply)."""
+    def window_prediction(self, iterations: int) -> tuple[float, float, Baseline] | None:
+        """(mean predicted iteration time, predicted saving, the stock run predicted for the same sizes: what
+        the window's energy line compares with) of the energy window's ``iterations`` when each ran its own
+        plan; None otherwise (the start-up plan's figures and baseline apply)."""
         w = self.window
         if iterations < 1 or w.planned != iterations or w.baseline_energy_j <= 0:
             return None
-        return w.time_s / w.planned, 1.0 - w.energy_j / w.baseline_energy_j
+        n = w.planned
+        return (w.time_s / n, 1.0 - w.energy_j / w.baseline_energy_j,
+                Baseline.same_sizes(w.baseline_energy_j / n, w.baseline_time_s / n))
 
     def after_iteration(self, groups: StageGroups, iteration: int) -> None:
         """At every energy-log point: the window's line (on the last rank), and a new window (on every rank)."""

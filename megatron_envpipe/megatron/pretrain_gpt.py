@@ -30,22 +30,30 @@ Around either, three things:
 ``--envpipe-check-args`` stops right after Megatron's own parser and
 ``validate_args`` accepted the command line and EnvPipe validated its flags:
 it prints one ``arguments OK`` line and exits 0, before torch.distributed
-starts (no GPU needed; ``WORLD_SIZE`` sets the world size it checks).
+starts (no GPU needed; ``WORLD_SIZE`` sets the world size it checks), or one
+line per problem and exits 2; Megatron's own output (argument dump, warnings)
+only with ``--envpipe-check-args-verbose``.
 
-When Megatron cannot run here it says why, and what to do, in one line.
+When Megatron cannot run here it says why, and what to do, in one line:
+without a CUDA GPU per rank or NCCL (``preflight``), one line from local rank
+0 within seconds, before Megatron loads, and exit 2 on every rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import inspect
+import io
+import logging
 import os
 import re
 import runpy
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +61,11 @@ import megatron_envpipe
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.megatron.gpt_provider import ARGS_DEFAULTS, CheckoutNeeded, check_supported, pretrain_gpt
+from megatron_envpipe.megatron.preflight import cpu_build_blocker, report_blocker, training_blocker
 
 PROG = "pretrain_gpt (megatron-envpipe)"
 CHECK_FLAG = "--envpipe-check-args"
+VERBOSE_CHECK_FLAG = "--envpipe-check-args-verbose"
 MEGATRON_LM_URL = "https://github.com/NVIDIA/Megatron-LM"
 
 
@@ -102,9 +112,9 @@ def _why_not(exc: ImportError, checkout: Path | None) -> str:
         return (f"the Megatron-LM checkout {checkout.parent} needs the module {missing!r}: "
                 f"pip install 'megatron-envpipe[megatron-lm]' (from this repository: pip install -e '.[megatron-lm]')")
     if missing.startswith("megatron") and checkout is None:
-        return (f"megatron-core {version} ships no megatron.training (0.17+ does): on Python >= 3.12 "
-                f"pip install 'megatron-core>=0.17' (no checkout needed), or git clone --branch core_v{version} "
-                f"{MEGATRON_LM_URL} DIR and pass --megatron-lm DIR")
+        return (f"megatron-core {version} ships no megatron.training (0.17+ does): in a Python 3.12 environment "
+                f"run bash install.sh (it picks megatron-core 0.19.2 on Python 3.12; no checkout needed), or git clone --branch "
+                f"core_v{version} {MEGATRON_LM_URL} DIR and pass --megatron-lm DIR")
     return f"megatron.training cannot be imported: {exc}"
 
 
@@ -113,7 +123,10 @@ def add_entry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_envpipe_args(parser)
     parser.add_argument(CHECK_FLAG, dest="envpipe_check_args", action="store_true",
                         help="stop once Megatron's parser and validate_args accepted the command line and EnvPipe "
-                             "validated its flags: print 'arguments OK' and exit 0 (no GPU, no training)")
+                             "validated its flags: print 'arguments OK' and exit 0 (no GPU, no training); "
+                             "only that line, or one line per problem")
+    parser.add_argument(VERBOSE_CHECK_FLAG, dest="envpipe_check_args_verbose", action="store_true",
+                        help=f"{CHECK_FLAG}, with Megatron's own output (its argument dump and warnings)")
     return parser
 
 
@@ -144,8 +157,26 @@ def _envpipe_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--global-batch-size", type=int, default=None)
     parser.add_argument("--rampup-batch-size", nargs="*", default=None)
+    parser.add_argument("--distributed-backend", default="nccl")
     parser.add_argument("--megatron-lm", default=None)
     return parser
+
+
+def training_blocker_here(pre: argparse.Namespace, argv: Sequence[str]) -> str | None:
+    """Why Megatron's training cannot start on this node (no CUDA GPU per rank, no NCCL), or None.
+
+    Asked before Megatron loads (torch alone, about a second), so that a node
+    without what it needs fails in one line within seconds. Not asked for
+    ``--envpipe-check-args`` or ``--help``, which need no GPU.
+    """
+    if pre.envpipe_check_args or "-h" in argv or "--help" in argv:
+        return None
+    cpu_build = cpu_build_blocker(os.environ)
+    if cpu_build is not None:
+        return cpu_build
+    import torch
+
+    return training_blocker(torch, os.environ, pre.distributed_backend)
 
 
 def check_parsed_args(args: Any) -> Any:
@@ -208,7 +239,7 @@ def after_validation(args: Any, builtin: bool) -> None:
         except CheckoutNeeded as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-    if getattr(args, "envpipe_check_args", False):
+    if getattr(args, "envpipe_check_args", False) or getattr(args, "envpipe_check_args_verbose", False):
         if int(os.environ.get("RANK", "0")) == 0:
             print(arguments_ok_line(args), flush=True)
         raise SystemExit(0)
@@ -287,6 +318,30 @@ def check_arguments(program: str, rest: list[str]) -> None:
     raise SystemExit(f"{PROG}: error: {CHECK_FLAG}: Megatron's validate_args returned before the check ran")
 
 
+@contextlib.contextmanager
+def results_only() -> Iterator[None]:
+    """Hold back everything Megatron prints while the check runs; then say only the result lines.
+
+    Megatron's imports, parser and ``validate_args`` print its argument dump and
+    warnings (about 900 lines); the check's answer is the ``arguments OK`` line
+    or the ``error:`` lines (EnvPipe's, argparse's, a refused assertion), which
+    go out on the stream they were written to, once Megatron is done.
+    ``--envpipe-check-args-verbose`` shows it all.
+    """
+    out, err = io.StringIO(), io.StringIO()
+    logging.disable(logging.CRITICAL)  # Megatron's loggers (handlers may hold the real streams)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+        for captured, stream in ((out, sys.stdout), (err, sys.stderr)):
+            for line in captured.getvalue().splitlines():
+                if "arguments OK" in line or ": error: " in line or line.startswith("error: "):
+                    print(line, file=stream, flush=True)
+
+
 def _without_megatron_lm(argv: list[str]) -> list[str]:
     """The command line less ``--megatron-lm DIR`` / ``--megatron-lm=DIR`` (Megatron's parser knows neither)."""
     rest, skip = [], False
@@ -303,6 +358,7 @@ def _without_megatron_lm(argv: list[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre, _ = _envpipe_parser().parse_known_args(argv)
+    pre.envpipe_check_args = pre.envpipe_check_args or pre.envpipe_check_args_verbose
     try:
         # Flags first: pure Python, and the user's to fix wherever Megatron-LM is missing.
         config = EnvPipeConfig.from_args(pre).validate_with_megatron_args(pre)
@@ -311,8 +367,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Before anything imports megatron: the checkout's megatron (and its siblings
             # gpt_builders, model_provider) win over the installed megatron-core.
             sys.path.insert(0, str(script.parent))
-        check_megatron_training(script)
+        blocker = training_blocker_here(pre, argv)
+        if blocker is not None:
+            return report_blocker(PROG, blocker)
     except (EntryError, EnvPipeConfigError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    if pre.envpipe_check_args and not pre.envpipe_check_args_verbose:
+        with results_only():
+            return _run(pre, config, script, argv)
+    return _run(pre, config, script, argv)
+
+
+def _run(pre: argparse.Namespace, config: EnvPipeConfig, script: Path | None, argv: list[str]) -> int:
+    """Megatron's part: its import, EnvPipe installed, then the check, the checkout's script or the built-in GPT."""
+    try:
+        check_megatron_training(script)
+    except EntryError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     _teach_megatron_parser(add_entry_args, builtin=script is None)

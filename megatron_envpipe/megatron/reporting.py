@@ -35,9 +35,10 @@ from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.gpu.hooks import DEVICE_ERRORS, EnergyStatus, GpuHooks
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
+from megatron_envpipe.megatron.stragglers import straggler_follow
 
 __all__ = ["Local", "counter_figure", "log_interval", "report_energy", "summarize", "tensorboard_writer", "unmeasured_summary",
-           "slower_than_planned", "waits_for_straggler",
+           "slower_than_planned", "summarize_following", "waits_for_straggler",
            "wandb_writer", "write_tensorboard", "write_wandb"]
 
 log = logging.getLogger("megatron_envpipe")
@@ -69,7 +70,9 @@ class Local:
 
     planned: _Sums = field(default_factory=_Sums)
     before: _Sums = field(default_factory=_Sums)  # iterations before the plan
-    baseline: _Sums = field(default_factory=_Sums)  # of those, 1F1B at the maximum clock
+    baseline: _Sums = field(default_factory=_Sums)  # of those, 1F1B at the maximum clock (or its repeat)
+    baseline_generation: int = 0  # the repeat the baseline sums belong to (megatron/baseline_refresh.py)
+    baseline_last: int = 0  # the last iteration (1-based) in them
     counter: tuple[float, float] | None = None  # (time, cumulative mJ) at the last log point
     counter_at: int | None = None  # the iteration count it was read after
     num_gpus: int = 1
@@ -77,6 +80,8 @@ class Local:
     last_rank: bool = False  # this process prints the lines (and the summary)
     summarized: bool = False
     told_dp_wait: bool = False  # said once that the extra time is the wait for a data-parallel straggler
+    follow_atexit: bool = False  # the straggler ledger's summary is registered for exit
+    replica: int = 0  # this pipeline's data-parallel replica
 
 
 @dataclass(frozen=True)
@@ -130,9 +135,13 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
     else:
         local.before.add(energy)
         if runtime.is_baseline_iteration(iteration):
+            if local.baseline_generation != runtime.refresh.generation:  # measured again: a fresh mean
+                local.baseline, local.baseline_generation = _Sums(), runtime.refresh.generation
             local.baseline.add(energy)
+            local.baseline_last = iteration + 1
     if (iteration + 1) % log_interval(runtime):
         return None
+    local.replica = groups.replicas.rank() if groups.replicas is not None else 0
     window = local.planned if local.planned.iterations else local.before
     mine = _GpuWindow(status, window.mean(), window.iterations, _baseline_of(local.baseline),
                       counter_figure(local, getattr(hooks, "monitor", None), groups.stage, dist.get_rank(),
@@ -142,7 +151,7 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
     if any(p is None for p in parts):  # a GPU without energy hooks: nothing to report
         return None
     stages = [_stage_window(stage) for stage in parts]
-    _update_baseline(runtime, stages)
+    _update_baseline(runtime, stages, local)
     everyone = [s.status for s in stages]
     measured = all(s.window is not None for s in stages)
     report = None
@@ -155,9 +164,12 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
     # pipeline's last stage prints its own line too (replicas differ when one follows a straggler).
     replica = f" | replica {groups.replicas.rank()}" if groups.replicas is not None else ""
     follows = f" | {runtime.pace_note}" if runtime.pace_note and report is not None else ""
+    measured_follow = _note_follow_window(runtime, groups, report)
     if dist.get_rank() != dist.get_world_size() - 1:
         if report is not None and groups.last and groups.replicas is not None:
             log.info("%s%s%s", report.line(), replica, follows)
+            if measured_follow:
+                log.info("%s", measured_follow)
         return report
     local.num_gpus = sum(len(stage) for stage in parts)
     local.replicas = max(1, dist.get_world_size() // local.num_gpus)
@@ -172,12 +184,44 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
                             for s, st in enumerate(stages) if st.window is None)
         line = f"EnvPipe energy{label} | iteration {iteration + 1} | not measured on stage {missing}"
     log.info("%s%s", line, unmeasured_summary([e for e in everyone if e is not None]))
+    if measured_follow:
+        log.info("%s", measured_follow)
     if report is not None:
         told = slower_than_planned(runtime, report, local)
         if told is not None:
             log.log(*told)
         _write_outputs(runtime, report, everyone)
     return report
+
+
+def _note_follow_window(runtime: EnvPipeRuntime, groups: StageGroups, report: EnergyReport | None) -> str | None:
+    """A pipeline's last stage with data parallelism: the window goes to the straggler ledger; the measured
+    saving of following vs waiting, the first time it is known (stragglers.FollowLedger)."""
+    follow = straggler_follow(runtime)
+    if report is None or follow is None or not groups.last or groups.replicas is None:
+        return None
+    told = follow.note_window(groups, report, groups.replicas.rank())
+    local = _LOCAL.setdefault(runtime, Local())
+    if follow.ledger.following.iterations and not follow.ledger.summarized and not local.follow_atexit:
+        local.follow_atexit = True
+        atexit.register(summarize_following, runtime, groups.replicas.rank())
+    label = " (simulated)" if report.simulated else ""
+    return f"EnvPipe stragglers{label} | {told}" if told else None
+
+
+def summarize_following(runtime: EnvPipeRuntime | None, replica: int) -> str | None:
+    """At the run's end, once, on a pipeline that followed a straggler: the measured saving vs waiting."""
+    follow = straggler_follow(runtime) if runtime is not None else None
+    if follow is None or follow.ledger.summarized:
+        return None
+    line = follow.ledger.comparison(runtime.device.simulated, replica)
+    if line is None:
+        return None
+    follow.ledger.summarized = True
+    label = " (simulated)" if runtime.device.simulated else ""
+    line = f"EnvPipe summary{label} | {line}"
+    log.info("%s", line)
+    return line
 
 
 def waits_for_straggler(runtime: EnvPipeRuntime, report: EnergyReport) -> bool:
@@ -194,6 +238,11 @@ def slower_than_planned(runtime: EnvPipeRuntime, report: EnergyReport, local: Lo
     warning = report.slower_than_planned()
     if not warning:
         return None
+    follow = straggler_follow(runtime)
+    if follow is not None:  # data parallelism: the slowest replica sets every replica's pace
+        explained, line = follow.explains_slow_window(report, local.replica)
+        if explained:
+            return (logging.INFO, line) if line else None
     if not waits_for_straggler(runtime, report):
         return logging.WARNING, warning
     if local.told_dp_wait:
@@ -271,27 +320,44 @@ def _stage_window(gpus: Sequence[_GpuWindow]) -> _StageWindow:
     return _StageWindow(status, window, max(g.iterations for g in gpus), base)
 
 
-def _update_baseline(runtime: EnvPipeRuntime, stages: Sequence[_StageWindow]) -> None:
-    """The measured baseline, from every stage's 1F1B iterations at f_max (kept once the plan runs)."""
+def _update_baseline(runtime: EnvPipeRuntime, stages: Sequence[_StageWindow], local: Local) -> None:
+    """The measured baseline, from every stage's 1F1B iterations at f_max: before the plan (kept once it
+    runs), then each time it is measured again at the plan's GPU age (megatron/baseline_refresh.py), once
+    every one of that measurement's iterations is in."""
     if runtime.config.baseline_iterations == 0:  # asked for the predicted baseline
-        return
-    if runtime.baseline is not None and runtime.planned_at is not None:
         return
     if not stages or any(s.baseline is None for s in stages):
         return
+    generation = local.baseline_generation
+    repeat = generation > 0
+    if runtime.baseline is not None and runtime.planned_at is not None and (
+            not repeat or runtime.baseline.generation >= generation):
+        return
+    done = min(s.baseline[2] for s in stages)
+    if repeat and done < runtime.refresh.span:
+        return  # the repeat is still under way (or an iteration of it went unmeasured)
     scale = runtime.device.time_scale
-    runtime.baseline = Baseline(sum(s.baseline[0] for s in stages), max(s.baseline[1] for s in stages) / scale,
-                                min(s.baseline[2] for s in stages), runtime.device.clocks_mhz[0])
+    energy_j = sum(s.baseline[0] for s in stages)
+    runtime.baseline = Baseline(energy_j, max(s.baseline[1] for s in stages) / scale, done,
+                                runtime.device.clocks_mhz[0], generation=generation,
+                                last_iteration=local.baseline_last if repeat else None)
+    if repeat:
+        runtime.refresh.measured(energy_j, local.baseline_last - 1)
 
 
 def summarize(runtime: EnvPipeRuntime | None) -> str | None:
     """At the run's end, once, on the last rank: the planned windows' energy and time against the
     baseline, and kWh saved per day at this pace (logged and returned)."""
     local = _LOCAL.get(runtime) if runtime is not None else None
+    if local is not None and local.follow_atexit:  # a pipeline that followed a straggler: its own summary
+        summarize_following(runtime, local.replica)
     if local is None or local.summarized or not local.last_rank:
         return None
     local.summarized = True
     planned = [r for r in runtime.energy_log if r.planned_time_s is not None]
+    base = runtime.baseline
+    if base is not None and base.last_iteration is not None:  # measured again: the windows after it, same GPU age
+        planned = [r for r in planned if r.first_iteration > base.last_iteration] or planned
     line = summary_line(planned, runtime.baseline, runtime.device.simulated, local.num_gpus, local.replicas)
     if line is not None:
         log.info("%s", line)

@@ -51,7 +51,9 @@ from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Schedulin
 from megatron_envpipe.gpu.profile_cache import ProfileCache
 from megatron_envpipe.gpu.startup import HOOKS_BACKEND, DeviceFacts
 from megatron_envpipe.gpu.sweep import ClockSweep, startup_sweep
+from megatron_envpipe.megatron.baseline_refresh import BaselineRefresh
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
+from megatron_envpipe.planning.deadline import DeadlineFrom, deadline_from_1f1b, deadline_summary, reword_warnings
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
 
@@ -105,6 +107,8 @@ class EnvPipeRuntime:
         # counted as they are handed out; the reporting sets ``baseline`` from their energy.
         self.baseline: Baseline | None = None
         self.baseline_runs = 0
+        # The baseline measured again once the plan runs, at the GPU age the log compares (baseline_refresh.py).
+        self.refresh = BaselineRefresh(config.baseline_iterations)
         self._last_clock_mhz: int | None = None  # the uniform clock of the last pre-plan iteration
         self.memory_source: str | None = None  # "cuda" when every stage can measure its memory
         self._memory: dict[tuple[int, int], list[tuple[StageMemory, ...]]] = {}
@@ -125,6 +129,8 @@ class EnvPipeRuntime:
         self.dp_wait: tuple[int, float] | None = None
         # Variable-length micro-batches: megatron/iteration_plans.IterationPlans, made at the first such call.
         self.iteration_plans: Any = None
+        # --envpipe-deadline-from 1f1b: the deadline the plan was made for, and 1F1B at f_max it came from.
+        self.deadline: DeadlineFrom | None = None
 
     # -- facts from the executor ---------------------------------------------------------
     def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None) -> None:
@@ -222,6 +228,9 @@ class EnvPipeRuntime:
             self._by_m[key] = state
         rc = state.reconfigurer
         measure = rc is not None and not rc.finished
+        if not measure and self._repeat_baseline():
+            return self._uniform(num_stages, num_microbatches, self.device.clocks_mhz[0], measure=False,
+                                 phase=f"baseline again (measurement {self.refresh.generation}, at the plan's GPU age)")
         plan = rc.plan if rc is not None else state.plan
         phase = "reconfigure" if measure else MEGATRON_ORDER if self.keeps_megatron_order else "steady"
         if self.pace_plan is not None and not measure:  # following a straggler: its pace's plan
@@ -302,13 +311,27 @@ class EnvPipeRuntime:
 
     def is_baseline_iteration(self, iteration: int) -> bool:
         """Whether iteration ``iteration`` (0-based, just finished) ran Megatron's order at the maximum clock
-        before the plan took over: one the measured baseline is made of."""
+        before the plan took over, or repeated it once the plan ran: one the measured baseline is made of."""
+        if self.refresh.is_repeat(iteration):
+            return True
         before_plan = self.planned_at is None or iteration < self.planned_at
         return before_plan and self._last_clock_mhz is not None and self._at_max_clock(self._last_clock_mhz)
 
     def is_planned_iteration(self, iteration: int) -> bool:
         """Whether iteration ``iteration`` (0-based) ran under the plan (the comparison's subject)."""
-        return self.planned_at is not None and iteration >= self.planned_at and self.last_result is not None
+        return (self.planned_at is not None and iteration >= self.planned_at and self.last_result is not None
+                and not self.refresh.is_repeat(iteration))
+
+    def _repeat_baseline(self) -> bool:
+        """Whether this iteration measures the baseline again (megatron/baseline_refresh.py): clocks and energy
+        under control, a measured baseline asked for, and one plan for every iteration (not per-iteration
+        plans for variable lengths, whose iterations differ anyway)."""
+        d = self.device
+        if d is None or not (d.control and d.energy and d.clocks_mhz) or self.iteration_plans is not None:
+            return False
+        if self.planned_at is not None and self.last_result is not None:
+            self.refresh.plan_started(self.planned_at, self.last_result.score.iteration_time_s)
+        return self.refresh.due(self.iteration)
 
     def report_energy(self, iteration: int, stage_energy: Sequence[Any], iterations: int = 1,
                       gpus: Sequence[Any] = ()) -> EnergyReport | None:
@@ -329,14 +352,15 @@ class EnvPipeRuntime:
             if self.pace_time_s is not None:  # following a straggler: its pace's plan
                 planned_time = self.pace_time_s
         saving = result.energy_saving if result is not None else None
-        # Variable-length micro-batches: a window run wholly under per-iteration plans is held to their figures.
+        # Variable-length micro-batches: a window run wholly under per-iteration plans is held to their figures
+        # and compared with the stock run they predict for the same sizes (like with like).
         own = (self.iteration_plans.window_prediction(iterations)
                if result is not None and self.pace_time_s is None and self.iteration_plans is not None else None)
+        base = self.baseline if result is not None else None
         if own is not None:
-            planned_time, saving = own
+            planned_time, saving, base = own
         report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated,
-                              planned_time, saving, self.baseline if result is not None else None, iterations,
-                              tuple(gpus), per_iteration_plans=own is not None)
+                              planned_time, saving, base, iterations, tuple(gpus), per_iteration_plans=own is not None)
         self.energy_log.append(report)
         return report
 
@@ -357,6 +381,8 @@ class EnvPipeRuntime:
         """The activation budget to plan with: the flag's, or under ``auto`` the one derived from the
         measured memory (logged), or no limit when nothing could be measured (logged once)."""
         cfg = self.config
+        if cfg.scheduling != Scheduling.OURS:  # only ours plans within a budget (interleaved: checked at start-up)
+            return None
         if cfg.max_inflight != AUTO:
             return cfg.max_inflight
         runs = self._memory.get((num_stages, num_microbatches))
@@ -395,7 +421,8 @@ class EnvPipeRuntime:
     def _nominal_clock(self) -> int:
         if self.device is not None and self.device.clocks_mhz:
             return self.device.clocks_mhz[0]
-        return self.gpu.max_clock_mhz if self.gpu is not None else NOMINAL_CLOCK_MHZ
+        known = self.gpu.max_clock_mhz if self.gpu is not None else None
+        return known if known is not None else NOMINAL_CLOCK_MHZ
 
     def _sweep_for(self) -> ClockSweep:
         if self._sweep is None:
@@ -491,9 +518,14 @@ class EnvPipeRuntime:
             timing = {"clock_latency_s": latency.request_to_clock_s, "clock_call_s": latency.call_s,
                       "clock_lead": cfg.clock_lead == "on"}
         pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget, **chunks, **timing)
-        if self.gpu is not None and not set(profile.common_frequencies()) & set(self.gpu.candidate_clocks()):
+        if self.gpu is not None and not self.gpu.on_ladder(profile.common_frequencies()):
             pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
+        if cfg.deadline_from is not None:  # 1F1B's f_max time, predicted from this profile (planning/deadline.py)
+            self.deadline = deadline_from_1f1b(profile, num_microbatches, pcfg)
+            pcfg = self.deadline.config
         result = self._plan_within(profile, num_microbatches, pcfg)
+        if self.deadline is not None:
+            log.info("EnvPipe %s", deadline_summary(reword_warnings(result), self.deadline))
         self.last_result = result
         self.planned_with = (profile, num_microbatches, pcfg)
         self.planned_at = self.iteration

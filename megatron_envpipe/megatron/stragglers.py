@@ -26,14 +26,14 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_envpipe.config import EnvPipeConfig
-from megatron_envpipe.core.energy_report import SLOWER_THAN_PLANNED
+from megatron_envpipe.core.energy_report import SLOWER_THAN_PLANNED, EnergyReport
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.megatron.groups import StageGroups
@@ -47,8 +47,8 @@ from megatron_envpipe.planning.straggler import (
 )
 from megatron_envpipe.planning.switching import steady_clock_changes
 
-__all__ = ["PaceSwitch", "StragglerFollow", "apply_sim_straggler", "follow_stragglers", "replica_of",
-           "waiting_energy_j"]
+__all__ = ["FollowLedger", "PaceSwitch", "StragglerFollow", "apply_sim_straggler", "follow_stragglers", "replica_of",
+           "straggler_follow", "waiting_energy_j"]
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -85,6 +85,55 @@ class PaceSwitch:
     note: str | None  # for the energy line: whom it follows, at what pace, what it saves
 
 
+@dataclass
+class _Tally:
+    """Log windows added up: energy and time per iteration, weighted by their iterations."""
+
+    energy_j: float = 0.0
+    time_s: float = 0.0
+    iterations: int = 0
+    first: int = 0  # 1-based iterations covered (the first and the last window's)
+    last: int = 0
+
+    def add(self, report: EnergyReport) -> None:
+        self.first = self.first or report.first_iteration
+        self.last = report.iteration
+        self.energy_j += report.energy_j * report.iterations
+        self.time_s += report.time_s * report.iterations
+        self.iterations += report.iterations
+
+    def mean(self) -> tuple[float, float]:
+        return self.energy_j / self.iterations, self.time_s / self.iterations
+
+    def span(self) -> str:
+        return f"iterations {self.first}-{self.last}" if self.first != self.last else f"iteration {self.last}"
+
+
+@dataclass
+class FollowLedger:
+    """What following a straggler measurably saves, in this run: a pipeline's energy per iteration while it
+    waited for the slowest replica on its own plan (planned windows slower than the plan) against while it
+    ran the plan for that replica's pace. Both at the straggler's pace: said only when their times agree."""
+
+    waiting: _Tally = field(default_factory=_Tally)
+    following: _Tally = field(default_factory=_Tally)
+    whom: int | None = None  # the replica followed
+    told: bool = False  # the first comparison was logged
+    summarized: bool = False
+
+    def comparison(self, simulated: bool, replica: int) -> str | None:
+        if not self.waiting.iterations or not self.following.iterations or self.whom is None:
+            return None
+        (wait_j, wait_s), (follow_j, follow_s) = self.waiting.mean(), self.following.mean()
+        if abs(follow_s / wait_s - 1) > SLOWER_THAN_PLANNED:  # not the same pace: no like-for-like figure
+            return None
+        label = " (simulated)" if simulated else ""
+        return (f"replica {replica} | following replica {self.whom}'s pace: {follow_j:.1f} J per iteration "
+                f"({self.following.span()}, {follow_s:.3f} s) vs {wait_j:.1f} J waiting for it on its own plan "
+                f"({self.waiting.span()}, {wait_s:.3f} s): {100 * (1 - follow_j / wait_j):.1f} % less energy per "
+                f"iteration than waiting (measured in this run{label and ', simulated'})")
+
+
 class StragglerFollow:
     """One process's straggler detection and following (one per run-time, :func:`follow_stragglers`)."""
 
@@ -104,6 +153,12 @@ class StragglerFollow:
         self.applied_target_s: float | None = None  # the pace the running plan follows (measured seconds)
         self.running_predicted_s: float | None = None  # the running follow plan's predicted time
         self.switches = 0
+        self.engaged = False  # detection ran on a planned iteration: replicas compare paces
+        self.agreed = False  # a comparison of paces was read (the last stage)
+        self.pace_setter: tuple[float, float] | None = None  # this pipeline is the slowest: (its pace, the fastest's)
+        self.told_pace_setter = False
+        self.state_since = 0  # 0-based first iteration under the running plan (own or a pace's)
+        self.ledger = FollowLedger()
 
     # -- every rank ---------------------------------------------------------------------
     def active(self, groups: StageGroups, iteration: int) -> bool:
@@ -125,6 +180,7 @@ class StragglerFollow:
         iteration time in device seconds (None: not measured)."""
         if not self.active(groups, iteration):
             return
+        self.engaged = True
         if groups.last and self.frontier is None and not self.failed and self.runtime.config.follow_stragglers:  # at once: ready by the first decision
             profile, m, pcfg = self.runtime.planned_with
             self.frontier = start_background(profile, m, pcfg,
@@ -147,12 +203,51 @@ class StragglerFollow:
             switch = box[0]
         if switch is not None:
             self._apply(switch)
+            self.state_since = iteration + 1
 
     def _apply(self, switch: PaceSwitch) -> None:
         rt = self.runtime
         rt.pace_plan, rt.pace_note, rt.pace_time_s = switch.plan, switch.note, switch.pace_s
         self.running_predicted_s = switch.predicted_time_s
         self.switches += 1
+
+    # -- a pipeline's last stage, at a log point (reporting) ------------------------------
+    def note_window(self, groups: StageGroups, report: EnergyReport, replica: int) -> str | None:
+        """Add a planned log window to the ledger (windows wholly under one plan only); the comparison, the
+        first time there is one (to log once), else None."""
+        # Asked here too: the energy log comes before after_iteration on a plan's first iteration.
+        self.engaged = self.engaged or self.active(groups, report.iteration - 1)
+        if report.planned_time_s is None or report.first_iteration - 1 < self.state_since:
+            return None
+        if self.runtime.pace_plan is not None:
+            self.ledger.following.add(report)
+        elif self.pace_setter is None and report.time_s > report.planned_time_s * (1 + SLOWER_THAN_PLANNED):
+            self.ledger.waiting.add(report)  # own plan, slower than planned: waiting at the gradient sync
+        line = None if self.ledger.told else self.ledger.comparison(report.simulated, replica)
+        self.ledger.told = self.ledger.told or line is not None
+        return line
+
+    def explains_slow_window(self, report: EnergyReport, replica: int) -> tuple[bool, str | None]:
+        """For a window slower than planned: (whether data parallelism explains it, a line to log once).
+
+        Until the replicas first compared paces nobody knows who waits for whom: held. The slowest
+        pipeline (the pace-setter) says so once; a waiting one is handled by the caller (``dp_wait``)."""
+        if not self.engaged:
+            return False, None
+        if not self.agreed:
+            return True, None
+        if self.pace_setter is None:
+            return False, None
+        if self.told_pace_setter:
+            return True, None
+        self.told_pace_setter = True
+        pace_s, fastest_s = self.pace_setter
+        label = " (simulated)" if report.simulated else ""
+        others = "follow its pace" if self.runtime.config.follow_stragglers else "wait for it at the gradient sync"
+        return True, (f"EnvPipe{label} | replica {replica}: {report.span()} lasted {report.time_s:.3f} s, not the "
+                      f"planned {report.planned_time_s:.3f} s: this pipeline is the data-parallel pace-setter, the "
+                      f"slowest replica (pace {pace_s:.3f} s, the fastest {fastest_s:.3f} s; its own GPUs run slower "
+                      f"than its profile says); the other replicas {others}. Said once, not every line")
 
     def settle(self) -> None:
         """Wait for the gather in flight, if any (tests; a run never needs to: it reads it a window later)."""
@@ -177,6 +272,10 @@ class StragglerFollow:
             if math.isfinite(sent) and known:
                 slowest = max(known)
                 slow_replica = times.index(slowest)
+                self.agreed = True
+                fastest = min(known)
+                leads = slow_replica == replica and slowest > fastest * (1 + self.follower.settings.threshold)
+                self.pace_setter = (slowest, fastest) if leads else None
                 # This pipeline waits for a slower one at the gradient sync: its iterations last longer
                 # than planned for that reason (the energy line says so once instead of warning).
                 waits = slow_replica != replica and slowest > sent * (1 + SLOWER_THAN_PLANNED)
@@ -219,6 +318,7 @@ class StragglerFollow:
                 f"saving {stretched - pace.predicted_energy_j:.1f} J/iter vs not following (predicted)")
         log.info("EnvPipe: %s: plan for %.4g s (predicted %.4g s)", note, target_pred, pace.predicted_time_s)
         self.applied_target_s = target_s
+        self.ledger.whom = slowest_replica
         return PaceSwitch(pace.plan, pace.predicted_time_s, target_pred, note)
 
     def _frontier(self) -> Any:
@@ -243,6 +343,11 @@ def waiting_energy_j(energy_j: float, plan: FrequencyPlan, switch_cost_j: float,
 
 
 _FOLLOW: "weakref.WeakKeyDictionary[EnvPipeRuntime, StragglerFollow]" = weakref.WeakKeyDictionary()
+
+
+def straggler_follow(runtime: EnvPipeRuntime) -> StragglerFollow | None:
+    """This run-time's :class:`StragglerFollow`, if it has one (the energy log asks it)."""
+    return _FOLLOW.get(runtime)
 
 
 def follow_stragglers(runtime: EnvPipeRuntime, groups: StageGroups, iteration: int,

@@ -388,7 +388,7 @@ def planning_basis(
         raise PlannerError(f"{profile.source}: no candidate clocks: no profiled clock lies in {config.gpu.key}'s range")
     f_max = max(candidates)
     warnings: list[str] = []
-    if config.gpu is not None and f_max < config.gpu.max_clock_mhz:
+    if config.gpu is not None and config.gpu.max_clock_mhz is not None and f_max < config.gpu.max_clock_mhz:
         warnings.append(
             f"the profile stops at {f_max} MHz, below {config.gpu.key}'s maximum {config.gpu.max_clock_mhz} MHz: "
             f"the baseline runs at {f_max} MHz"

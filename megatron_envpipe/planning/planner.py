@@ -13,6 +13,7 @@ settled once, after that pass (:func:`~megatron_envpipe.planning.optimal.entry.a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from megatron_envpipe.core.clock_transitions import predict_with_latency
@@ -20,11 +21,13 @@ from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import PlanType
+from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
 from megatron_envpipe.planning.envpipe import plan_reconfigured
 from megatron_envpipe.planning.optimal import plan_optimal
 from megatron_envpipe.planning.optimal.entry import account_optimal
-from megatron_envpipe.planning.switching import reduce_clock_changes
+from megatron_envpipe.planning.switching import reduce_clock_changes, steady_clock_changes
+from megatron_envpipe.planning.switching_dp import plan_segments, short_segments
 
 
 def plan_envpipe(
@@ -49,6 +52,12 @@ def plan_envpipe(
     else:
         result = plan_reconfigured(planned_on, num_microbatches, config, num_stages)
     result = with_fewer_clock_changes(result, planned_on)
+    if config.plan_type == PlanType.OPTIMAL and counts_changes(config):
+        # Changes priced inside the choice (per-rank DP over clock segments), then the better of this plan
+        # and EnvPipe's envelope plan of the same schedule and memory, both counted the same way.
+        result = with_segments(result, planned_on)
+        result = better_than_envelope(result, planned_on, num_microbatches, num_stages)
+        refresh_switching_summary(result)
     if result.deadline_s is not None:
         # Gap, stop reason and energies at the target from the plan the pass left (planned on the margin's
         # profile when there is one: the LP bound is that problem's).
@@ -127,3 +136,123 @@ def with_fewer_clock_changes(result: PlanResult, profile: Profile) -> PlanResult
             "allow more changes or --max-slowdown")
     result.planner_seconds += time.perf_counter() - t0
     return result
+
+
+# The envelope rival (better_than_envelope) gets the segment DP when, after the merge pass, it is worth at
+# most this much more than the optimal plan: the DP has not gained more than about 1 % of a plan's energy.
+RIVAL_DP_WITHIN = 0.02
+
+
+def refresh_switching_summary(result: PlanResult) -> None:
+    """``details['clock_switching']`` from the plan before the merge pass to the plan returned, whatever
+    came between (segment DP, the merge pass again, EnvPipe's plan kept)."""
+    summary = result.details.get("clock_switching")
+    if summary is None:
+        return
+    charged = steady_clock_changes(result.plan)
+    summary.update(
+        clock_changes_after=list(result.plan.clock_changes()),
+        charged_clock_changes_after=list(charged),
+        energy_given_up_j=result.score.energy_j - summary["energy_before_j"],
+        switch_energy_saved_j=summary["switch_cost_j"] * (sum(summary["charged_clock_changes_before"]) - sum(charged)),
+    )
+
+
+def counts_changes(config: PlannerConfig) -> bool:
+    """Whether clock changes have a price for this config: a switch cost, or a clock latency that bounds segments."""
+    return config.effective_switch_cost_j > 0 or config.clock_latency_s > 0
+
+
+def counted_energy_j(result: PlanResult) -> float:
+    """What a plan is worth with its clock changes counted (:attr:`PlanResult.energy_j`), until the target
+    iteration time when the plan is padded to one (faster plans block at P2P power until then)."""
+    energy = result.energy_j
+    if result.details.get("padded_to_deadline") and result.deadline_s is not None:
+        p2p, p = result.config.effective_p2p_power_w, result.schedule.num_stages
+        energy += p2p * p * max(0.0, result.deadline_s - result.score.iteration_time_s)
+    return energy
+
+
+def latency_summary(result: PlanResult, profile: Profile) -> dict:
+    """Segments too short for the clock latency (planning/switching_dp.short_segments) and changes per rank."""
+    evaluator_durations = result.timeline.duration_s
+    short, k = 0, 0
+    for row in result.plan.freqs_mhz:
+        short += short_segments(list(row), evaluator_durations[k:k + len(row)], result.config.clock_latency_s)
+        k += len(row)
+    return {"short_segments": short, "charged_clock_changes": sum(steady_clock_changes(result.plan))}
+
+
+def with_segments(result: PlanResult, profile: Profile) -> PlanResult:
+    """``result`` after the per-rank segment DP (planning/switching_dp.py) and the merge pass again; the DP
+    holds every segment to the clock latency (``config.clock_latency_s``); ``details['clock_segments']``
+    says what it did, ``details['clock_changes_removed_by_latency']`` how many changes the latency removed."""
+    cfg = result.config
+    t0 = time.perf_counter()
+    cost = cfg.effective_switch_cost_j
+    padded = bool(result.details.get("padded_to_deadline"))
+    evaluator = PlanEvaluator(result.schedule, profile, cfg.effective_p2p_power_w, graph=result.timeline.graph)
+    deadline = result.deadline_s if padded and result.deadline_s is not None else result.score.iteration_time_s
+    latency = cfg.clock_latency_s
+    before = latency_summary(result, profile) if latency > 0 else None
+    dp = plan_segments(result.plan, evaluator, deadline, cost, min_segment_s=latency)
+    # The same DP without the latency bound says how many changes the latency removed.
+    free = plan_segments(result.plan, evaluator, deadline, cost) if latency > 0 else dp
+    if dp.ranks_improved:
+        result.plan, result.score, result.timeline = dp.plan, dp.score, dp.timeline
+        if cost > 0 or cfg.max_clock_changes is not None:  # merges the DP's bounds did not reach
+            sw = reduce_clock_changes(result.plan, evaluator, deadline if padded else None, cost,
+                                      cfg.max_clock_changes)
+            result.plan, result.score, result.timeline = sw.plan, sw.score, sw.timeline
+            if "clock_switching" in result.details:
+                result.details["clock_switching"]["merges"] += sw.merges
+    result.details["clock_segments"] = {
+        "objective_before_j": dp.objective_before_j, "objective_after_j": dp.objective_after_j,
+        "ranks_replanned": dp.ranks_improved, "sweeps": dp.sweeps, "min_segment_s": latency,
+    }
+    if before is not None:
+        after = latency_summary(result, profile)
+        result.details["clock_segments"].update(short_segments_before=before["short_segments"],
+                                                short_segments_after=after["short_segments"])
+        result.details["clock_changes_removed_by_latency"] = max(
+            0, sum(steady_clock_changes(free.plan)) - sum(steady_clock_changes(dp.plan)))
+    result.planner_seconds += time.perf_counter() - t0
+    return result
+
+
+def better_than_envelope(result: PlanResult, profile: Profile, num_microbatches: int,
+                         num_stages: int | None) -> PlanResult:
+    """The better of the optimal ``result`` and EnvPipe's envelope plan of the same scheduling and memory
+    (balanced reconfiguration, the same switch cost, merge pass and segment DP), counted the same way
+    (:func:`counted_energy_j`); the rival must meet the optimal plan's deadline. ``details['kept_plan']``
+    says which was kept, ``details['envelope_rival']`` what the other was worth."""
+    cfg = result.config
+    t0 = time.perf_counter()
+    rival_cfg = dataclasses.replace(cfg, plan_type=PlanType.ENVELOPE, reconfig="balanced",
+                                    switch_cost_j=cfg.effective_switch_cost_j, target_time_s=None)
+    mine = counted_energy_j(result)
+    result.details["kept_plan"] = "optimal"
+    try:
+        rival = plan_reconfigured(profile, num_microbatches, rival_cfg, num_stages)
+    except EnvPipeError:
+        return result
+    rival = with_fewer_clock_changes(rival, profile)
+    rival.details["padded_to_deadline"] = result.details.get("padded_to_deadline", False)
+    rival.deadline_s = result.deadline_s
+    if counted_energy_j(rival) < mine * (1 + RIVAL_DP_WITHIN) or cfg.clock_latency_s > 0:
+        rival = with_segments(rival, profile)  # only where it may win: the DP takes about as long as the plan
+    theirs = counted_energy_j(rival)
+    fits = result.deadline_s is None or rival.score.iteration_time_s <= result.deadline_s * (1 + 1e-9)
+    result.details["envelope_rival"] = {"energy_j": theirs, "meets_deadline": fits,
+                                        "charged_clock_changes": sum(rival.charged_clock_changes)}
+    if fits and theirs < mine - 1e-9 * abs(mine):
+        result.plan, result.score, result.timeline = rival.plan, rival.score, rival.timeline
+        for key in ("clock_segments", "clock_changes_removed_by_latency"):
+            if key in rival.details:
+                result.details[key] = rival.details[key]
+        result.details["kept_plan"] = "envelope"
+        if cfg.scheduling == "ours" and result.details.get("extra_warmup_chosen") is not None:
+            result.details["extra_warmup_chosen"] = "envelope"
+    result.planner_seconds += time.perf_counter() - t0
+    return result
+

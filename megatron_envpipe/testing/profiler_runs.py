@@ -44,6 +44,7 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
                               virtual_time: bool = False,
                               host_delays: dict[tuple[int, str, int], list[float]] | None = None,
                               host_load: list[float] | None = None,
+                              host_overhead_s: float = 0.0,
                               dynamics: DeviceDynamics = EXACT,
                               counter_periods_s: list[float | None] | None = None,
                               sizes: Sequence[Sequence[MicrobatchSize] | None] | None = None,
@@ -63,6 +64,8 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
     overhead plus every delay the host suffered (run queue, GIL, hypervisor steal), summed.
     ``host_load``: gets ``[lost seconds, wall seconds]`` of the run, the lost time as the kernel
     reports it (:func:`host_lost_time_s`), independent of the code measured; empty where unknown.
+    ``host_overhead_s``: with ``timing="host"``, the host's own time on each side of a unit, between its
+    clock read and unit_begin / after unit_end (a sleep: modelled exactly in virtual time).
     ``dynamics``: the simulated GPUs' (:mod:`megatron_envpipe.core.device_dynamics`): a stepped
     counter is polled at least ten times per update (as NVML's ~100 ms counter is by a 2-10 ms
     poller), and after each lock the run waits the clock latency before the first unit, so that
@@ -111,8 +114,12 @@ def profile_on_simulated_gpus(truth: Profile, sweep: ClockSweep, *, p2p_power_w:
                         t0_s = clock()
                         if mb_sizes is not None:
                             g.set_unit_size(mb_sizes[m])
+                        if timing == "host" and host_overhead_s > 0:
+                            sleep(host_overhead_s)
                         g.unit_begin(s, kind)
                         g.unit_end(s, kind)
+                        if timing == "host" and host_overhead_s > 0:
+                            sleep(host_overhead_s)
                         units.append((kind, t0_s, clock()) if timing == "host" else g.last_unit_window())
                         if host_delays is not None:
                             _, begin_s, end_s = g.last_unit_window()

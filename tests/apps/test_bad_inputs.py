@@ -236,7 +236,7 @@ CASES = [
       {"p.json": plan_json(setitem("baseline.energy_j", DELETE))}),
     C("show-nan", "show {tmp}/p.json", "{tmp}/p.json: NaN is not a finite number",
       {"p.json": plan_json(setitem("plan.energy_j", float("nan")))}),
-    C("show-huge-number", "show {tmp}/p.json", "{tmp}/p.json: slowdown is inf, not a finite number",
+    C("show-huge-number", "show {tmp}/p.json", "{tmp}/p.json: slowdown = inf: must be a finite number",
       {"p.json": lambda: plan_json()().replace('"slowdown": ', '"slowdown": 1e999, "x": ', 1)}),
     C("show-wrong-type", "show {tmp}/p.json", "{tmp}/p.json: energy_saving is '5%', not a finite number",
       {"p.json": plan_json(setitem("energy_saving", "5%"))}),

@@ -36,9 +36,14 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Commands that a test elsewhere (or CI's own script) runs: command as the doc writes it -> that file.
 MAPPED = {
     "bash install.sh": ".ci/run",
+    "mkdir -p logs": "examples/slurm/pretrain_gpt_envpipe.sbatch",  # its header: SLURM opens logs/ before it runs
     "envpipe demo": ".ci/run",
     "python3 -m pytest -q -rs tests": ".ci/run",
+    "python3 -m pytest -q --fast": "tests/test_tiering.py",  # it runs --fast on a sample; docs/testing.md
     "bash bench/gpu_check.sh --out out/gpu-check": "tests/apps/test_gpu_check_runner.py",
+    "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 --device cpu "
+    "--train-iters 40 --envpipe-type optimal --envpipe-scheduling ours --envpipe-gpu simulated:a40/gpt3-175b "
+    "--envpipe-sim-unit-scale 0.15 --envpipe-sim-dynamics realistic": "tests/megatron/test_fast_gpu_log.py",
     "ENVPIPE_EXAMPLE=tiny-cpu GPUS_PER_NODE=4 sbatch --nodes=1 --gpus-per-node=0 "
     "examples/slurm/pretrain_gpt_envpipe.sbatch": "tests/slurm/test_slurm_job.py",
     "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 "
@@ -54,12 +59,19 @@ MAPPED = {
     "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 --device cpu "
     "--variable-seq-lengths --train-iters 20 --no-envpipe": "tests/apps/test_tiny_variable_lengths.py",
     "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 --device cpu "
-    "--variable-seq-lengths --train-iters 20 --envpipe-type optimal --envpipe-scheduling ours "
-    "--envpipe-gpu simulated:a40/gpt3-175b": "tests/megatron/test_variable_lengths_acceptance.py",
+    "--variable-seq-lengths --train-iters 50 --envpipe-type optimal --envpipe-scheduling ours "
+    "--envpipe-gpu simulated:a40/gpt3-175b": "tests/megatron/test_readme_examples.py",  # read from the README
+    "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 4 "
+    "--virtual-pipeline-model-parallel-size 2 --device cpu --train-iters 6 --envpipe-type optimal "
+    "--envpipe-scheduling interleaved --envpipe-deadline-from 1f1b --envpipe-gpu simulated:a40/gpt3-175b":
+        "tests/megatron/test_deadline_from_acceptance.py",
     "torchrun --nproc-per-node 4 examples/train_tiny_gpt.py --pipeline-model-parallel-size 2 --device cpu "
     "--train-iters 40 --envpipe-type optimal --envpipe-scheduling ours --envpipe-gpu simulated:a40/gpt3-175b "
     "--envpipe-sim-straggler 1:1.15": "tests/megatron/test_stragglers_acceptance.py",
 }
+
+# Tests that read their torchrun command out of README.md (readme_example("<a word of it>")) and run it as written.
+READS_THE_DOC = {"tests/megatron/test_readme_examples.py"}
 
 # The test that runs the Megatron-LM entry's command as a doc writes it (it reads the command from README.md).
 MEGATRON_LM_TEST = "tests/megatron/test_megatron_lm_entry.py"
@@ -155,6 +167,8 @@ def test_every_mapping_is_used_and_its_test_says_the_command():
         text = (REPO / target).read_text()
         # (a command may run the mapped file itself: `python3 -m pytest tests/x.py`)
         missing = [w for w in words(command) if w not in text and w != Path(target).name]
+        if target in READS_THE_DOC and any(f'readme_example("{w}")' in text for w in words(command)):
+            missing = []  # it runs the command read out of the README, found by one of its words: no drift
         if missing:
             drifted.append(f"{target} does not run the doc command `{command}`: it never says {missing}")
     assert not drifted, "\n".join(drifted)
@@ -175,6 +189,7 @@ def test_envpipe_commands_run(path, tmp_path, monkeypatch, capsys):
         assert code == 0, f"{path.name}: `{command}` exited {code}\n{err}"
 
 
+@pytest.mark.cli  # a bash dry run: it prints the torchrun command, starts none
 @pytest.mark.parametrize("command", [c for _, c in all_commands() if kind(c) == "script"])
 def test_script_commands_carry_their_knobs(command, tmp_path):
     """The line's variables, given to the scripts' shared body in a dry run, reach the torchrun command."""

@@ -24,6 +24,7 @@ pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip 
 
 from megatron_envpipe.megatron.localhost import free_port  # noqa: E402
 
+pytestmark = [pytest.mark.dist, pytest.mark.e2e]  # tiny-GPT trainings under torchrun (test tiers: docs/testing.md)
 REPO = Path(__file__).resolve().parents[2]
 NPROC = 4
 ITERS = 12  # 1 warm-up + 4 swept clocks (+1 repeated), then planned iterations (room to recover)

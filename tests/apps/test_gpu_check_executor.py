@@ -114,6 +114,7 @@ def test_verdict_names_a_run_that_crashed_or_ran_out_of_time() -> None:
     assert result.status == "failed" and "the stock run ran past its time limit" in result.reason
 
 
+@pytest.mark.fast  # no time left: executor_step.run starts no torchrun
 def test_no_time_left_means_no_runs(tmp_path: Path) -> None:
     result = executor_step.run(_ctx(tmp_path, limit_s=executor_step.MIN_RUN_S))
     assert result.status == "failed" and "left for step 7's runs" in result.reason

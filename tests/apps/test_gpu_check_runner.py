@@ -31,7 +31,7 @@ from megatron_envpipe.apps.gpu_check.gating import Machine, unmet_needs  # noqa:
 from megatron_envpipe.apps.gpu_check.runner import CheckOptions, GpuCheckError, parse_steps, run_check  # noqa: E402
 from megatron_envpipe.apps.gpu_check.step_api import OUTPUT_FILES, Step, StepContext, StepResult  # noqa: E402
 from megatron_envpipe.apps.gpu_check.steps import MAX_TOTAL_S, STEPS, planned_total_s  # noqa: E402
-from megatron_envpipe.apps.gpu_check.summary import plan_lines  # noqa: E402
+from megatron_envpipe.apps.gpu_check.summary import format_duration, plan_lines  # noqa: E402
 from megatron_envpipe.gpu.nvml import NvmlGpu  # noqa: E402
 from megatron_envpipe.gpu.safety import ClockGuard  # noqa: E402
 
@@ -94,6 +94,16 @@ def test_plan_is_eight_steps_under_eight_minutes_printed_first():
     lines = plan_lines(STEPS)
     assert lines[0] == "envpipe gpu-check: 8 steps, planned total 7 min 35 s (each step stopped at its limit)"
     assert all(f" {s.name} " in lines[s.number] and f"{s.planned_s:g} s" in lines[s.number] for s in STEPS)
+
+
+def test_the_planned_total_is_of_the_steps_selected():
+    """--steps 1,2: the total is theirs (issue 35: it said 7 min 35 s for two steps), the others marked."""
+    selected = parse_steps("1,2")
+    lines = plan_lines(STEPS, selected)
+    total = sum(s.planned_s for s in STEPS if s.name in selected)
+    assert lines[0] == (f"envpipe gpu-check: 2 of 8 steps (--steps), planned total {format_duration(total)} "
+                        "(each step stopped at its limit)")
+    assert [s.number for s in STEPS if lines[s.number].endswith("(not selected)")] == [3, 4, 5, 6, 7, 8]
 
 
 def test_steps_by_number_or_name_and_a_bad_one_is_one_clear_line():

@@ -35,7 +35,7 @@ from megatron_envpipe.errors import UsageError
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 
-UNKNOWN = ("v100", "rtx3090", "a6000", "h100", "h200")
+UNKNOWN = ("v100", "rtx3090", "a6000", "h100", "h100-pcie", "h200", "b200")
 # Published (Perseus artifact, SOSP '24; see shared/reference/perseus.md §3): the values and their sources.
 KNOWN = {"a40": 70.38, "a100": 83.64}
 

@@ -159,13 +159,23 @@ def test_an_unsteady_stage_gets_more_iterations_within_a_bound():
     sweep = ClockSweep(prof.common_frequencies(), iterations_per_clock=2)
     run(prof, sweep, energy_x=Swing(3, 0.03))
     assert sweep.steady == (True, False, True)
-    assert [r.iterations for r in sweep.results] == [4, 4, 4, 4]  # max_iterations_per_clock, every clock
-    assert sweep.iterations_used == 1 + 4 * 4 <= sweep.envpipe_iterations()
+    # More iterations where it is unsteady, but never beyond the budget (a third of EnvPipe's, 8 here): the
+    # first clock gets max_iterations_per_clock, every later one what the coarse clocks still to come leave.
+    assert sweep.budget_iterations() == 8
+    assert [r.iterations for r in sweep.results] == [4, 1, 1, 1]
+    assert sweep.iterations_used == 1 + 4 + 3 == sweep.budget_iterations()
     assert any("stage 1 at 1800 MHz after 4 iterations: forward energy differs" in e for e in sweep.unsteady_events)
-    assert "4 clock(s) needed more than one iteration" in sweep.summary()
-    # The four alternating iterations average out.
+    assert all(" at 1800 MHz " in e for e in sweep.unsteady_events)  # one iteration alone cannot disagree
+    assert "1 clock(s) needed more than one iteration" in sweep.summary()
+    # The four alternating iterations at 1800 MHz average out.
     for r in sweep.rows():
-        assert r.energy_j == pytest.approx(prof.energy_j(r.stage, r.instruction, r.freq_mhz), rel=1e-9)
+        if r.freq_mhz == 1800:
+            assert r.energy_j == pytest.approx(prof.energy_j(r.stage, r.instruction, r.freq_mhz), rel=1e-9)
+    # With EnvPipe's budget for more clocks, each unsteady clock gets its four iterations, still bounded.
+    wide = ClockSweep(prof.common_frequencies(), iterations_per_clock=2)
+    wide.budget_iterations = lambda: 1 + 4 * 4  # type: ignore[method-assign]
+    run(prof, wide, energy_x=Swing(3, 0.03))
+    assert [r.iterations for r in wide.results] == [4, 4, 4, 4] and wide.iterations_used == 17
 
     # Unsteady only in the first two measured iterations: steady from the fourth, then one per clock.
     sweep = ClockSweep(prof.common_frequencies(), iterations_per_clock=2)
@@ -181,7 +191,11 @@ def test_a_stage_whose_units_scatter_needs_more_than_one_iteration():
     run(prof, scatter, unit_x=lambda s, m: 1.0 + (0.3 if m % 2 else -0.3) * (s == 0))
     assert scatter.steady == (False, True)
     assert "varies by" in scatter.unsteady_events[0]
-    assert all(r.iterations == 4 for r in scatter.results)
+    # More at the first clock, as many as the budget (a third of EnvPipe's: 6) leaves after the warm-up
+    # and one iteration for each clock still to come; the event says the budget cut it short.
+    assert [r.iterations for r in scatter.results] == [3, 1, 1]
+    assert "after 3 iterations (the budget of 6 iterations leaves no more for it)" in scatter.unsteady_events[0]
+    assert scatter.iterations_used == scatter.budget_iterations() == 6
 
 
 def test_refinement_clocks_fill_the_gaps_next_to_the_valleys():
@@ -207,10 +221,10 @@ def test_refinement_stays_within_a_third_of_envpipe():
     # EnvPipe: 24 iterations; a third: 8 = warm-up + 2 + 3 + 2 refined (not the 4 asked for).
     assert sweep.iterations_used == 8 and sweep.refined_clocks_mhz() == (960, 930)
     assert "then refined 2 clock(s) near the valley" in sweep.stop_reason
-    # An unsteady pipeline has no budget left: nothing refined, still bounded.
+    # An unsteady pipeline has no budget left: nothing refined, and never more than the budget.
     unsteady = ClockSweep((1800, 1500, 1200, 900), supported_mhz=prof.common_frequencies(), refine_step_mhz=30)
     run(prof, unsteady, energy_x=Swing(2, 0.05))
-    assert not unsteady.refined_clocks_mhz() and unsteady.iterations_used == 1 + 4 * 4
+    assert not unsteady.refined_clocks_mhz() and unsteady.iterations_used == unsteady.budget_iterations() == 8
 
 
 def test_sweep_arguments_are_checked():

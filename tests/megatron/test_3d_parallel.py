@@ -33,7 +33,9 @@ EXTRA_WARMUP = (2, 0)  # stage 0 runs all 4 forwards first: not Megatron's 1F1B 
 ITERATIONS = 8  # 1 warm-up + 4 swept clocks (300 MHz apart), then 3 planned (reconfiguring)
 LAYOUTS = {"TP2xPP2": (2, 1), "DP2xPP2": (1, 2)}  # name -> (TP, DP)
 
-pytestmark = pytest.mark.filterwarnings("ignore:(Transformer Engine and )?Apex (is|are) not installed")
+# Every test runs spawned ranks (test tiers: docs/testing.md).
+pytestmark = [pytest.mark.filterwarnings("ignore:(Transformer Engine and )?Apex (is|are) not installed"),
+              pytest.mark.dist]
 
 
 def envpipe_config(profiles: Path) -> EnvPipeConfig:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launching import torchrun
 
 from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
 from megatron_envpipe.core.energy_csv import CSV_COLUMNS, append_report
@@ -74,6 +72,30 @@ def test_kwh_saved_per_day_and_the_summary_line():
     assert "energy -10.00%, time +2.56% vs the measured baseline's 1000.0 J" in line
     assert "at this pace 1.200 kWh saved per day over 8 GPUs (simulated)" in line  # two replicas
 
+
+
+def test_windows_under_per_iteration_plans_compare_with_the_stock_run_for_their_own_sizes():
+    # Variable-length micro-batches (issue 35): the measured baseline ran micro-batches of other sizes; each
+    # window under per-iteration plans is held to their time and to stock 1F1B predicted for the same sizes.
+    own = dict(per_iteration_plans=True, iterations=1, planned_time_s=2.0, gpus=())
+    line = _report(iteration=19, time_s=2.0, energy_j=750.0, planned_saving=0.26,
+                   baseline=Baseline.same_sizes(1000.0, 2.5), **own).line()
+    assert ("saving 25.00% (planned 26.00%), time -20.00% vs stock 1F1B at f_max predicted for the same "
+            "micro-batch sizes, 1000.0 J in 2.500 s") in line
+    assert "time +0.00% vs the per-iteration plans' 2.000 s" in line and "measured baseline" not in line
+    # The summary: only those windows (not the start-up plan's, of other sizes), weighted by iterations.
+    reports = [_report(iteration=18, time_s=4.0, energy_j=1500.0),
+               _report(iteration=19, time_s=2.0, energy_j=750.0, planned_saving=0.26,
+                       baseline=Baseline.same_sizes(1000.0, 2.5), **own),
+               _report(iteration=20, time_s=1.0, energy_j=400.0, planned_saving=0.2,
+                       baseline=Baseline.same_sizes(500.0, 1.0), **own)]
+    line = summary_line(reports, Baseline(1000.0, 3.9, 2, 1740), simulated=True, num_gpus=4)
+    assert line.startswith("EnvPipe summary (simulated) | 2 iterations under per-iteration plans (of iterations "
+                           "19-20): 575.0 J over the pipeline in 1.500 s per iteration | ")
+    # 575 / 750 - 1; planned (740 + 400) / 2 = 570 J: 570 / 750 - 1; time 1.5 / 1.75 - 1.
+    assert ("energy -23.33% (planned -24.00%), time -14.29% vs stock 1F1B at f_max predicted for the same "
+            "micro-batch sizes, 750.0 J in 1.750 s") in line
+    assert f"at this pace {kwh_saved_per_day(750.0, 575.0, 1.5):.3f} kWh saved per day over 4 GPUs" in line
 
 def test_the_interval_follows_megatrons_log_interval_unless_given():
     parser = add_envpipe_args(argparse.ArgumentParser())
@@ -182,6 +204,8 @@ def test_energy_csv_in_an_unwritable_place_fails_at_start_up():
         EnvPipeConfig(energy_csv="/proc/e.csv").validate()
 
 
+@pytest.mark.dist
+@pytest.mark.e2e
 def test_a_run_slower_than_its_profile_warns_and_summarizes(tmp_path: Path):
     """Acceptance: plan from a profile 10 % faster than the simulated GPU; the run is late on purpose. Lines
     every 2 iterations (the tiny GPT's --log-interval), the baseline measured, a warning, a summary, a CSV."""
@@ -198,16 +222,11 @@ def test_a_run_slower_than_its_profile_warns_and_summarizes(tmp_path: Path):
         out.append(",".join(cells))
     fast.write_text("\n".join(out) + "\n")
     energy_csv = tmp_path / "energy.csv"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(REPO / "examples" / "train_tiny_gpt.py"),
-           "--pipeline-model-parallel-size", "4", "--device", "cpu", "--train-iters", "6", "--log-interval", "2",
-           "--envpipe-type", "envelope", "--envpipe-profile", str(fast), "--envpipe-gpu", "simulated:a40/gpt3-175b",
-           "--envpipe-energy-csv", str(energy_csv)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    log = torchrun(["--nproc-per-node", 4, REPO / "examples" / "train_tiny_gpt.py", "--pipeline-model-parallel-size", 4,
+                    "--device", "cpu", "--train-iters", 6, "--log-interval", 2, "--envpipe-type", "envelope",
+                    "--envpipe-profile", fast, "--envpipe-gpu", "simulated:a40/gpt3-175b",
+                    "--envpipe-energy-csv", energy_csv],
+                   cwd=tmp_path, log_dir=tmp_path / "ranks", timeout_s=300).log
     energy = [line for line in log.splitlines() if "EnvPipe energy (simulated) |" in line]
     assert [re.search(r"\| (iterations [\d-]+) \|", line).group(1) for line in energy] == [
         "iterations 1-2", "iterations 3-4", "iterations 5-6"]  # Megatron's interval, not every iteration
@@ -225,11 +244,3 @@ def test_a_run_slower_than_its_profile_warns_and_summarizes(tmp_path: Path):
     assert re.search(r"at this pace -?\d+\.\d+ kWh saved per day over 4 GPUs \(simulated\)", summary[0])
     rows = list(csv.DictReader(energy_csv.open()))
     assert {r["iteration"] for r in rows} == {"4", "6"} and len(rows) == 8  # the first log point starts counting
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -121,6 +121,12 @@ def test_a_late_plan_runs_the_previous_one_counted_then_each_iteration_its_own(t
         strip = [[i for i in p.instructions if not isinstance(i, SetFrequency)] for p in startup.programs]
         assert [[i for i in p.instructions if not isinstance(i, SetFrequency)] for p in got.programs] == strip
         assert 0 < plans.stats.energy_j < plans.stats.baseline_energy_j
+        # Its energy line: held to its own plan's figures, against the stock run predicted for the same sizes.
+        time_s, saving, stock = plans.window_prediction(1)
+        assert stock.for_sizes and (stock.energy_j, stock.time_s) == (plans.stats.baseline_energy_j,
+                                                                      plans.stats.baseline_time_s)
+        assert time_s == plans.stats.time_s and saving == pytest.approx(1 - plans.stats.energy_j / stock.energy_j)
+        assert plans.window_prediction(2) is None  # a window with an iteration under another plan: not theirs
         assert len(got.unit_times_s[0]) == len(startup.plan.schedule.orders[0])
         plans._next.result(60)
         plans.sizes = None  # iteration 4's sizes unknown (e.g. data that cannot be sized): the last plan runs

@@ -89,7 +89,9 @@ def test_the_readme_command_gets_past_argument_parsing():
     world_size, args = split_torchrun(readme_command())
     proc = run_entry([*args, CHECK_FLAG], world_size)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [line for line in proc.stdout.splitlines() if "arguments OK" in line]
+    # One line, nothing else: Megatron's argument dump and warnings only with --envpipe-check-args-verbose.
+    (line,) = proc.stdout.splitlines()
+    assert "arguments OK" in line and not proc.stderr.strip(), (proc.stdout[-2000:], proc.stderr[-2000:])
     tp = int(flag(args, "--tensor-model-parallel-size", "1"))
     pp = int(flag(args, "--pipeline-model-parallel-size", "1"))
     # The figures come from the namespace Megatron's parser built and validate_args completed.
@@ -210,3 +212,31 @@ def test_envpipes_own_gpt_pieces_train_a_step_on_cpu():
     # An untrained model's cross-entropy is about ln(vocab) per token: 2 x 32 tokens, all counted.
     assert dataset == "MockGPTDataset" and int(tokens) == 64
     assert math.isclose(float(loss_per_token), float(uniform), rel_tol=0.1), line
+
+
+def test_the_readme_command_on_a_node_without_cuda_stops_in_one_line_within_30_s():
+    """The torchrun command as written, where Megatron's training cannot run: one line, every rank exits 2.
+
+    torchrun itself always adds its failure summary (it lists each rank's exit
+    code) and exits 1; no worker may add a traceback or Megatron's output.
+    """
+    import time
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        pytest.skip("this node has CUDA and NCCL: the README command would train here")
+    command = readme_command()
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_LM", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *command[1:]], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    took_s = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    ours = [line for line in output.splitlines() if line.startswith("pretrain_gpt (megatron-envpipe): error:")]
+    assert len(ours) == 1, output[-3000:]
+    assert "needs a CUDA GPU per rank" in ours[0] and CHECK_FLAG in ours[0], ours[0]
+    assert took_s < 30, f"took {took_s:.1f} s"
+    assert proc.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
+    # torchrun's own traceback (ChildFailedError) only: nothing from the ranks, nothing from Megatron
+    assert output.count("Traceback (most recent call last)") <= 1 and "AssertionError" not in output, output[-3000:]
+    assert "megatron.training" not in output and "arguments" not in output.lower(), output[-3000:]

@@ -169,7 +169,7 @@ def _needs(name: str) -> list[str]:
     """Flags that make ``name``'s flag apply (so its range, not its uselessness, is what is checked)."""
     simulated = ["--envpipe-gpu", "simulated:a40/gpt3-175b"]
     return {"sim_jitter": simulated, "sim_clock_latency_ms": simulated, "sim_counter_period_ms": simulated,
-            "sim_thermal_drift": simulated,
+            "sim_thermal_drift": simulated, "sim_unit_scale": simulated,
             "max_slowdown": ["--envpipe-type", "optimal"], "target_time_s": ["--envpipe-type", "optimal"]
             }.get(name, ENVELOPE + BALANCED)
 

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("numpy")
 
+pytestmark = pytest.mark.cli  # a fresh interpreter per test (test tiers: docs/testing.md)
 ROOT = Path(__file__).resolve().parents[2]
 CLI = "from megatron_envpipe.apps.cli import main; import sys; sys.exit(main(sys.argv[1:]))"
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.core.file_numbers import loads_json
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.memory import show_budget
 from megatron_envpipe.core.plan import FrequencyPlan
@@ -145,7 +145,9 @@ def check_flags_apply(args: argparse.Namespace) -> None:
     Flags with no default (None) count only when the user gave them.
     """
     budget = getattr(args, "max_inflight", None)
-    if budget is not None and args.scheduling != Scheduling.OURS:
+    # With a deadline from 1F1B an interleaved plan's activations are checked against the budget.
+    checked = args.scheduling == Scheduling.INTERLEAVED and getattr(args, "deadline_from", None) is not None
+    if budget is not None and args.scheduling != Scheduling.OURS and not checked:
         raise CliError(f"--max-inflight {show_budget(budget)} budgets the extra warm-up of --scheduling ours, and "
                        f"--scheduling {args.scheduling} has none, so it would be ignored: add --scheduling ours or drop it")
     plan_type = getattr(args, "type", None)
@@ -165,19 +167,8 @@ def check_flags_apply(args: argparse.Namespace) -> None:
 
 def plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:
     """The JSON of ``envpipe plan --out`` (or a bare plan) and the frequency plan in it, all checked before use."""
-    text = read_text(path, "plan", CliError)
-
-    def reject(name: str) -> None:  # json accepts NaN and Infinity, which no plan holds
-        raise CliError(f"{path}: {name} is not a finite number: not a plan written by 'envpipe plan --out'")
-
-    try:
-        data = json.loads(text, parse_constant=reject)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-    except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        raise CliError(f"{path}: not valid JSON: {exc}") from None
-    except RecursionError:
-        raise CliError(f"{path}: JSON nested too deeply: not a plan written by 'envpipe plan --out'") from None
+    # Numbers bounded while parsing (NaN, Infinity, a 400-digit integer: one line naming the key, no traceback).
+    data = loads_json(read_text(path, "plan", CliError), path, CliError)
     if not isinstance(data, dict):
         raise CliError(f"{path}: expected a JSON object (a plan written by 'envpipe plan --out'), "
                        f"got {type(data).__name__}")
@@ -209,7 +200,8 @@ def _check_plan_clocks(path: str, data: dict[str, Any], plan: FrequencyPlan) -> 
         raise CliError(f"{path}: gpu {gpu!r} is not a GPU name: write the plan again with 'envpipe plan --out'")
     try:
         spec = get_gpu_spec(gpu)
-        plan.check_clock_range(spec.min_clock_mhz, spec.max_clock_mhz, f"the clock range of its GPU {spec.key}")
+        if spec.min_clock_mhz is not None and spec.max_clock_mhz is not None:  # unknown: NVML's list decides
+            plan.check_clock_range(spec.min_clock_mhz, spec.max_clock_mhz, f"the clock range of its GPU {spec.key}")
     except (GpuSpecError, ScheduleError) as exc:
         raise CliError(f"{path}: not a valid plan: {exc}") from None
 

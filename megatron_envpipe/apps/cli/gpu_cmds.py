@@ -18,11 +18,12 @@ EXIT_UNSAFE_STATE_DIR = 4
 
 def cmd_gpus(args: argparse.Namespace) -> int:
     table = load_gpu_table()
-    print(f"{'gpu':9}{'max MHz':>8}{'min MHz':>8}{'step':>6}{'profile':>8}{'reconfig':>9}{'P2P W':>8}  NVML names")
+    print(f"{'gpu':10}{'max MHz':>8}{'min MHz':>8}{'step':>6}{'profile':>8}{'reconfig':>9}{'P2P W':>8}  NVML names")
     for key, spec in sorted(table.items()):
         p2p = "unknown" if spec.p2p_power_w is None else f"{spec.p2p_power_w:g}"
+        high, low = ("unknown" if f is None else f for f in (spec.max_clock_mhz, spec.min_clock_mhz))
         print(
-            f"{key:9}{spec.max_clock_mhz:>8}{spec.min_clock_mhz:>8}{spec.clock_step_mhz:>6g}"
+            f"{key:10}{high:>8}{low:>8}{spec.clock_step_mhz:>6g}"
             f"{spec.profile_step_mhz:>8}{spec.reconfig_step_mhz:>9}{p2p:>8}  "
             + ", ".join(spec.nvml_names)
         )

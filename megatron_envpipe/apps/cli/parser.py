@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
+from megatron_envpipe.apps.cli.arg_types import (
+    add_menu_args,
+    add_switching_args,
+    budget_arg,
+    fraction,
+    ranged,
+    warmup_list,
+)
 from megatron_envpipe.apps.cli.demo_cmd import cmd_demo
 from megatron_envpipe.apps.cli.gpu_cmds import cmd_gpus, cmd_reset_clocks
+from megatron_envpipe.apps.cli.menu_cmd import cmd_menu
 from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, cmd_simulate
 from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
 from megatron_envpipe.apps.cli.rows import ROW_LIMIT_CHARS, ROWS_CHOICES
 from megatron_envpipe.apps.gpu_check.cli import add_gpu_check_args, cmd_gpu_check
-from megatron_envpipe.config import fraction as parse_fraction
-from megatron_envpipe.config import int_list, max_inflight_arg
-from megatron_envpipe.core.flag_ranges import RANGES, FlagRange
-from megatron_envpipe.core.memory import AUTO, Budget
 from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.vocabulary import (
     COMM_NAMES,
@@ -26,67 +30,7 @@ from megatron_envpipe.core.vocabulary import (
     ReconfigPolicy,
     Scheduling,
 )
-from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S
-
-
-# -- flag types -----------------------------------------------------------------------
-# Every range comes from core.flag_ranges, the table the --envpipe-* training flags read too.
-def ranged(key: str) -> Callable[[str], int | float]:
-    """argparse type: a number of the kind and range of ``RANGES[key]`` (nan and inf never pass)."""
-    limits: FlagRange = RANGES[key]
-
-    def parse(text: str) -> int | float:
-        try:
-            value = int(text) if limits.kind == "int" else float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a {'whole number' if limits.kind == 'int' else 'number'}, got {text!r}") from None
-        if not limits.holds(value):
-            if limits.kind == "int":
-                raise argparse.ArgumentTypeError(f"must be between {limits.low:g} and {limits.high:g}, got {text}")
-            raise argparse.ArgumentTypeError(f"must be a finite number {limits.describe()}, got {text}")
-        return value
-
-    return parse
-
-
-def fraction(text: str) -> float:
-    """``0.05`` or ``5%`` -> 0.05, at most 1 (100 %): the parser of --envpipe-max-slowdown, and its range."""
-    value = parse_fraction(text)
-    most = RANGES["max_slowdown"].high
-    if value > most:
-        raise argparse.ArgumentTypeError(
-            f"must be a fraction between 0 and {most:g} ({100 * most:g} %): 0.05 or 5% is 5 % slower, got {text}")
-    return value
-
-
-def warmup_list(text: str) -> list[int]:
-    """``4,3,1,0`` -> ``[4, 3, 1, 0]``: whole numbers >= 0 (their count is checked against the stages later)."""
-    values = int_list(text)
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected whole numbers, one per stage, e.g. 4,3,1,0, got {text!r}")
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"extra warm-up values must be >= 0, got {text}")
-    return values
-
-
-def budget_arg(text: str) -> Budget:
-    """``--max-inflight``: ``N`` for every stage, ``4,3,2,2`` one per stage, or ``none``; each 1..10^9.
-
-    ``auto`` needs memory measured in a training run (``--envpipe-max-inflight auto``), so it is refused
-    here; the count of a per-stage list is checked against the stages by the planner.
-    """
-    value = max_inflight_arg(text)
-    if value == AUTO:
-        raise argparse.ArgumentTypeError(
-            "auto derives the budget from memory measured while training (--envpipe-max-inflight auto); "
-            "here give N for every stage, one per stage (e.g. 8,7,6,5,4,3,2,1), or none")
-    limits = RANGES["max_inflight"]
-    for b in value if isinstance(value, tuple) else (value,):
-        if b is not None and not limits.holds(b):
-            raise argparse.ArgumentTypeError(f"each budget must be between {limits.low:g} and {limits.high:g} "
-                                             f"micro-batch activations, got {text}")
-    return value
+from megatron_envpipe.planning.deadline import DEADLINE_FROM_NAMES
 
 
 class Given(argparse.Action):
@@ -146,19 +90,6 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration (.png, .pdf, .svg, ...)")
 
 
-def add_switching_args(p: argparse.ArgumentParser, which: str) -> None:
-    """--switch-cost-j and --max-clock-changes of 'plan' and 'frontier': what a clock change costs the plan."""
-    p.add_argument("--switch-cost-j", type=ranged("switch_cost_j"), metavar="J",
-                   help="joules a clock change costs: neighbouring units' clocks are merged while that gives up less "
-                        "than J per change removed, and the plan's energy counts J per change it keeps (0: off; "
-                        f"default {which}the GPU's clock latency model, settle time ({DEFAULT_SWITCH_LATENCY_S * 1000:g} "
-                        "ms unless configs/gpus.toml says otherwise) x the P2P power"
-                        + (", off for the other types)" if which else ")"))
-    p.add_argument("--max-clock-changes", type=ranged("max_clock_changes"), metavar="N",
-                   help="at most N clock changes per rank per iteration (the first lock counts), where the "
-                        "deadline allows")
-
-
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """The pipeline and schedule flags of 'plan' and 'frontier' (read by ``common.planner_config``)."""
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True,
@@ -215,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-time", type=ranged("target_time_s"), metavar="S",
                    help="--type optimal: plan for iterations lasting S seconds anyway (e.g. a straggler's pace); "
                         "energy is counted until then")
+    p.add_argument("--deadline-from", choices=DEADLINE_FROM_NAMES,
+                   help="--type optimal: plan to 1F1B's iteration time at f_max (predicted from the profile); "
+                        "interleaved, faster at f_max, spends the difference on lower clocks; the saving against "
+                        "1F1B at f_max and the activations this needs are printed (docs/menu.md)")
     add_switching_args(p, "for --type optimal: ")
     p.add_argument("--timing-margin", type=ranged("timing_margin"), metavar="FRACTION",
                    help="keep this fraction of every slowed unit's time as slack against unit-time jitter, e.g. "
@@ -235,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-time", type=ranged("target_time_s"), metavar="S",
                    help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")
     p.set_defaults(func=cmd_frontier)
+
+    p = sub.add_parser("menu", help="every schedule at 1F1B's iteration time and at its own fastest: time, "
+                       "energy, saving against 1F1B at f_max, activations (optimal clocks)")
+    add_menu_args(p)
+    p.set_defaults(func=cmd_menu)
 
     p = sub.add_parser("show", help="print a plan written by 'envpipe plan --out'")
     p.add_argument("plan", help="PLAN.json")

@@ -19,10 +19,12 @@ from megatron_envpipe.apps.cli.common import (
     plan_from_file,
     planner_config,
 )
+from megatron_envpipe.apps.cli.menu_cmd import check_deadline_flags, deadline_entry, deadline_for, deadline_text
 from megatron_envpipe.apps.cli.outputs import check_outputs, json_text, write_outputs
 from megatron_envpipe.apps.cli.render import print_json, print_result, result_to_dict
 from megatron_envpipe.apps.cli.rows import plan_rows
 from megatron_envpipe.apps.plot import frontier_image, image_format, timelines_image
+from megatron_envpipe.core.file_numbers import one_line, short
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import ScheduleError
@@ -31,6 +33,7 @@ from megatron_envpipe.core.units import Unit
 from megatron_envpipe.core.vocabulary import CommModel, PlanType, ReconfigPolicy, Scheduling
 from megatron_envpipe.planning.basis import PlanResult
 from megatron_envpipe.planning.compat_perseus import plan_envpipe_perseus
+from megatron_envpipe.planning.deadline import DeadlineFrom, reword_warnings
 from megatron_envpipe.planning.frontier import Frontier, compute_frontier
 from megatron_envpipe.planning.planner import plan_envpipe
 
@@ -40,6 +43,7 @@ _PERSEUS = {"--type": PlanType.ENVELOPE.value, "--scheduling": Scheduling.ONE_F_
 
 def _check_plan_flags(args: argparse.Namespace) -> None:
     """Flag combinations that would be ignored or contradict each other: reported, not silently dropped."""
+    check_deadline_flags(args)
     if args.max_slowdown is not None and args.target_time is not None:
         raise CliError("--target-time and --max-slowdown both set the deadline: give one of them")
     if args.type != PlanType.OPTIMAL:
@@ -97,6 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_extra_warmup_flag(args, check_stages(args, profile))
     gpu = gpu_for(args)
     extra: dict[str, Any] = {}
+    deadline: DeadlineFrom | None = None
     if args.compat == "perseus":
         result = _plan_perseus(args, profile, gpu, extra)
     else:
@@ -104,8 +109,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config = planner_config(args, gpu, args.type, args.reconfig, reconfig_step_mhz=args.reconfig_step,
                                 max_slowdown=max_slowdown, target_time_s=args.target_time,
                                 switch_cost_j=args.switch_cost_j, max_clock_changes=args.max_clock_changes)
-        result = plan_envpipe(profile, args.microbatches, config, num_stages=args.stages)
+        deadline = deadline_for(args, profile, config) if args.deadline_from is not None else None
+        result = plan_envpipe(profile, args.microbatches, deadline.config if deadline else config,
+                              num_stages=args.stages)
         note_warmup_clamp(args, profile.num_stages, args.microbatches, args.max_inflight)  # once it planned
+        if deadline is not None:
+            reword_warnings(result)
+            extra["deadline_from"] = deadline_entry(result, deadline)
     data = result_to_dict(result, profile, extra)
     picture = None
     if args.plot is not None:
@@ -122,6 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print_json(data)
     else:
         print_result(result, profile, rows=args.rows)
+        if deadline is not None:
+            print(f"\n{deadline_text(result, deadline)}")
         if "perseus_reported" in extra:
             rep = extra["perseus_reported"]
             print(
@@ -225,16 +237,19 @@ def cmd_frontier(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     data, plan = plan_from_file(args.plan)
+    waits, critical = _stored_timeline(args.plan, data, plan)  # every check before the first line printed
     if args.json:
         print_json(data)
         return 0
     print(f"plan file   {args.plan}")
     if "baseline" in data and "plan" in data:
         b, p = data["baseline"], data["plan"]
-        print(f"profile     {data.get('profile')}")
+        # The file's strings escaped: a newline in one must not print a line of its own.
+        print(f"profile     {one_line(data.get('profile'))}")
         print(
-            f"pipeline    {data.get('num_stages')} stages x {data.get('num_microbatches')} micro-batches; "
-            f"plan {p.get('type')}/{p.get('scheduling')}/{p.get('reconfig')}"
+            f"pipeline    {one_line(data.get('num_stages'))} stages x {one_line(data.get('num_microbatches'))} "
+            f"micro-batches; plan {one_line(p.get('type'))}/{one_line(p.get('scheduling'))}/"
+            f"{one_line(p.get('reconfig'))}"
         )
         print(f"baseline    {b['iteration_time_s']:.4f} s  {b['energy_j']:.1f} J")
         print(f"plan        {p['iteration_time_s']:.4f} s  {p['energy_j']:.1f} J")
@@ -242,9 +257,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             f"saving      {100 * data['energy_saving']:.2f} %   slowdown {100 * data['slowdown']:.2f} %"
         )
         for w in data.get("warnings", []):
-            print(f"WARNING: {w}")
+            print(f"WARNING: {one_line(w)}")
     print(f"clock changes per stage per iteration {list(plan.clock_changes())}")
-    waits, critical = _stored_timeline(args.plan, data, plan)
     if waits is None:
         print("receive waits: not in this file (a bare plan, or written before envpipe stored them): "
               f"'envpipe simulate --plan {args.plan} --profile ...' simulates them")
@@ -273,6 +287,6 @@ def _stored_timeline(path: str, data: dict[str, Any], plan: FrequencyPlan) -> tu
         try:
             critical.append((int(stage.removeprefix("S")), Unit.parse(unit)))
         except (ValueError, ScheduleError):
-            raise CliError(f"{path}: critical_path entry {cell!r} is not like \"S0 F0\": "
+            raise CliError(f"{path}: critical_path entry {short(cell)} is not like \"S0 F0\": "
                            "write the plan again with 'envpipe plan --out'") from None
     return waits, critical

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from megatron_envpipe.apps.gpu_check.runner import DEFAULT_OUT, CheckOptions, parse_steps, run_check
 from megatron_envpipe.apps.gpu_check.steps import STEPS
+from megatron_envpipe.core.file_numbers import one_line
 from megatron_envpipe.errors import EnvPipeError, UsageError
 
 __all__ = ["add_gpu_check_args", "cmd_gpu_check", "main"]
@@ -47,9 +48,16 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
                                   selected=selected, state_dir=args.state_dir))
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag on one line, escaped, exit 2 (no usage block), as every envpipe command reports it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see '{self.prog} --help')\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="envpipe gpu-check",
-                                     description="What only a GPU can tell, in under 8 minutes (docs/gpu-probe.md).")
+    parser = _OneLineParser(prog="envpipe gpu-check",
+                            description="What only a GPU can tell, in under 8 minutes (docs/gpu-probe.md).")
     add_gpu_check_args(parser)
     args = parser.parse_args(argv)
     try:
@@ -58,5 +66,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("envpipe gpu-check: interrupted", file=sys.stderr)
         return 130
     except EnvPipeError as exc:
-        print(f"envpipe gpu-check: error: {exc}", file=sys.stderr)
+        print(f"envpipe gpu-check: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, UsageError) else 1

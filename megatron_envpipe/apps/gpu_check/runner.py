@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from megatron_envpipe.apps.gpu_check.gating import Machine, unmet_needs
 from megatron_envpipe.apps.gpu_check.step_api import OUTPUT_FILES, STEP_FILES, Step, StepContext, StepResult
 from megatron_envpipe.apps.gpu_check.steps import STEPS
 from megatron_envpipe.apps.gpu_check.summary import (
+    NOT_SELECTED,
     CheckRecord,
     StepRecord,
     plan_lines,
@@ -40,6 +42,7 @@ from megatron_envpipe.apps.gpu_check.summary import (
     summary_markdown,
 )
 from megatron_envpipe.core.atomic import check_writable, write_all_atomic
+from megatron_envpipe.core.file_numbers import one_line
 from megatron_envpipe.errors import EnvPipeError, UsageError
 from megatron_envpipe.gpu.base import GpuDevice, GpuPermissionError
 from megatron_envpipe.gpu.nvml import NvmlGpu
@@ -51,6 +54,7 @@ DEFAULT_OUT = "out/gpu-check"
 GRACE_S = 5.0                  # SIGTERM -> SIGKILL for a step past its limit
 LOG_LIMIT_CHARS = 200_000      # per step in check.log (its tail): a chatty step cannot fill the disk
 # Temporary names core/atomic.py leaves only if killed mid-write: ours to remove.
+STEP_FILES_ALL = frozenset(name for names in STEP_FILES.values() for name in names)
 _OUR_TEMP = re.compile(r"^\.(" + "|".join(re.escape(n) for n in OUTPUT_FILES) + r")\.[0-9a-f]{8}\.(tmp|bak)$")
 
 
@@ -83,21 +87,38 @@ def parse_steps(text: str, steps: Sequence[Step] = STEPS) -> frozenset[str]:
     return frozenset(chosen)
 
 
-def _prepare_out(out_dir: Path) -> list[str]:
-    """Refuse a folder holding anything but an earlier check's files; remove those (a stale profile.csv
-    must not feed this run's replay). Returns notes for the summary."""
+def _prepare_out(out_dir: Path, steps: Sequence[Step] = STEPS, selected: frozenset[str] | None = None) -> list[str]:
+    """Refuse a folder holding anything but an earlier check's files (as regular files: a folder or a FIFO
+    named ``summary.md`` is no file of ours), all checked before anything is removed. Then remove only the
+    files of the steps this run runs (a stale profile.csv must not pass for this run's, even if its step
+    fails); the runner's own files are replaced atomically and other steps' files are kept, saying so.
+    Returns notes for the summary."""
     check_writable(out_dir, "--out", directory=True)
     if not out_dir.exists():
         return []
     entries = sorted(os.listdir(out_dir))
     other = [e for e in entries if e not in OUTPUT_FILES and not _OUR_TEMP.match(e)]
     if other:
-        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        shown = ", ".join(one_line(e) for e in other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
         raise GpuCheckError(f"--out {out_dir}: holds files gpu-check did not write ({shown}): give a new or empty "
                             "folder (or one an earlier gpu-check wrote, whose files are replaced)")
     for e in entries:
-        (out_dir / e).unlink()
-    return [f"replaced an earlier check's files in {out_dir}"] if entries else []
+        if (out_dir / e).is_symlink() or not stat.S_ISREG((out_dir / e).lstat().st_mode):
+            raise GpuCheckError(f"--out {out_dir}: {e} is not a regular file (a folder, link or FIFO): gpu-check "
+                                "writes a file there; remove it or give another folder")
+    running = {name for s in steps if selected is None or s.name in selected for name in STEP_FILES.get(s.name, ())}
+    stale = [e for e in entries if e in running or _OUR_TEMP.match(e)]
+    kept = [e for e in entries if e in STEP_FILES_ALL and e not in running]
+    for e in stale:
+        try:
+            (out_dir / e).unlink()
+        except OSError as exc:
+            raise GpuCheckError(f"--out {out_dir}: cannot remove the earlier check's {e}: {exc.strerror or exc}; "
+                                "remove it yourself or give another folder") from None
+    notes = [f"replaced an earlier check's files in {out_dir}"] if entries else []
+    if kept:
+        notes.append(f"kept from an earlier check (their steps did not run now): {', '.join(kept)}")
+    return notes
 
 
 def _utc_now() -> str:
@@ -277,8 +298,8 @@ def run_check(options: CheckOptions, *, steps: Sequence[Step] = STEPS, out: Text
     if options.device_index < 0:
         raise GpuCheckError(f"--device-index {options.device_index}: must be a CUDA device index >= 0")
     out_dir = Path(options.out_dir)
-    notes = _prepare_out(out_dir)
-    for line in plan_lines(steps):
+    notes = _prepare_out(out_dir, steps, options.selected)
+    for line in plan_lines(steps, options.selected):
         print(line, file=say, flush=True)
     clocks, label, no_gpu = clocks_factory(options)
     machine = Machine.probe(options.device, no_gpu)
@@ -303,7 +324,7 @@ def run_check(options: CheckOptions, *, steps: Sequence[Step] = STEPS, out: Text
             for record in check.steps:
                 step = record.step
                 if options.selected is not None and step.name not in options.selected:
-                    record.status, record.reason = "skipped", "not selected (--steps)"
+                    record.status, record.reason = "skipped", NOT_SELECTED
                 else:
                     why = unmet_needs(step, machine, earlier, not_ok)
                     if why:

@@ -8,7 +8,7 @@ summary that is true up to that moment.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +24,23 @@ def format_duration(seconds: float) -> str:
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
-def plan_lines(steps: Sequence[Step]) -> list[str]:
-    """The plan printed at the start: every step with its limit, then the planned total."""
-    total = sum(s.planned_s for s in steps)
-    lines = [f"envpipe gpu-check: {len(steps)} steps, planned total {format_duration(total)} "
-             "(each step stopped at its limit)"]
+NOT_SELECTED = "not selected (--steps)"
+
+
+def planned_line(steps: Sequence[Step], selected: Collection[str] | None = None) -> str:
+    """``N steps, planned total T``: of the steps that will run (``selected``: the ``--steps`` names)."""
+    chosen = [s for s in steps if selected is None or s.name in selected]
+    total = sum(s.planned_s for s in chosen)
+    count = f"{len(chosen)} steps" if selected is None else f"{len(chosen)} of {len(steps)} steps (--steps)"
+    return f"{count}, planned total {format_duration(total)} (each step stopped at its limit)"
+
+
+def plan_lines(steps: Sequence[Step], selected: Collection[str] | None = None) -> list[str]:
+    """The plan printed at the start: every step with its limit, then the planned total of those selected."""
+    lines = [f"envpipe gpu-check: {planned_line(steps, selected)}"]
     width = max(len(s.name) for s in steps)
-    lines += [f"  {s.number} {s.name:<{width}} {s.planned_s:>4g} s  {s.title}" for s in steps]
+    lines += [f"  {s.number} {s.name:<{width}} {s.planned_s:>4g} s  {s.title}"
+              + ("" if selected is None or s.name in selected else "  (not selected)") for s in steps]
     return lines
 
 
@@ -77,12 +87,13 @@ def _cell(text: str) -> str:
 
 def summary_markdown(check: CheckRecord) -> str:
     steps = [r.step for r in check.steps]
-    total = sum(s.planned_s for s in steps)
+    skipped = {r.step.name for r in check.steps if r.reason == NOT_SELECTED}
+    selected = None if not skipped else {s.name for s in steps} - skipped
     out = ["# envpipe gpu-check", "",
            f"- device: {check.device} {check.device_index}: {_cell(check.device_label)}",
            f"- started: {check.started_utc} UTC; state: **{check.state}**"
            + (f"; finished {check.finished_utc} UTC" if check.finished_utc else ""),
-           f"- planned: {len(steps)} steps, planned total {format_duration(total)} (each step stopped at its limit)"]
+           f"- planned: {planned_line(steps, selected)}"]
     if check.clocks_at_exit:
         out.append(f"- clocks at exit: {_cell(check.clocks_at_exit)}")
     out += [f"- note: {_cell(n)}" for n in check.notes]

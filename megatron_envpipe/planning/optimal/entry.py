@@ -277,6 +277,11 @@ def plan_optimal(
     return result
 
 
+# What the LP lower bound (``lower_bound_j``) is a bound on, as --json and the stop reason say it.
+LP_BOUND_INCLUDES = ("unit energies at convex-hull clocks and P2P blocking power until the iteration's end; "
+                     "no clock changes (switch cost) and no clock latency: a plan's gap includes what its changes cost")
+
+
 def account_optimal(result: PlanResult, lp_gap: bool = True) -> None:
     """What an optimal plan is worth, in one place: ``details`` gets the LP gap (and, for a target time, the
     energies counted until it) from :attr:`PlanResult.energy_j` (clock changes charged), and ``stop_reason``
@@ -299,6 +304,7 @@ def account_optimal(result: PlanResult, lp_gap: bool = True) -> None:
     # The bound is on simulated energy; clock changes only add to any plan's, so it bounds their total too.
     gap = energy / result.lower_bound_j - 1.0 if result.lower_bound_j > 0 else 0.0
     details["gap_to_lp_bound"] = gap
+    details["lp_bound_includes"] = LP_BOUND_INCLUDES
     details["switch_cost_j"] = result.switch_cost_j
     details["switch_energy_j"] = result.switch_energy_j
     how = (
@@ -306,9 +312,16 @@ def account_optimal(result: PlanResult, lp_gap: bool = True) -> None:
         else f"deadline {deadline:.4f} s = baseline x {1 + cfg.max_slowdown:g}"
     )
     label = details.get("extra_warmup_chosen")
+    kept = details.get("kept_plan")
     result.stop_reason = (
         f"optimal plan for {how}: within {100 * gap:.2f} % of the LP lower bound"
-        + (" (clock changes counted)" if result.switch_cost_j else "")
+        + (" (the plan's clock changes counted; the bound counts none, nor clock latency)" if result.switch_cost_j
+           else " (the bound: unit energies and blocking power, no clock changes)")
+        + ("; EnvPipe's envelope plan of the same schedule and memory kept: with its clock changes counted it "
+           "is worth less than the LP plan" if kept == "envelope" else "")
+        + (f"; {details['clock_changes_removed_by_latency']} clock changes per iteration removed by the clock "
+           f"latency (no clock segment shorter than {cfg.clock_latency_s:g} s)"
+           if "clock_changes_removed_by_latency" in details else "")
         + (f"; extra warm-up from '{label}'" if cfg.scheduling == Scheduling.OURS else "")
         + ("" if cfg.reconfig == "default" else f"; '{cfg.reconfig}' corrections apply online only")
     )

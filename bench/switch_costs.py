@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Optimal plans with their clock changes counted, against EnvPipe's envelope plan of the same schedule and memory.
+
+Issue 34's acceptance grid: the shipped A40 profiles (GPT-3 175B, BLOOM 176B, P = 8, P2P power
+from the GPU table) and the same profiles with every unit's time and energy x 0.5 and x 0.25
+(``Profile.scaled``: same power, shorter units, so a clock change weighs more), M = 12/24/48/96,
+zero slowdown, the default switch cost (A40: 10 ms x 70.38 W = 0.70 J per change), cells:
+
+* ``1f1b``; ``ours`` unbounded, at 1F1B's memory (``--max-inflight P``, what 1F1B's first stage
+  holds) and at 1.5x it (``ceil(1.5 P)``); interleaved V = 2 (M a multiple of P only: M = 12 is
+  skipped, Megatron-core refuses a last group shorter than P).
+
+Per cell, all from ``plan_envpipe`` (what ``envpipe plan`` runs):
+
+* ``optimal``: the saving with every clock change counted (``PlanResult.energy_saving``);
+* ``free``: the switch-free saving (the same plan type with ``--switch-cost-j 0``);
+* ``envelope``: EnvPipe's plan (``--type envelope``, balanced reconfiguration) of the same schedule
+  and memory, with the same switch cost given (its changes counted, its own switching pass run);
+* loss = free - optimal (points given up to clock changes) and, with ``--reference``, the share of
+  the reference's loss recovered, ``(optimal - ref optimal) / (ref free - ref optimal)``, and the
+  planning-time ratio (optimal plan with the cost, this run / reference run).
+
+    python3 bench/switch_costs.py [--profiles gpt3-175b,bloom-176b] [--scales 1,0.5,0.25]
+        [--microbatches 12,24,48,96] [--cells 1f1b,ours,ours@1f1b,ours@1.5x,interleaved2]
+        [--json out.json] [--reference before.json]
+
+``--json`` writes the cells (for a later ``--reference``). To measure "today's code", run this file
+with ``PYTHONPATH`` pointing at a checkout of the old package (e.g. a ``git worktree``) and ``--json``.
+Planning times are wall seconds on whatever machine runs it; a reference from another run compares
+times taken under other load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+
+from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.planning.basis import PlannerConfig, PlanResult
+from megatron_envpipe.planning.planner import plan_envpipe
+from megatron_envpipe.planning.switching import default_switch_cost_j
+
+CELLS = ("1f1b", "ours", "ours@1f1b", "ours@1.5x", "interleaved2")
+
+
+def cell_config(cell: str, p: int, plan_type: str, cost: float) -> PlannerConfig:
+    """The planner config of one cell (bench docstring)."""
+    kw: dict = {}
+    scheduling = cell
+    if cell == "interleaved2":
+        scheduling, kw["virtual_stages"] = "interleaved", 2
+    elif cell.startswith("ours@"):
+        scheduling = "ours"
+        kw["max_inflight"] = p if cell == "ours@1f1b" else int(math.ceil(1.5 * p))
+    reconfig = "default" if plan_type == "optimal" else "balanced"
+    return PlannerConfig(plan_type, scheduling, reconfig, gpu=get_gpu_spec("a40"), switch_cost_j=cost, **kw)
+
+
+def run_cell(profile: Profile, m: int, cell: str, cost: float) -> dict:
+    p = profile.num_stages
+    t0 = time.perf_counter()
+    opt: PlanResult = plan_envpipe(profile, m, cell_config(cell, p, "optimal", cost))
+    seconds = time.perf_counter() - t0
+    free = plan_envpipe(profile, m, cell_config(cell, p, "optimal", 0.0))
+    env = plan_envpipe(profile, m, cell_config(cell, p, "envelope", cost))
+    return {
+        "optimal": 100 * opt.energy_saving,
+        "free": 100 * free.energy_saving,
+        "envelope": 100 * env.energy_saving,
+        "changes": sum(opt.charged_clock_changes),
+        "envelope_changes": sum(env.charged_clock_changes),
+        "seconds": seconds,
+        "kept": opt.details.get("kept_plan", "optimal"),
+        "late_dropped": opt.details.get("clock_changes_removed_by_latency"),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profiles", default="gpt3-175b,bloom-176b")
+    ap.add_argument("--scales", default="1,0.5,0.25")
+    ap.add_argument("--microbatches", default="12,24,48,96")
+    ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--json", help="write the cells here (atomically)")
+    ap.add_argument("--reference", help="cells of an earlier run (--json) to compare with")
+    args = ap.parse_args()
+    cells = args.cells.split(",")
+    if any(c not in CELLS for c in cells):
+        ap.error(f"--cells: choose from {','.join(CELLS)}")
+    ref = {}
+    if args.reference:
+        with open(args.reference, encoding="utf-8") as f:
+            ref = json.load(f)
+    a40 = get_gpu_spec("a40")
+    cost = default_switch_cost_j(a40.known_p2p_power_w(), a40.clock_latency)
+    out: dict[str, dict] = {}
+    t_start = time.perf_counter()
+    print(f"switch cost {cost:.3f} J per change, zero slowdown; savings vs the schedule's f_max baseline (%)\n")
+    print("| profile | x | M | cell | optimal (counted) | envelope | opt - env | switch-free | loss | "
+          "recovered | changes (env) | kept | time s (ratio) |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for name in args.profiles.split(","):
+        base = Profile.from_csv(shipped_profile(f"a40/{name}"))
+        for scale in [float(x) for x in args.scales.split(",")]:
+            profile = base if scale == 1 else base.scaled(scale, scale)
+            for m in [int(x) for x in args.microbatches.split(",")]:
+                for cell in cells:
+                    if cell == "interleaved2" and m % profile.num_stages:
+                        continue  # Megatron-core needs M a multiple of P for interleaved (groups of P)
+                    key = f"{name}|{scale:g}|{m}|{cell}"
+                    r = out[key] = run_cell(profile, m, cell, cost)
+                    old = ref.get(key)
+                    recovered = ratio = "—"
+                    if old is not None:
+                        old_loss = old["free"] - old["optimal"]
+                        if old_loss > 1e-9:
+                            recovered = f"{100 * (r['optimal'] - old['optimal']) / old_loss:.0f} %"
+                        ratio = f"{r['seconds'] / old['seconds']:.2f}"
+                    print(f"| {name} | {scale:g} | {m} | {cell} | {r['optimal']:.2f} | {r['envelope']:.2f} "
+                          f"| {r['optimal'] - r['envelope']:+.2f} | {r['free']:.2f} | {r['free'] - r['optimal']:.2f} "
+                          f"| {recovered} | {r['changes']} ({r['envelope_changes']}) | {r['kept']} "
+                          f"| {r['seconds']:.2f} ({ratio}) |", flush=True)
+    worse = [k for k, r in out.items() if r["optimal"] < r["envelope"] - 1e-9]
+    print(f"\ncells: {len(out)}; optimal below envelope in {len(worse)}" + "".join(f"\n  {k}" for k in worse))
+    loss = sum(r["free"] - r["optimal"] for r in out.values()) / max(1, len(out))
+    print(f"mean switching loss (switch-free - counted): {loss:.3f} points")
+    common = [k for k in out if k in ref]
+    if common:
+        old_loss = sum(ref[k]["free"] - ref[k]["optimal"] for k in common)
+        gained = sum(out[k]["optimal"] - ref[k]["optimal"] for k in common)
+        free_moved = min(out[k]["free"] - ref[k]["free"] for k in common)
+        t_new = sum(out[k]["seconds"] for k in common)
+        t_old = sum(ref[k]["seconds"] for k in common)
+        worst = max(out[k]["seconds"] / ref[k]["seconds"] for k in common)
+        print(f"against the reference ({len(common)} cells): switching loss {old_loss / len(common):.3f} -> "
+              f"{(old_loss - gained) / len(common):.3f} points, {100 * gained / old_loss if old_loss else 0:.0f} % "
+              f"recovered; switch-free saving moved by at least {free_moved:+.3f} points; "
+              f"planning time {t_new:.1f} s vs {t_old:.1f} s ({t_new / t_old:.2f}x, worst cell {worst:.2f}x)")
+    print(f"({time.perf_counter() - t_start:.0f} s in all)")
+    if args.json:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.json)) or ".", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1, sort_keys=True)
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

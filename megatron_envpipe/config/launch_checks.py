@@ -1,0 +1,86 @@
+"""Start-up checks that need the launch's shape (world size, iterations, micro-batch lengths). Pure Python.
+
+Each was once found only inside the first iteration, where every rank then crashed with a
+traceback: the data-parallel size is known before any rank starts (the launcher's world size
+over the model-parallel sizes, :func:`~megatron_envpipe.flag_types.data_parallel_size_of`), and
+so is whether the simulated GPU can cost micro-batches of varying length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_envpipe.core.atomic import OutputPathError, check_output
+from megatron_envpipe.core.device_dynamics import PRESETS
+from megatron_envpipe.core.energy_csv import check_energy_csv
+from megatron_envpipe.core.length_costs import LengthCostError, default_length_model_for, fit_length_costs
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.flag_types import EnvPipeConfigError, data_parallel_size_of, is_whole
+
+__all__ = ["check_launch", "check_output_files", "input_files"]
+
+
+def check_launch(config: Any, args: Any, pipeline_size: int, simulated: Profile | None, source: str | None) -> None:
+    """``config`` (an EnvPipeConfig) against Megatron's ``args``: the straggler's replica and start
+    iteration, and ``--variable-seq-lengths`` on the simulated GPU of profile ``simulated`` (read from ``source``)."""
+    dp = data_parallel_size_of(args, pipeline_size)
+    if dp is not None:
+        config.check_replicas(dp)
+    sim = config.sim_straggler
+    iters = getattr(args, "train_iters", None)
+    if sim is not None and is_whole(iters) and sim.start_iteration >= iters:
+        raise EnvPipeConfigError(
+            f"--envpipe-sim-straggler {sim} starts at iteration {sim.start_iteration}, and --train-iters {iters} "
+            f"ends before it, so it would do nothing: give a start below {iters} or drop it")
+    if simulated is not None and source and getattr(args, "variable_seq_lengths", None):
+        problem = _length_model_problem(simulated, source)
+        if problem:
+            raise EnvPipeConfigError(
+                f"--variable-seq-lengths on --envpipe-gpu simulated:{source}: {problem}, so the simulated GPU "
+                "cannot cost micro-batches of other lengths: give a profile measured at >= 2 micro-batch sizes "
+                "(columns tokens,attention_tokens2) or a shipped one, or drop --variable-seq-lengths")
+
+
+def _length_model_problem(profile: Profile, source: str) -> str | None:
+    """Why the simulated GPU would have no length model (gpu.sim_lengths.simulated_length_model's rule), or None."""
+    if profile.length_samples:
+        try:
+            fit_length_costs(profile.size_samples(), profile.reference_size, source=source)
+        except LengthCostError as exc:
+            return f"its sized rows fit no length model ({exc})"
+        return None
+    try:
+        default_length_model_for(source)
+    except LengthCostError:
+        return "the profile has no sized rows and is no shipped profile"
+    return None
+
+
+def input_files(config: Any) -> list[tuple[str, str | None]]:
+    """``(flag, path)`` of every file the run reads (``config``: an EnvPipeConfig): no output may be one of them."""
+    cache = config.profile_cache if config.profile_cache != "off" else None
+    found: list[tuple[str, str | None]] = [("the input --envpipe-profile-cache", cache)]
+    simulated = config.gpu.partition(":")[2] if (config.gpu or "").startswith("simulated") else None
+    for flag, name in (("--envpipe-profile", config.profile), (f"--envpipe-gpu {config.gpu}", simulated)):
+        if name:
+            try:
+                found.append((f"the input {flag}", str(shipped_profile(name))))
+            except FileNotFoundError:
+                pass  # refused by its own check
+    if config.sim_dynamics not in PRESETS:
+        found.append(("the input --envpipe-sim-dynamics", config.sim_dynamics))
+    return found
+
+
+def check_output_files(config: Any, losses_out: str | None = None) -> None:
+    """``--envpipe-energy-csv`` (and the tiny GPT's ``--losses-out``): writable now, none of the run's inputs,
+    not each other; the CSV empty or an energy CSV already. One-line EnvPipeConfigError."""
+    inputs = input_files(config)
+    try:
+        if config.energy_csv is not None:
+            check_energy_csv(config.energy_csv, [*inputs, ("--losses-out", losses_out)])
+        if losses_out is not None:
+            check_output(losses_out, "--losses-out", inputs)
+    except OutputPathError as exc:
+        raise EnvPipeConfigError(str(exc)) from None

@@ -1,0 +1,268 @@
+"""Clock changes priced inside the choice: a dynamic program over each rank's clock segments.
+
+The merge pass (planning/switching.py) can only give a run of units its neighbour's clock, one
+merge at a time, greedily. When changes are expensive next to the units (short units, a rank that
+alternates between neighbouring clocks), the plan that counts its changes best is a different
+one: a few long segments, some at a clock neither neighbour had. This pass finds, for one rank at
+a time, the clocks of all its units that minimise
+
+    sum over its units of E(f) - P_p2p * t(f)   +   switch_cost_j x (its changes per iteration)
+
+(the planner's effective energy, the change from the iteration's last unit to the next one's
+first counted), with every other rank's clocks kept. Feasibility by construction: each unit must
+end by the time its current successors on other ranks start (less the edge latency), and by the
+deadline; its inputs from other ranks arrive no later than now (nothing else gets slower, by
+induction in topological order), so no unit anywhere ends later than the bound it was given and
+the iteration never ends later. The rank's own units run back to back, each starting when the
+previous one ends or its input arrives: the DP's state is (unit, clock), holding a short Pareto
+list of (end time, cost) pairs (``keep`` of them: the earliest end, the cheapest), so the search is
+a heuristic but never returns a plan that breaks a bound. Each rank's result is taken only when it
+is worth less than the rank's current clocks; sweeps over the ranks repeat while one improves.
+
+Clocks tried per unit: its own and the ``max_clocks`` clocks its rank uses most (ties: the faster),
+plus the fastest clock every unit has: few enough that the pass costs about one simulation per rank.
+
+``min_segment_s`` (the clock latency, :mod:`megatron_envpipe.core.clock_latency`): a change is only
+allowed after a segment whose units compute for at least that long (their durations summed: the
+segment lasts at least that), so a lock that takes ``min_segment_s`` to land is not overtaken by the
+next one. A rank whose current clocks break that rule takes the DP's answer even when it costs more.
+The last segment (it runs into the next iteration) is not held to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import itemgetter
+
+from megatron_envpipe.core.graph import latest_times, successors
+from megatron_envpipe.core.plan import FrequencyPlan
+from megatron_envpipe.core.timeline import PlanEvaluator, PlanScore, Timeline
+
+DEFAULT_KEEP = 3  # Pareto entries kept per (unit, clock)
+DEFAULT_MAX_CLOCKS = 6  # clocks a rank uses most, tried for each of its units
+DEFAULT_SWEEPS = 2
+_END_COST = itemgetter(0, 1)
+
+
+@dataclass(frozen=True)
+class SegmentResult:
+    """A plan after the per-rank DP, scored, with what it did."""
+
+    plan: FrequencyPlan
+    timeline: Timeline
+    score: PlanScore
+    objective_before_j: float  # simulated energy + switch cost x steady changes, before and after
+    objective_after_j: float
+    ranks_improved: int  # rank re-plans taken, over all sweeps
+    sweeps: int
+
+
+def steady_changes_of(row: list[int]) -> int:
+    """The changes one rank makes per iteration when iterations repeat (switching.steady_clock_changes)."""
+    return sum(1 for a, b in zip(row, (*row[1:], *row[:1])) if a != b)
+
+
+def short_segments(row: list[int], durations_s: list[float], min_segment_s: float) -> int:
+    """Segments of one rank (units at one clock in a row) whose units compute for less than ``min_segment_s``
+    and that another clock follows in the same iteration: changes requested before the last one landed."""
+    count, busy = 0, 0.0
+    for i, (f, t) in enumerate(zip(row, durations_s)):
+        busy += t
+        if i + 1 < len(row) and row[i + 1] != f:
+            count += busy < min_segment_s
+            busy = 0.0
+    return count
+
+
+def _pareto(entries: list[tuple], keep: int) -> list[tuple]:
+    """Entries ``(end, cost, ...)`` not dominated in (end, cost), earliest end first; at most ``keep``:
+    the earliest end and the ``keep - 1`` cheapest."""
+    if len(entries) < 2:
+        return entries
+    entries.sort(key=_END_COST)
+    out = []
+    best = float("inf")
+    for e in entries:
+        if e[1] < best - 1e-12:
+            out.append(e)
+            best = e[1]
+    if len(out) > keep:
+        out = out[:1] + out[len(out) - keep + 1:]
+    return out
+
+
+class _Tables:
+    """Per unit, clock -> (time, effective energy), for every clock its key was profiled at."""
+
+    def __init__(self, evaluator: PlanEvaluator) -> None:
+        p2p = evaluator.p2p_power_w
+        per_key: dict[tuple, dict[int, tuple[float, float]]] = {}
+        for key in set(evaluator.cost_keys):
+            per_key[key] = {p.freq_mhz: (p.time_s, p.energy_j - p2p * p.time_s) for p in evaluator.key_points(key)}
+        self.at = [per_key[key] for key in evaluator.cost_keys]
+        common = set.intersection(*(set(t) for t in per_key.values())) if per_key else set()
+        self.fastest_common = min(common, key=lambda f: (max(t[f][0] for t in per_key.values()), -f)) if common else None
+
+
+def _stage_dp(units: range, allowed: list[list[int]], tables: _Tables, ready: list[float], cap: list[float],
+              switch_cost_j: float, keep: int, min_segment_s: float) -> tuple[float, list[int]] | None:
+    """The cheapest clocks for the rank's ``units`` (in execution order) under the bounds; None: none found."""
+    at = tables.at
+    prev: dict[int, list[tuple]] | None = None
+    layers: list[dict[int, list[tuple]]] = []
+    # Entry: (end, cost, first clock, busy time of its segment so far, back = (prev clock, entry index) or None)
+    for i, v in enumerate(units):
+        r, c_lim, tab = ready[i], cap[i], at[v]
+        cur: dict[int, list[tuple]] = {}
+        if prev is None:
+            for f in allowed[i]:
+                t, eff = tab[f]
+                if r + t <= c_lim:
+                    cur[f] = [(r + t, eff, f, t, None)]
+        else:
+            pool = []
+            for pf, lst in prev.items():
+                for k, e in enumerate(lst):
+                    if e[3] >= min_segment_s:  # the segment it ends lasted long enough for a change
+                        pool.append((e[0], e[1], e[2], pf, k))
+            glob = _pareto(pool, keep)
+            for f in allowed[i]:
+                t, eff = tab[f]
+                cands = []
+                for k, e in enumerate(prev.get(f, ())):
+                    s = e[0] if e[0] > r else r
+                    if s + t <= c_lim:
+                        cands.append((s + t, e[1] + eff, e[2], e[3] + t, (f, k)))
+                for e_end, e_cost, first, pf, k in glob:
+                    if pf == f:
+                        continue
+                    s = e_end if e_end > r else r
+                    if s + t <= c_lim:
+                        cands.append((s + t, e_cost + switch_cost_j + eff, first, t, (pf, k)))
+                if cands:
+                    cur[f] = _pareto(cands, keep)
+        if not cur:
+            return None
+        layers.append(cur)
+        prev = cur
+    assert prev is not None
+    best: tuple[float, int, int] | None = None
+    for f, lst in prev.items():
+        for k, e in enumerate(lst):
+            total = e[1] + (switch_cost_j if f != e[2] else 0.0)
+            if best is None or total < best[0]:
+                best = (total, f, k)
+    if best is None:
+        return None
+    total, f, k = best
+    clocks = [0] * len(layers)
+    for i in range(len(layers) - 1, -1, -1):
+        clocks[i] = f
+        back = layers[i][f][k][4]
+        if back is not None:
+            f, k = back
+    return total, clocks
+
+
+def _allowed(units: range, row: list[int], tables: _Tables, max_clocks: int,
+             hints: tuple[int, ...] = ()) -> list[list[int]]:
+    """Clocks tried per unit: its own, the rank's ``max_clocks`` most used ones (in ``row`` and in the
+    hint row ``hints``, e.g. another plan's clocks for this rank), the fastest common one."""
+    counts: dict[int, int] = {}
+    for f in (*row, *hints):
+        counts[f] = counts.get(f, 0) + 1
+    top = sorted(counts, key=lambda f: (-counts[f], -f))[:max_clocks]
+    if tables.fastest_common is not None and tables.fastest_common not in top:
+        top.append(tables.fastest_common)
+    return [[f for f in dict.fromkeys((own, *top)) if f in tables.at[v]] for v, own in zip(units, row)]
+
+
+def _bounds(graph, units: range, s: int, timeline: Timeline, limit: float,
+            cross_succs: list[list[tuple[int, float]]], optimistic: bool) -> tuple[list[float], list[float]]:
+    """Per unit of rank ``s``: the time its inputs from elsewhere arrive and the time it must end by.
+    ``optimistic``: its latest finish for the whole pipeline to end by ``limit`` (needs a simulation to
+    confirm); else the start of its successors on other ranks (module docstring)."""
+    start, end = timeline.start_s, timeline.end_s
+    if optimistic:
+        _, lf = latest_times(graph.order, successors(graph.preds), timeline.duration_s, limit)
+        cap = [max(lf[v], end[v]) for v in units]
+    else:
+        cap = []
+        for v in units:
+            c = limit
+            for w, lat in cross_succs[v]:
+                c = min(c, start[w] - lat)
+            cap.append(max(c, end[v]))  # rounding: the current end always fits
+    ready = []
+    for v in units:
+        r = 0.0
+        for u, lat in graph.cross_preds[v]:
+            arrive = (cap[u - units.start] if graph.stage_of[u] == s else end[u]) + lat
+            r = max(r, arrive)
+        ready.append(r)
+    return ready, cap
+
+
+def plan_segments(plan: FrequencyPlan, evaluator: PlanEvaluator, deadline_s: float, switch_cost_j: float,
+                  min_segment_s: float = 0.0, keep: int = DEFAULT_KEEP, max_clocks: int = DEFAULT_MAX_CLOCKS,
+                  max_sweeps: int = DEFAULT_SWEEPS, hints: FrequencyPlan | None = None) -> SegmentResult:
+    """Re-plan each rank's clocks by the DP (module docstring) until a sweep improves none; never ends later
+    than ``max(deadline_s, the plan's own iteration time)`` and never worth more (energy + changes x cost)."""
+    graph = evaluator.graph
+    tables = _Tables(evaluator)
+    freqs = plan.flat()
+    timeline = evaluator.simulate(freqs)
+    score = evaluator.score(freqs, timeline)
+    before = score.energy_j + switch_cost_j * sum(steady_changes_of(list(r)) for r in plan.freqs_mhz)
+    limit = max(float(deadline_s), timeline.iteration_time_s)
+    offsets, k = [], 0
+    for order in plan.schedule.orders:
+        offsets.append(k)
+        k += len(order)
+    bounds = [range(offsets[s], offsets[s] + len(order)) for s, order in enumerate(plan.schedule.orders)]
+    cross_succs: list[list[tuple[int, float]]] = [[] for _ in freqs]
+    for w, cps in enumerate(graph.cross_preds):
+        for u, lat in cps:
+            cross_succs[u].append((w, lat))
+    chain_ok = [all(graph.stage_pred[v] == (v - 1 if v > b.start else -1) for v in b) for b in bounds]
+    improved = sweeps = 0
+    while sweeps < max_sweeps:
+        sweeps += 1
+        taken = 0
+        for s, units in enumerate(bounds):
+            if not chain_ok[s] or not len(units):
+                continue
+            row = freqs[units.start:units.stop]
+            allowed = _allowed(units, row, tables, max_clocks, hints.freqs_mhz[s] if hints is not None else ())
+            current = sum(tables.at[v][f][1] for v, f in zip(units, row)) + switch_cost_j * steady_changes_of(row)
+            # A rank with a segment too short for the clock latency takes the DP's answer whatever it costs.
+            forced = min_segment_s > 0 and short_segments(row, [tables.at[v][f][0] for v, f in zip(units, row)],
+                                                          min_segment_s) > 0
+            # First with every unit's latest finish as its bound (the slack of the whole pipeline: other ranks'
+            # units may start later, so the result is simulated and kept only if the iteration still ends in
+            # time), then with the bounds that keep every other rank as it is (feasible by construction).
+            for optimistic in (True, False):
+                ready, cap = _bounds(graph, units, s, timeline, limit, cross_succs, optimistic)
+                found = _stage_dp(units, allowed, tables, ready, cap, switch_cost_j, keep, min_segment_s)
+                if found is None:
+                    continue
+                total, clocks = found
+                if clocks == row or not (forced or total < current - 1e-9 * max(1.0, abs(current))):
+                    break  # the tighter bounds cannot do better than these
+                trial = freqs[:units.start] + clocks + freqs[units.stop:]
+                new_timeline = evaluator.simulate(trial)
+                if new_timeline.iteration_time_s > limit * (1 + 1e-12):
+                    continue
+                freqs, timeline = trial, new_timeline
+                taken += 1
+                break
+        improved += taken
+        if not taken:
+            break
+    new_plan = FrequencyPlan.from_flat(plan.schedule, freqs)
+    new_score = evaluator.score(freqs, timeline)
+    after = new_score.energy_j + switch_cost_j * sum(steady_changes_of(list(r)) for r in new_plan.freqs_mhz)
+    if timeline.iteration_time_s > limit * (1 + 1e-9) or (after > before and min_segment_s <= 0):
+        # The bounds make neither possible; should rounding ever tip it, the plan stays as it was.
+        return SegmentResult(plan, evaluator.simulate(plan.flat()), score, before, before, 0, sweeps)
+    return SegmentResult(new_plan, timeline, new_score, before, after, improved, sweeps)
