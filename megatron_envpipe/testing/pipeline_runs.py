@@ -27,6 +27,7 @@ from megatron_envpipe.gpu.energy import EnergyMonitor
 from megatron_envpipe.gpu.hooks import MIN_BLOCKING_WINDOW_S
 from megatron_envpipe.gpu.simulated import SimulatedGpu
 from megatron_envpipe.gpu.sweep import ClockSweep
+from megatron_envpipe.testing.pipeline_sim import run_units
 
 __all__ = ["PipelineIteration", "SimulatedPipeline", "sweep_on_pipeline"]
 
@@ -85,40 +86,20 @@ class SimulatedPipeline:
             raise ValueError(f"need {n} unit clocks, got {len(freqs)}")
         if graph.schedule.num_stages != self.num_stages:
             raise ValueError(f"a {graph.schedule.num_stages}-stage schedule on a {self.num_stages}-stage pipeline")
-        planned_s = evaluator.durations(freqs)
         t0 = self.now_s
         for vc in self.clocks:
             vc.sleep(t0 - vc.now())  # every stage starts the iteration together
         base_mj = [dev.true_energy_mj() for dev in self.devices]
-        stage_nodes: list[list[int]] = [[] for _ in range(self.num_stages)]
+        first = {}
         for v in range(n):
-            stage_nodes[graph.stage_of[v]].append(v)
-        for s, nodes in enumerate(stage_nodes):
-            if nodes:
-                self._request(s, freqs[nodes[0]])  # at iteration begin: the first unit's clock
-        position = {v: k for nodes in stage_nodes for k, v in enumerate(nodes)}
-        end = [0.0] * n
+            first.setdefault(graph.stage_of[v], v)
+        for s, v in first.items():
+            self._request(s, freqs[v])  # at iteration begin: the first unit's clock
+        start, end, _ = run_units(evaluator, freqs, self.devices, self.clocks, lead, self._request, t0)
         windows: list[list[tuple[str, float, float]]] = [[] for _ in range(self.num_stages)]
-        for v in graph.order:
+        for v in range(n):
             s, unit = graph.nodes[v]
-            dev, vc = self.devices[s], self.clocks[s]
-            ready = max((end[u] + lat for u, lat in graph.cross_preds[v]), default=t0)
-            vc.sleep(ready - vc.now())  # waits for its input at P2P power
-            nodes, k = stage_nodes[s], position[v]
-            nxt = nodes[k + 1] if k + 1 < len(nodes) else None
-            changes = nxt is not None and freqs[nxt] != freqs[v]
-            offset = None
-            if changes and lead is not None:
-                offset = lead.request_after_begin_s(freqs[v], freqs[nxt], planned_s[v])
-            dev.unit_begin(s, unit.kind)
-            if offset is not None:
-                dev.wait_until(dev.open_unit_begin_s() + offset)
-                self._request(s, freqs[nxt])
-            dev.unit_end(s, unit.kind)
-            kind, begin_s, end[v] = dev.last_unit_window()
-            windows[s].append((kind, begin_s, end[v]))
-            if changes and offset is None:
-                self._request(s, freqs[nxt])  # at the boundary, before the wait for the next input
+            windows[s].append((unit.kind, start[v], end[v]))
         t_end = max(end, default=t0)
         stage_energy = []
         for dev, vc, base in zip(self.devices, self.clocks, base_mj):

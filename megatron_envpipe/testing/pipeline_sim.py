@@ -16,7 +16,7 @@ power included. Nothing here reads the host's clock: results are deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_envpipe.core.clock_lead import ClockLead
@@ -25,7 +25,7 @@ from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu.simulated import SimulatedGpu
 
-__all__ = ["MeasuredIteration", "run_pipeline_sim"]
+__all__ = ["MeasuredIteration", "run_pipeline_sim", "run_units"]
 
 # Simulated seconds before t = 0 in which each device's initial clock is locked and lands.
 _SETTLE_BEFORE_S = 1.0
@@ -61,7 +61,6 @@ def run_pipeline_sim(
     n = len(graph.nodes)
     if len(freqs) != n:
         raise ValueError(f"need {n} unit clocks, got {len(freqs)}")
-    planned_s = evaluator.durations(freqs)
     num_stages = graph.schedule.num_stages
     stage_nodes: list[list[int]] = [[] for _ in range(num_stages)]
     for v in range(n):
@@ -84,13 +83,44 @@ def run_pipeline_sim(
             devices[s].set_locked_clocks(freqs[nodes[0]])
             requests += 1
 
+    changed = [0]
+
+    def request(stage: int, mhz: int) -> None:
+        devices[stage].set_locked_clocks(mhz)
+        changed[0] += 1
+
+    start, end, led = run_units(evaluator, freqs, devices, clocks, lead, request)
+    requests += changed[0]
+    t_end = max(end, default=0.0)
+    stage_energy = []
+    for dev, vc, base in zip(devices, clocks, base_mj):
+        vc.sleep(t_end - vc.now())  # blocking at P2P power until the iteration's end
+        stage_energy.append((dev.true_energy_mj() - base) / 1000.0)
+    for dev in devices:
+        dev.close()
+    return MeasuredIteration(t_end, sum(stage_energy), tuple(stage_energy), tuple(start), tuple(end), requests, led)
+
+
+def run_units(evaluator: PlanEvaluator, freqs: Sequence[int], devices: Sequence[SimulatedGpu],
+              clocks: Sequence[VirtualClock], lead: ClockLead | None, request: Callable[[int, int], None],
+              t0: float = 0.0) -> tuple[list[float], list[float], int]:
+    """Every unit of ``evaluator``'s graph once, in dependency order, on the stages' ``devices`` (each on its
+    ``clocks``), from ``t0``: a unit waits for its inputs (idling at P2P power), and each clock change is
+    asked for with ``request(stage, mhz)`` as the hooks ask: at the unit boundary, or with ``lead`` from
+    inside the unit before a raise. Returns each unit's start and end (device seconds) and the raises led."""
+    graph = evaluator.graph
+    planned_s = evaluator.durations(freqs)
+    stage_nodes: list[list[int]] = [[] for _ in range(graph.schedule.num_stages)]
+    for v in range(len(graph.nodes)):
+        stage_nodes[graph.stage_of[v]].append(v)
     position = {v: k for nodes in stage_nodes for k, v in enumerate(nodes)}
-    start = [0.0] * n
-    end = [0.0] * n
+    start = [0.0] * len(graph.nodes)
+    end = [0.0] * len(graph.nodes)
+    led = 0
     for v in graph.order:
         s, unit = graph.nodes[v]
         dev, vc = devices[s], clocks[s]
-        ready = max((end[u] + lat for u, lat in graph.cross_preds[v]), default=0.0)
+        ready = max((end[u] + lat for u, lat in graph.cross_preds[v]), default=t0)
         vc.sleep(ready - vc.now())  # waits for the input at P2P power (no-op when it is there)
         nodes, k = stage_nodes[s], position[v]
         nxt = nodes[k + 1] if k + 1 < len(nodes) else None
@@ -101,20 +131,10 @@ def run_pipeline_sim(
         dev.unit_begin(s, unit.kind)
         if offset is not None:
             dev.wait_until(dev.open_unit_begin_s() + offset)
-            dev.set_locked_clocks(freqs[nxt])
-            requests += 1
+            request(s, freqs[nxt])
             led += 1
         dev.unit_end(s, unit.kind)
         _, start[v], end[v] = dev.last_unit_window()
         if changes and offset is None:
-            dev.set_locked_clocks(freqs[nxt])  # at the boundary, before the wait for the next input
-            requests += 1
-
-    t_end = max(end, default=0.0)
-    stage_energy = []
-    for dev, vc, base in zip(devices, clocks, base_mj):
-        vc.sleep(t_end - vc.now())  # blocking at P2P power until the iteration's end
-        stage_energy.append((dev.true_energy_mj() - base) / 1000.0)
-    for dev in devices:
-        dev.close()
-    return MeasuredIteration(t_end, sum(stage_energy), tuple(stage_energy), tuple(start), tuple(end), requests, led)
+            request(s, freqs[nxt])  # at the boundary, before the wait for the next input
+    return start, end, led
