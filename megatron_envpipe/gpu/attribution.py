@@ -352,6 +352,7 @@ def stage_samples(
         except InseparablePowersError:
             fit = PowerFit({}, {})
         powers = fit.powers
+        stepped = monitor.counter_period_s != 0  # as the fit left it (None: the period is still being measured)
         fitted = {k: (p, math.sqrt(max(fit.covariance[(k, k)], 0.0))) for k, p in powers.items()}
         needed = {w.kind for w in ws} | ({_BLOCKING} if kept else set())
         # A label the fit could not see, or a negative/absurd power (noise on a label
@@ -366,8 +367,8 @@ def stage_samples(
                 tuple(BlockingSample((t1 - t0) / time_scale, powers[_BLOCKING] * (t1 - t0)) for t0, t1 in kept),
                 at_s=at_s,
                 # An exact counter resolves every kind exactly: no prior on their ratio is needed there.
-                kind_powers=KindPowers.of(fit) if monitor.counter_period_s != 0 else None,
-                counter_updates=fit.increments if monitor.counter_period_s != 0 else None,
+                kind_powers=KindPowers.of(fit) if stepped else None,
+                counter_updates=fit.increments if stepped else None,
             )
     return StageSamples(
         tuple(replace(u, energy_se_j=_edge_error_j(monitor, w.start_s, w.end_s))

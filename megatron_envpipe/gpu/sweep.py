@@ -431,8 +431,9 @@ class ClockSweep:
             return ()
         p = self.stop_p2p_power_w()
         valleys = {self.valley_clock_mhz()}
+        measured = self.measured_results()  # corrected once (ratio prior, heat drift), not once per stage
         for stage in range(self._num_stages or 0):
-            valleys.add(min(self.measured_results(), key=lambda r: (
+            valleys.add(min(measured, key=lambda r: (
                 math.fsum(x.energy_j - p * x.time_s for x in r.rows if x.stage == stage), -r.freq_mhz)).freq_mhz)
         return refinement_clocks(self.measured_clocks_mhz(), valleys, self.supported_mhz, self.refine_step_mhz,
                                  self.refine_clocks)
@@ -587,4 +588,3 @@ class ClockSweep:
             + (self.stop_reason or "running") + (f"; {self.length_fit}" if self.length_fit else "")
             + counter_updates_note(self._updates)
         )
-

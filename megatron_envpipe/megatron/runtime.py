@@ -329,8 +329,6 @@ class EnvPipeRuntime:
         d = self.device
         if d is None or not (d.control and d.energy and d.clocks_mhz) or self.iteration_plans is not None:
             return False
-        if self.planned_at is not None and self.last_result is not None:
-            self.refresh.plan_started(self.planned_at, self.last_result.score.iteration_time_s)
         return self.refresh.due(self.iteration)
 
     def report_energy(self, iteration: int, stage_energy: Sequence[Any], iterations: int = 1,
@@ -529,6 +527,7 @@ class EnvPipeRuntime:
         self.last_result = result
         self.planned_with = (profile, num_microbatches, pcfg)
         self.planned_at = self.iteration
+        self.refresh.plan_started(self.planned_at, result.score.iteration_time_s)  # the repeats' schedule
         if not self.sets_clocks:  # baseline without control: a schedule, no clock reaches a GPU
             log.info("EnvPipe schedule %s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, peak "
                      "in-flight activations %s; clocks stay as the driver sets them", cfg.plan_type, cfg.scheduling,
