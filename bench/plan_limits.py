@@ -8,7 +8,7 @@ included) with the size limits lifted, under ``--timeout`` seconds (``>`` marks 
 
 A case is ``what:P:M:V`` with ``what`` one of baseline, uniform, envelope, optimal, frontier
 (20 points), schedule (build + print) and simulate (one 1F1B iteration at f_max). Deeper
-pipelines than the shipped 8 stages come from planning.synthetic.deepened. The default
+pipelines than the shipped 8 stages come from testing.synthetic.deepened. The default
 cases take several minutes.
 """
 
@@ -38,7 +38,7 @@ from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.frontier import compute_frontier
 from megatron_envpipe.planning.planner import plan_envpipe
-from megatron_envpipe.planning.synthetic import deepened
+from megatron_envpipe.testing.synthetic import deepened
 
 what, p, m, v = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 gpu = get_gpu_spec("a40")

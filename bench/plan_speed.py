@@ -18,7 +18,7 @@ settle time x P2P power, 0.70 J), the plan kept as it is (no switching pass).
 
 ``--scale`` (issue 13) times ``--type optimal`` (1f1b and ours) on deeper synthetic
 pipelines built from the shipped gpt3-175b A40 profile by
-:func:`megatron_envpipe.planning.synthetic.deepened` (first and last stage kept,
+:func:`megatron_envpipe.testing.synthetic.deepened` (first and last stage kept,
 the six middle stages cycled): P = 16 at M = 64/128 (goal 1 s at M = 128) and
 P = 32 at M = 128/256 (goal 5 s at M = 256). It also re-plans every P = 8
 optimal case and compares the saving with
@@ -32,7 +32,7 @@ plan/sim, comparable across machines; ``goal`` says MET or MISSED for the two go
 Since issue 24 ``--scale`` plans with the CLI's default flags (the switching pass on, at the
 GPU's derived clock-change cost), times ``1f1b``, ``ours`` and ``interleaved`` V = 2, and adds
 profiles the planner was never tuned on: the whole 8-stage pipeline repeated
-(:func:`megatron_envpipe.planning.synthetic.repeated`, first and last stages inside the
+(:func:`megatron_envpipe.testing.synthetic.repeated`, first and last stages inside the
 pipeline), gpt3-175b and bloom-176b (``--scale-profiles``). ``cpu s`` is the process CPU time
 of the plan (the planner's threads included): on a loaded shared machine the wall time
 (``plan s``, what the goals are about) can be several times larger. A case beyond the optimal
@@ -55,7 +55,7 @@ from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.switching import steady_clock_changes, switch_energy_j
-from megatron_envpipe.planning.synthetic import deepened, repeated
+from megatron_envpipe.testing.synthetic import deepened, repeated
 
 GOAL_S = 1.0
 SCALE_GOALS_S = {16: 1.0, 32: 5.0}  # issue 13: P = 16, M = 128 under 1 s; P = 32, M = 256 under 5 s

@@ -7,7 +7,7 @@ synthetic profile whose valley is the lowest clock (no early stop), with the
 profile as accurate as before. Each case profiles simulated GPUs (8 stages,
 real time, energy from the counter poller) twice in the same run: with the
 previous sweep (2 iterations per clock, no refinement) and with the current
-one (the runtime's :func:`~megatron_envpipe.gpu.sweep.startup_sweep`), and
+one (the runtime's :func:`~megatron_envpipe.gpu.profiler.sweep.startup_sweep`), and
 prints:
 
 * iterations, EnvPipe's iterations on the same clocks, the ratio;
@@ -40,7 +40,7 @@ from megatron_envpipe.core.device_dynamics import load_dynamics
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import configs_dir, shipped_profile
-from megatron_envpipe.gpu.sweep import COST_SHARE_OF_ENVPIPE, ClockSweep, startup_sweep, sweep_candidates
+from megatron_envpipe.gpu.profiler.sweep import COST_SHARE_OF_ENVPIPE, ClockSweep, startup_sweep, sweep_candidates
 from megatron_envpipe.testing.profiler_runs import (
     a40_three_stages,
     low_valley_profile,

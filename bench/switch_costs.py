@@ -22,12 +22,14 @@ Per cell, all from ``plan_envpipe`` (what ``envpipe plan`` runs):
 
     python3 bench/switch_costs.py [--profiles gpt3-175b,bloom-176b] [--scales 1,0.5,0.25]
         [--microbatches 12,24,48,96] [--cells 1f1b,ours,ours@1f1b,ours@1.5x,interleaved2]
-        [--json out.json] [--reference before.json]
+        [--json out.json] [--reference before.json] [--from-json out.json]
 
 ``--json`` writes the cells (for a later ``--reference``). To measure "today's code", run this file
 with ``PYTHONPATH`` pointing at a checkout of the old package (e.g. a ``git worktree``) and ``--json``.
-Planning times are wall seconds on whatever machine runs it; a reference from another run compares
-times taken under other load.
+Planning times: the table shows wall seconds; the ratio to the reference compares the planner's CPU
+seconds (``time.process_time``, every thread of the process) when the reference recorded them, as wall
+time on a shared machine measures the other load too. Run the reference and this run side by side (same
+load), each with ``--json``, then ``--from-json this.json --reference ref.json`` prints the comparison.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ def cell_config(cell: str, p: int, plan_type: str, cost: float) -> PlannerConfig
 
 def run_cell(profile: Profile, m: int, cell: str, cost: float) -> dict:
     p = profile.num_stages
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     opt: PlanResult = plan_envpipe(profile, m, cell_config(cell, p, "optimal", cost))
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     free = plan_envpipe(profile, m, cell_config(cell, p, "optimal", 0.0))
     env = plan_envpipe(profile, m, cell_config(cell, p, "envelope", cost))
     return {
@@ -76,9 +78,16 @@ def run_cell(profile: Profile, m: int, cell: str, cost: float) -> dict:
         "changes": sum(opt.charged_clock_changes),
         "envelope_changes": sum(env.charged_clock_changes),
         "seconds": seconds,
+        "cpu_s": cpu_s,
         "kept": opt.details.get("kept_plan", "optimal"),
         "late_dropped": opt.details.get("clock_changes_removed_by_latency"),
     }
+
+
+def timer(cell: dict) -> str:
+    """The time compared with a reference: CPU seconds of this process where the reference has them (the
+    machine may be shared: wall time then measures the other load as much as the planner), else wall."""
+    return "cpu_s" if "cpu_s" in cell else "seconds"
 
 
 def main() -> int:
@@ -89,6 +98,8 @@ def main() -> int:
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--json", help="write the cells here (atomically)")
     ap.add_argument("--reference", help="cells of an earlier run (--json) to compare with")
+    ap.add_argument("--from-json", help="print the table of a run written by --json instead of planning (e.g. this "
+                    "code and the reference run side by side, under the same load, then compared)")
     args = ap.parse_args()
     cells = args.cells.split(",")
     if any(c not in CELLS for c in cells):
@@ -100,6 +111,10 @@ def main() -> int:
     a40 = get_gpu_spec("a40")
     cost = default_switch_cost_j(a40.known_p2p_power_w(), a40.clock_latency)
     out: dict[str, dict] = {}
+    recorded = None
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            recorded = json.load(f)
     t_start = time.perf_counter()
     print(f"switch cost {cost:.3f} J per change, zero slowdown; savings vs the schedule's f_max baseline (%)\n")
     print("| profile | x | M | cell | optimal (counted) | envelope | opt - env | switch-free | loss | "
@@ -114,14 +129,16 @@ def main() -> int:
                     if cell == "interleaved2" and m % profile.num_stages:
                         continue  # Megatron-core needs M a multiple of P for interleaved (groups of P)
                     key = f"{name}|{scale:g}|{m}|{cell}"
-                    r = out[key] = run_cell(profile, m, cell, cost)
+                    if recorded is not None and key not in recorded:
+                        continue
+                    r = out[key] = recorded[key] if recorded is not None else run_cell(profile, m, cell, cost)
                     old = ref.get(key)
                     recovered = ratio = "—"
                     if old is not None:
                         old_loss = old["free"] - old["optimal"]
                         if old_loss > 1e-9:
                             recovered = f"{100 * (r['optimal'] - old['optimal']) / old_loss:.0f} %"
-                        ratio = f"{r['seconds'] / old['seconds']:.2f}"
+                        ratio = f"{r[timer(old)] / old[timer(old)]:.2f}"
                     print(f"| {name} | {scale:g} | {m} | {cell} | {r['optimal']:.2f} | {r['envelope']:.2f} "
                           f"| {r['optimal'] - r['envelope']:+.2f} | {r['free']:.2f} | {r['free'] - r['optimal']:.2f} "
                           f"| {recovered} | {r['changes']} ({r['envelope_changes']}) | {r['kept']} "
@@ -135,14 +152,16 @@ def main() -> int:
         old_loss = sum(ref[k]["free"] - ref[k]["optimal"] for k in common)
         gained = sum(out[k]["optimal"] - ref[k]["optimal"] for k in common)
         free_moved = min(out[k]["free"] - ref[k]["free"] for k in common)
-        t_new = sum(out[k]["seconds"] for k in common)
-        t_old = sum(ref[k]["seconds"] for k in common)
-        worst = max(out[k]["seconds"] / ref[k]["seconds"] for k in common)
+        clock = timer(ref[common[0]])
+        t_new = sum(out[k][clock] for k in common)
+        t_old = sum(ref[k][clock] for k in common)
+        worst = max(out[k][clock] / ref[k][clock] for k in common)
         print(f"against the reference ({len(common)} cells): switching loss {old_loss / len(common):.3f} -> "
               f"{(old_loss - gained) / len(common):.3f} points, {100 * gained / old_loss if old_loss else 0:.0f} % "
               f"recovered; switch-free saving moved by at least {free_moved:+.3f} points; "
-              f"planning time {t_new:.1f} s vs {t_old:.1f} s ({t_new / t_old:.2f}x, worst cell {worst:.2f}x)")
-    print(f"({time.perf_counter() - t_start:.0f} s in all)")
+              f"planning time ({'CPU' if clock == 'cpu_s' else 'wall'}) {t_new:.1f} s vs {t_old:.1f} s ({t_new / t_old:.2f}x, worst cell {worst:.2f}x)")
+    print(f"(cells read from {args.from_json})" if recorded is not None
+          else f"({time.perf_counter() - t_start:.0f} s in all)")
     if args.json:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.json)) or ".", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -17,3 +17,14 @@ class EnvPipeError(Exception):
 
 class UsageError(EnvPipeError):
     """Bad input the user can fix: reported as one line, CLI exit status 2."""
+
+
+class InvalidValueError(EnvPipeError, ValueError):
+    """A value the package cannot use, refused where it enters (an argument, a flag's text, a file's
+    field); the message says which value and what is allowed. Also a ``ValueError``, so callers'
+    ``except ValueError`` clauses keep matching."""
+
+
+class OutOfOrderError(EnvPipeError, RuntimeError):
+    """An object driven out of order (``end()`` before ``begin()``, recording after the end): the
+    message names the call. Also a ``RuntimeError``, as it was before it had a class of its own."""

@@ -79,8 +79,8 @@ def memory_model_arg(text: str) -> MemoryModel:
 
 
 
-# The simulated straggler's slowdown: 1 (none) to 4 (a GPU throttled to a quarter of its speed).
-STRAGGLER_FACTOR_RANGE = (1.0, 4.0)
+# The simulated straggler's slowdown: 1 (none) to 4 (a GPU throttled to a quarter of its speed); core.flag_ranges.
+STRAGGLER_FACTOR_RANGE = (RANGES["straggler_factor"].low, RANGES["straggler_factor"].high)
 _STRAGGLER_EXAMPLE = "give REPLICA:FACTOR[@ITER], e.g. 1:1.15 or 1:1.2@10"
 
 
@@ -98,9 +98,10 @@ class SimStraggler:
         low, high = STRAGGLER_FACTOR_RANGE
         if not is_whole(self.replica) or self.replica < 0:
             return f"replica {show(self.replica)} must be a whole number >= 0 (a data-parallel rank)"
-        if not isinstance(self.factor, int | float) or not math.isfinite(self.factor) \
-                or not low <= self.factor <= high:
+        if RANGES["straggler_factor"].problem(self.factor):
             return f"factor {show(self.factor)} must be in [{low:g}, {high:g}] (1.15: 15 % slower)"
+        if self.factor == low:  # no straggler at all: the flag would do nothing
+            return f"factor {show(self.factor)} slows nothing: give a factor above {low:g} (1.15: 15 % slower)"
         if not is_whole(self.start_iteration) or self.start_iteration < 0:
             return f"start iteration {show(self.start_iteration)} must be a whole number >= 0"
         return None

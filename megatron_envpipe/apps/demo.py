@@ -32,10 +32,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from megatron_envpipe.apps.demo_errors import DemoError, training_failure
 from megatron_envpipe.apps.menu_table import print_menu
 from megatron_envpipe.apps.plot import PlotUnavailableError, draw_timelines
 from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
 from megatron_envpipe.core.atomic import check_writable, write_json_atomic
+from megatron_envpipe.core.device_backends import backend_traits, model_profile
 from megatron_envpipe.core.file_numbers import loads_toml
 from megatron_envpipe.core.gpu_specs import GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.jitter import MAX_JITTER
@@ -58,27 +60,20 @@ from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.menu import build_menu
 from megatron_envpipe.planning.planner import plan_envpipe
 
-
-class DemoError(EnvPipeError, RuntimeError):
-    """The demo could not run; the message says why."""
-
-
-class DemoTrainingError(EnvPipeError, RuntimeError):
-    """A training process of the demo failed; the message is its rank, its error line and its log."""
-
-
 # The range of each number in configs/demo.toml: past these the demo would spawn hundreds of
 # processes or train for days. Stages are also capped by the profile's own stage count.
 _RANGES: dict[str, tuple[float, float]] = {
     "stages": (2, 64),
     "microbatches": (1, 1024),
     "iterations": (1, 1000),
-    "sim_time_scale": (0.0, 10.0),  # > 0, as --envpipe-sim-time-scale
     "profile_step_mhz": (15, 1000),  # NVML's clock spacing up to a handful of clocks in 855..1740 MHz
     "profile_iterations": (1, 100),
     "sim_jitter": (0.0, MAX_JITTER),  # as --envpipe-sim-jitter: 0 (none) up to a quarter of a unit's time
 }
-_ABOVE_LOW = frozenset({"sim_time_scale"})  # must exceed its low bound; the others may equal it
+_ABOVE_LOW: frozenset[str] = frozenset()  # keys that must exceed their low bound; the others may equal it
+# Keys a demo config once had that can no longer act: refused, saying why (never silently ignored).
+_INERT_KEYS = {"sim_time_scale": "the demo's simulated GPUs run in virtual time (host speed takes no GPU time), "
+                                 "where a wall-time scale does nothing: drop the key"}
 # Steady-state figures: the median of at most this many iterations at the end of each run.
 STEADY_ITERATIONS = 20
 _NAMES = {"plan_type": PLAN_TYPES, "scheduling": SCHEDULINGS, "reconfig": RECONFIG_POLICIES}
@@ -87,7 +82,7 @@ _NAMES = {"plan_type": PLAN_TYPES, "scheduling": SCHEDULINGS, "reconfig": RECONF
 _TRAINING_FLAGS = {
     "plan_type": "--envpipe-type", "scheduling": "--envpipe-scheduling", "reconfig": "--envpipe-reconfig",
     "profile_step_mhz": "--envpipe-profile-step", "profile_iterations": "--envpipe-profile-iterations",
-    "sim_time_scale": "--envpipe-sim-time-scale", "sim_jitter": "--envpipe-sim-jitter",
+    "sim_jitter": "--envpipe-sim-jitter",
     "sim_dynamics": "--envpipe-sim-dynamics",
 }
 # The tiny GPT's layers (train_tiny_gpt's default), for the training's pipeline checks.
@@ -102,7 +97,6 @@ class DemoConfig:
     microbatches: int = 8
     iterations: int = 6  # measured iterations after the plan took over
     profile: str = "a40/gpt3-175b"  # drives the simulated GPU
-    sim_time_scale: float = 0.3
     profile_step_mhz: int = 150
     profile_iterations: int = 1
     sim_jitter: float = 0.0  # simulated GPU: unit-time noise (fraction), in both runs
@@ -127,6 +121,8 @@ class DemoConfig:
         known = {f: type(getattr(cls(), f)) for f in cls.__dataclass_fields__}
         values = {}
         for key, value in data["demo"].items():
+            if key in _INERT_KEYS:
+                raise DemoError(f"{path}: [demo] {key} = {value!r}: {_INERT_KEYS[key]}")
             if key not in known:
                 raise DemoError(f"{path}: [demo] has unknown key {key!r}; known: {', '.join(known)}")
             want = known[key]
@@ -203,8 +199,9 @@ def training_runs(cfg: DemoConfig, gpu: str, out: Path) -> list[tuple[str, list[
     (--stock-reference-iters): the reference both runs' losses must equal, at no extra start-up
     (a third torchrun would add ~15 s to a ~70 s demo on 2 cores).
     """
-    simulated = gpu.startswith("simulated")
-    common = ["--envpipe-gpu", gpu, "--envpipe-sim-time-scale", str(cfg.sim_time_scale),
+    simulated = backend_traits(gpu).modelled
+    # No --envpipe-sim-time-scale: the simulated GPUs run in virtual time, where it would do nothing (refused).
+    common = ["--envpipe-gpu", gpu,
               *(["--envpipe-sim-jitter", str(cfg.sim_jitter)] if simulated and cfg.sim_jitter else []),
               *(["--envpipe-sim-dynamics", cfg.sim_dynamics] if simulated and cfg.sim_dynamics != "exact" else []),
               "--envpipe-profile-cache", str(out / "profiles"), "--envpipe-on-no-permission", "monitor"]
@@ -249,14 +246,14 @@ def _check_gpu(gpu: str | None, cfg: DemoConfig) -> None:
     ``simulated:<profile>`` is opened for every stage, as the training's ranks will open it."""
     if gpu is None or gpu in ("auto", "nvml"):
         return
-    if gpu.startswith("simulated"):
-        source = gpu.partition(":")[2]
+    source = model_profile(gpu)
+    if source is not None:
         if source not in shipped_profiles() and not Path(source).is_file():
             raise DemoError(f"--gpu {gpu}: no such profile: give simulated:<profile>, one of "
                             f"{', '.join(shipped_profiles())} or a Perseus-format CSV")
         try:
             for stage in range(cfg.stages):  # a simulated run has one CPU process per stage
-                open_gpu(gpu, stage=stage, num_stages=cfg.stages, time_scale=cfg.sim_time_scale, cuda=False,
+                open_gpu(gpu, stage=stage, num_stages=cfg.stages, cuda=False,
                          jitter=cfg.sim_jitter)
         except (EnvPipeError, OSError, UnicodeDecodeError) as exc:
             raise DemoError(f"--gpu {gpu}: {exc}") from None
@@ -322,71 +319,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-# The line a failing rank ends with: a Python exception ("ValueError: ...", "pkg.mod.SomeError: ...")
-# or an argparse / SystemExit message ("train_tiny_gpt.py: error: ..."); torch may prefix "[rank0]: ".
-_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)|[\w./-]+: error): \S.*)$")
-# What a rank reports when another one died first: never the cause while a rank has a cause of its own.
-_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|Broken pipe|"
-                        r"SIGTERM|Signal 15|DistNetworkError", re.IGNORECASE)
-_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")  # torchrun --tee's prefix on each rank's line
-_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)",
-                         re.DOTALL)
-_LOG_TAIL_BYTES = 1 << 20  # a rank's log can be long; its error is at its end
-
-
-def _tail_lines(path: Path) -> list[str]:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - _LOG_TAIL_BYTES))
-            return fh.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return []
-
-
-def _last_error(lines: list[str]) -> str | None:
-    found = [m.group(1) for m in map(_ERROR_LINE.match, (line.strip() for line in lines)) if m]
-    if not found:
-        return None
-    shown = "".join(ch if ch.isprintable() else " " for ch in found[-1]).strip()  # one line, whatever it held
-    return shown if len(shown) <= 400 else shown[:400] + "..."
-
-
-def _rank_errors(log_lines: list[str], ranks: Path) -> dict[int, tuple[str, str]]:
-    """``{rank: (its last error line, the log it is in)}``: from each rank's own log under ``ranks``
-    (torchrun --log-dir), else from its prefixed lines in the combined log."""
-    errors: dict[int, tuple[str, str]] = {}
-    for stderr in sorted(ranks.glob("*/attempt_*/*/stderr.log"), key=lambda p: p.stat().st_mtime):
-        if stderr.parent.name.isdigit():  # the latest attempt wins
-            cause = _last_error(_tail_lines(stderr)) or _last_error(_tail_lines(stderr.with_name("stdout.log")))
-            if cause:
-                errors[int(stderr.parent.name)] = (cause, str(stderr))
-    if not errors:
-        by_rank: dict[int, list[str]] = {}
-        for line in log_lines:
-            match = _RANK_PREFIX.match(line)
-            if match:
-                by_rank.setdefault(int(match.group(1)), []).append(match.group(2))
-        errors = {r: (cause, "") for r, lines in by_rank.items() if (cause := _last_error(lines))}
-    return errors
-
-
-def training_failure(name: str, code: int, log: Path, ranks: Path) -> DemoTrainingError:
-    """The one-line cause of a failed torchrun, instead of its multi-line summary: the rank whose own
-    error is the cause (torchrun's "first observed failure" is often a rank that lost its peer), that
-    error line, and that rank's log."""
-    lines = _tail_lines(log)
-    root = _ROOT_CAUSE.search("\n".join(lines))
-    errors = _rank_errors(lines, ranks)
-    # Ranks in order of blame: torchrun's root cause first, then the others; a lost-peer error last.
-    order = sorted(errors, key=lambda r: (bool(_PEER_GONE.search(errors[r][0])), not root or r != int(root.group(1)), r))
-    if order:
-        rank = order[0]
-        cause, where = errors[rank]
-        return DemoTrainingError(f"rank {rank}: {cause} (log: {where or log})")
-    exited = f"rank {root.group(1)} exited with code {root.group(2)}" if root else f"torchrun exited with code {code}"
-    return DemoTrainingError(f"the {name} run failed: {exited}, with no error message (log: {log})")
-
-
 def _steady(run: dict[str, Any], after: int = 0) -> tuple[float, float, int, int]:
     """Median (time_s, energy_j) per iteration over the last STEADY_ITERATIONS after the plan took over
     (skipping its first) and after iteration ``after``; also the first iteration counted."""
@@ -448,7 +380,7 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     gpus = _gpus()
     if gpu is None:
         gpu = "auto" if gpus >= 2 else f"simulated:{cfg.profile}"
-    simulated = gpu.startswith("simulated")
+    simulated = backend_traits(gpu).modelled
     device = "cpu" if simulated or gpus < 2 else "cuda"
     nproc = cfg.stages if device == "cpu" else min(cfg.stages, gpus)
     runs = training_runs(cfg, gpu, out)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_envpipe.core.device_backends import backend_traits
 from megatron_envpipe.megatron.localhost import free_port
 
 __all__ = ["average_over_replicas", "init_distributed", "shared_gpu_problem", "sum_over_replicas"]
@@ -32,7 +33,8 @@ def shared_gpu_problem(args: argparse.Namespace, local_ranks: int, device_count:
         return (f"--device cuda puts {local_ranks} local ranks on {device_count} GPU(s): NCCL needs one GPU per "
                 f"rank; add --p2p-transport host (gloo, tensors staged through host memory) to share a GPU")
     gpu = getattr(args, "envpipe_gpu", None) or ""
-    if not args.no_envpipe and not gpu.startswith("simulated:"):
+    # A modelled GPU (simulated:<profile>) keeps its clocks per stage, in the model.
+    if not args.no_envpipe and not (backend_traits(gpu).modelled and ":" in gpu):
         return (f"--p2p-transport host puts {local_ranks} local ranks on {device_count} GPU(s): stages sharing a "
                 f"GPU cannot control its clocks (--envpipe-gpu {gpu or 'auto'}); add --envpipe-gpu "
                 f"simulated:<profile>, e.g. simulated:a40/gpt3-175b, or run --no-envpipe")

@@ -78,15 +78,16 @@ def write_losses(path: Path, args: argparse.Namespace, records: list[dict[str, A
 
 def envpipe_summary() -> dict[str, Any]:
     """What EnvPipe planned and measured in this process (for --losses-out)."""
-    runtime = STATE.runtime
-    if runtime is None:
+    run = STATE.run
+    if run is None:
         return {}
-    out: dict[str, Any] = {"energy": [dict(asdict(r), saving=r.saving) for r in runtime.energy_log],
+    runtime = run.phases
+    out: dict[str, Any] = {"energy": [dict(asdict(r), saving=r.saving) for r in run.energy.energy_log],
                            "planned_at_iteration": runtime.planned_at}
     if runtime.device is not None:
         out["device"] = asdict(runtime.device)
-    if runtime.iteration_plans is not None:  # variable-length micro-batches
-        out["per_iteration_plans"] = runtime.iteration_plans.report()
+    if run.iteration_plans is not None:  # variable-length micro-batches
+        out["per_iteration_plans"] = run.iteration_plans.report()
     result = runtime.last_result
     if result is not None:
         out["plan"] = {

@@ -24,7 +24,7 @@ chunks (Megatron's interleaved pipeline): stock runs Megatron's interleaved
 schedule, ``--envpipe-scheduling interleaved`` EnvPipe's executor in the same
 order with its clock plan.
 ``--variable-seq-lengths``: samples of log-normal lengths, each micro-batch padded to
-its own longest (``tiny_data.VariableLengthDataset``), and Megatron's
+its own longest (``tiny_samples.VariableLengthDataset``), and Megatron's
 ``variable_seq_lengths`` (shapes exchanged before every pipeline transfer).
 ``--stock-reference-iters N`` first trains N iterations of a fresh model with
 Megatron's own schedule in the same processes, before ``install()`` is called
@@ -63,20 +63,14 @@ import torch
 import torch.distributed as dist
 
 import megatron_envpipe
-from megatron_envpipe.apps.tiny_data import (
-    DEFAULT_LENGTH_SIGMA,
-    DEFAULT_VOCAB_SIZE,
-    Batch,
-    LengthDistribution,
-    build_dataset,
-    ensure_tokenizer,
-)
+from megatron_envpipe.apps.tiny_data import DEFAULT_VOCAB_SIZE, Batch, ensure_tokenizer
 from megatron_envpipe.apps.tiny_parallel import (
     average_over_replicas,
     init_distributed,
     sum_over_replicas,
 )
 from megatron_envpipe.apps.tiny_records import envpipe_summary, function_name, gather_schedules, write_losses
+from megatron_envpipe.apps.tiny_samples import DEFAULT_LENGTH_SIGMA, LengthDistribution, build_dataset
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
 from megatron_envpipe.config.launch_checks import check_output_files
 from megatron_envpipe.core.atomic import OutputPathError, check_output

@@ -9,7 +9,8 @@ included); ``EnvPipeConfig.from_args(args)`` turns them into a validated config;
 from __future__ import annotations
 
 from megatron_envpipe.config.flags import add_envpipe_args
-from megatron_envpipe.config.settings import EnvPipeConfig, load_profile
+from megatron_envpipe.config.profiles import load_profile
+from megatron_envpipe.config.settings import EnvPipeConfig
 from megatron_envpipe.flag_types import (
     EnvPipeConfigError,
     fraction,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_envpipe.core.kinds import plan_kind, scheduling_kind
 from megatron_envpipe.core.memory import AUTO
-from megatron_envpipe.core.vocabulary import PlanType, Scheduling
 from megatron_envpipe.flag_types import EnvPipeConfigError, is_whole
 from megatron_envpipe.planning.deadline import DEADLINE_FROM_NAMES, interleaved_budget_problem
 
@@ -20,7 +20,7 @@ def check_deadline_from(config: Any) -> None:
     if config.deadline_from not in DEADLINE_FROM_NAMES:
         raise EnvPipeConfigError(f"{flag}: choose {', '.join(DEADLINE_FROM_NAMES)} (the schedule whose iteration "
                                  "time at the maximum clock is the deadline)")
-    if config.plan_type != PlanType.OPTIMAL:
+    if not plan_kind(config.plan_type).has_deadline:
         raise EnvPipeConfigError(f"{flag} plans to 1F1B's iteration time, which needs --envpipe-type optimal (this "
                                  f"run has --envpipe-type {config.plan_type}): add --envpipe-type optimal")
     for other, given in (("--envpipe-max-slowdown", bool(config.max_slowdown)),
@@ -38,7 +38,7 @@ def check_interleaved_budget(config: Any, num_stages: int, num_microbatches: int
     fit a numeric ``--envpipe-max-inflight``; ``auto`` is not measured for interleaved runs (the plan logs
     what it needs). ``args``: Megatron's namespace (its micro-batch group size)."""
     budget = config.max_inflight
-    if (config.scheduling != Scheduling.INTERLEAVED or config.deadline_from is None or budget == AUTO
+    if (not scheduling_kind(config.scheduling).model_chunks or config.deadline_from is None or budget == AUTO
             or budget is None or not is_whole(num_microbatches)):
         return
     group = getattr(args, "microbatch_group_size_per_vp_stage", None)

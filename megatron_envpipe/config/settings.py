@@ -8,50 +8,51 @@ size, micro-batches: the profile's stage count, the extra warm-up's length, the
 activation budget; the log interval it follows), so that every entry point fails
 at argument parsing with one :class:`EnvPipeConfigError` line instead of at the
 first iteration; ``EnvPipeConfig.planner_config(gpu)`` is the planner's view of
-it. Pure Python.
+it. Each value alone is checked in :mod:`.value_checks`, the profiles and GPU-table
+entries the flags name are read in :mod:`.profiles`. Pure Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from megatron_envpipe.config.deadline_flags import check_deadline_from, check_interleaved_budget
+from megatron_envpipe.config.flag_table import Facts, refuse_inert
 from megatron_envpipe.config.launch_checks import check_launch, check_output_files
+from megatron_envpipe.config.profiles import fit_profile, load_profile, table_gpu
+from megatron_envpipe.config.value_checks import check_max_inflight, check_numbers, check_stragglers
+from megatron_envpipe.core.device_backends import model_profile, named_backend
 from megatron_envpipe.core.device_dynamics import DeviceDynamics, DeviceDynamicsError, load_dynamics
 from megatron_envpipe.core.flag_ranges import RANGES
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.interleaved import check_interleaved_sizes
+from megatron_envpipe.core.kinds import plan_type_names, scheduling_kind, scheduling_names
 from megatron_envpipe.core.memory import (
     AUTO,
     MaxInflight,
     MemoryModel,
     budget_problem,
-    show_budget,
 )
-from megatron_envpipe.core.profile import Profile, ProfileError
-from megatron_envpipe.core.resources import configs_dir, shipped_profile, shipped_profiles
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import configs_dir, shipped_profiles
 from megatron_envpipe.core.schedule import ScheduleError
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.vocabulary import (
-    PLAN_TYPES,
     RECONFIG_POLICIES,
-    SCHEDULINGS,
     PlanType,
     ReconfigPolicy,
     Scheduling,
     coerce_enum,
 )
 from megatron_envpipe.flag_types import (
-    OPTIONAL_NUMBERS,
-    TRAINING_NUMBERS,
     VIRTUAL_PIPELINE_ARGS,
     EnvPipeConfigError,
     SimStraggler,
+    data_parallel_size_of,
     is_whole,
     num_microbatches_of,
     show,
@@ -60,7 +61,7 @@ from megatron_envpipe.flag_types import (
 )
 from megatron_envpipe.planning.basis import PlannerConfig
 
-__all__ = ["EnvPipeConfig", "load_profile"]
+__all__ = ["EnvPipeConfig"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class EnvPipeConfig:
     measure_iterations: int = 1  # iterations measured before the plan is fixed (no profile, no clock control)
     on_no_permission: str = "fail"  # or "monitor": measure energy, never touch clocks
     profile_step_mhz: int | None = None  # start-up profiler clock spacing (default: GPU table)
-    profile_iterations: int = 2  # profiled iterations per clock until two agree (gpu/sweep.py); 1: always one
+    profile_iterations: int = 2  # profiled iterations per clock until two agree (gpu/profiler/sweep.py); 1: always one
     profile_cache: str | None = None  # cache dir ("off" disables); default ~/.cache/megatron-envpipe
     sim_time: str = "virtual"  # simulated GPU: its own virtual clock (megatron/device_time.py) or scaled wall time
     sim_time_scale: float = 0.02  # simulated GPU, wall time: wall seconds per simulated second
@@ -140,19 +141,18 @@ class EnvPipeConfig:
         def bad(msg: str) -> None:
             raise EnvPipeConfigError(msg)
 
-        if self.plan_type not in PLAN_TYPES:
-            bad(f"--envpipe-type {self.plan_type!r}: choose one of {', '.join(PLAN_TYPES)}")
-        if self.scheduling not in SCHEDULINGS:
-            bad(f"--envpipe-scheduling {self.scheduling!r}: choose one of {', '.join(SCHEDULINGS)}")
+        if str(self.plan_type) not in plan_type_names():  # the registered ones (core/kinds.py)
+            bad(f"--envpipe-type {self.plan_type!r}: choose one of {', '.join(plan_type_names())}")
+        if str(self.scheduling) not in scheduling_names():
+            bad(f"--envpipe-scheduling {self.scheduling!r}: choose one of {', '.join(scheduling_names())}")
         if self.reconfig not in RECONFIG_POLICIES:
             bad(f"--envpipe-reconfig {self.reconfig!r}: choose one of {', '.join(RECONFIG_POLICIES)}")
-        self._validate_numbers()
-        self._validate_max_inflight()
-        self._refuse_ignored(self._given() if given is None else given)
+        check_numbers(self)  # config/value_checks.py: each value alone
+        check_max_inflight(self)
+        check_stragglers(self)  # the values themselves, before whether they act
+        # A flag that cannot act here is refused (config/flag_table.py: when each one acts).
+        refuse_inert(self._values(), self._given() if given is None else given, self.facts())
         if self.extra_warmup is not None:
-            if self.scheduling != Scheduling.OURS:
-                bad("--envpipe-extra-warmup only applies to --envpipe-scheduling ours: add "
-                    "--envpipe-scheduling ours or drop --envpipe-extra-warmup")
             shown = show_list(self.extra_warmup)
             if not self.extra_warmup:
                 bad("--envpipe-extra-warmup is empty: give one whole number per pipeline stage, e.g. 3,2,1,0")
@@ -160,26 +160,19 @@ class EnvPipeConfig:
                 if not is_whole(r) or r < 0:
                     bad(f"--envpipe-extra-warmup {shown}: stage {s}'s entry {show(r)} must be a whole number "
                         ">= 0 (extra warm-up forwards of that stage), e.g. 3,2,1,0")
-        if self.sim_unit_scale != 1.0 and not (self.gpu or "").startswith("simulated"):
-            bad(f"--envpipe-sim-unit-scale {show(self.sim_unit_scale)} scales the simulated GPU's units only: add "
-                "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-unit-scale")
-        if self.sim_jitter > 0 and not (self.gpu or "").startswith("simulated"):
-            bad(f"--envpipe-sim-jitter {show(self.sim_jitter)} adds noise to the simulated GPU only: add "
-                "--envpipe-gpu simulated:<profile> or drop --envpipe-sim-jitter")
         self._validate_dynamics()
-        self._validate_stragglers()
         for flag, value, choices in (("--envpipe-clock-lead", self.clock_lead, ("on", "off")),
                                      ("--envpipe-sim-time", self.sim_time, ("virtual", "wall"))):
             if value not in choices:
                 bad(f"{flag} {value!r}: choose {' or '.join(choices)}")
-        if self.gpu is not None and self.gpu not in ("auto", "none", "nvml"):
-            if self.gpu.startswith("simulated"):
-                _, _, source = self.gpu.partition(":")
+        if self.gpu is not None:
+            source = model_profile(self.gpu)  # None: the backend takes no profile
+            if source is not None:
                 if not source:
                     bad("--envpipe-gpu simulated needs a profile: simulated:<profile.csv or a40/gpt3-175b>")
                 if source not in shipped_profiles() and not Path(source).is_file():
                     bad(f"--envpipe-gpu {self.gpu}: no such profile (give a Perseus-format CSV or a shipped name)")
-            else:
+            elif named_backend(self.gpu) is None:  # not a backend: a GPU-table key
                 try:
                     get_gpu_spec(self.gpu)
                 except GpuSpecError as exc:
@@ -198,17 +191,11 @@ class EnvPipeConfig:
         if self.max_slowdown and self.target_time_s is not None:
             bad(f"--envpipe-max-slowdown {show(self.max_slowdown)} and --envpipe-target-time "
                 f"{show(self.target_time_s)} both set the optimal plan's deadline: give only one")
-        if self.per_iteration_plans and self.plan_type != PlanType.OPTIMAL:
-            bad(f"--envpipe-per-iteration-plans plans clocks with --envpipe-type optimal's planner (this run has "
-                f"--envpipe-type {self.plan_type}): add --envpipe-type optimal or drop the flag")
         if self.per_iteration_plans and self.target_time_s is not None:
             bad(f"--envpipe-per-iteration-plans plans each iteration for the stock run's time at its sizes, "
                 f"--envpipe-target-time {show(self.target_time_s)} for one fixed time: drop one of them "
                 "(or add --no-envpipe-per-iteration-plans)")
         check_deadline_from(self)
-        if (self.max_slowdown or self.target_time_s is not None) and self.plan_type != PlanType.OPTIMAL:
-            bad("--envpipe-max-slowdown and --envpipe-target-time need --envpipe-type optimal "
-                f"(this run has --envpipe-type {self.plan_type})")
         return self
 
     def _given(self) -> frozenset[str]:
@@ -216,91 +203,36 @@ class EnvPipeConfig:
         default = EnvPipeConfig()
         return frozenset(f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name))
 
-    def _refuse_ignored(self, given: frozenset[str]) -> None:
-        """A flag that would do nothing in this setting is refused, never silently ignored."""
-        ignored: list[tuple[str, str, str]] = []  # (field, why it does nothing, what to do instead)
-        # With a deadline from 1F1B, an interleaved run's activations are checked against a budget at start-up.
-        if self.scheduling != Scheduling.OURS and not (self.scheduling == Scheduling.INTERLEAVED
-                                                       and self.deadline_from is not None):
-            ignored.append(("max_inflight", f"budgets the extra warm-up of --envpipe-scheduling ours, and "
-                            f"--envpipe-scheduling {self.scheduling} has none",
-                            "add --envpipe-scheduling ours or drop it"))
-        if self.plan_type == PlanType.BASELINE:
-            why = "runs every unit at the maximum clock: no clock to slow, merge or change"
-            ignored += [(name, f"does nothing with --envpipe-type baseline, which {why}",
-                         "drop it or choose another --envpipe-type")
-                        for name in ("switch_cost_j", "max_clock_changes", "timing_margin")]
-        if self.reconfig == ReconfigPolicy.DEFAULT:
-            ignored += [(name, "tunes online reconfiguration, which --envpipe-reconfig default turns off",
-                         "add --envpipe-reconfig balanced (or greedy) or drop it")
-                        for name in ("reconfig_step_mhz", "finish_limit", "threshold_scale", "reconfig_window")]
-        if self.profile is not None:
-            ignored += [(name, f"tunes the start-up measurement, which --envpipe-profile {self.profile} replaces",
-                         "drop one of them") for name in ("profile_step_mhz", "profile_iterations",
-                                                          "measure_iterations")]
-        for name, why, fix in ignored:
-            if name in given:
-                value = getattr(self, name)
-                flag = TRAINING_NUMBERS[name][0] if name in TRAINING_NUMBERS else "--envpipe-max-inflight"
-                shown = show_budget(value) if name == "max_inflight" else show(value)
-                raise EnvPipeConfigError(f"{flag} {shown} {why}, so it would be ignored: {fix}")
+    def _values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def _validate_stragglers(self) -> None:
-        """``--envpipe-straggler-threshold`` a fraction in (0, 1); ``--envpipe-sim-straggler`` well formed, on a
-        simulated GPU (the replica's range is checked against the data-parallel size where it is known)."""
-        t = self.straggler_threshold
-        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or not 0 < t < 1:
-            raise EnvPipeConfigError(f"--envpipe-straggler-threshold {show(t)}: must be a fraction in (0, 1), the "
-                                     "slowest pipeline's lead that starts following; give e.g. 0.02 or 2%")
-        sim = self.sim_straggler
-        if sim is None:
-            return
-        problem = sim.problem() if isinstance(sim, SimStraggler) else "not REPLICA:FACTOR[@ITER]"
-        if problem:
-            raise EnvPipeConfigError(f"--envpipe-sim-straggler {sim}: {problem}; give e.g. 1:1.15 or 1:1.2@10")
-        if not (self.gpu or "").startswith("simulated"):
-            raise EnvPipeConfigError(f"--envpipe-sim-straggler {sim} slows the simulated GPU only: add --envpipe-gpu "
-                                     "simulated:<profile> or drop --envpipe-sim-straggler")
+    def given_fields(self) -> frozenset[str]:
+        """The fields the user set: those ``from_args`` saw typed (a flag typed at its default counts where
+        its default is "not given"), else those that differ from the default."""
+        return self.__dict__.get("typed_fields") or self._given()
+
+    def facts(self, args: Any = None, pipeline_size: int | None = None) -> Facts:
+        """What decides whether each flag can act (config/flag_table.py): these settings and, with Megatron's
+        ``args``, the launch's shape (pipeline and data-parallel sizes, iterations, variable lengths)."""
+        dp = data_parallel_size_of(args, pipeline_size) if args is not None and is_whole(pipeline_size) else None
+        iters = getattr(args, "train_iters", None)
+        return Facts(plan_type=self.plan_type, scheduling=self.scheduling, reconfig=self.reconfig, gpu=self.gpu,
+                     sim_time=self.sim_time, profile=self.profile, max_inflight=self.max_inflight,
+                     deadline_from=self.deadline_from, follow_stragglers=self.follow_stragglers,
+                     pipeline_size=pipeline_size if is_whole(pipeline_size) else None, data_parallel_size=dp,
+                     train_iters=iters if is_whole(iters) else None,
+                     variable_seq_lengths=getattr(args, "variable_seq_lengths", None))
 
     def check_replicas(self, data_parallel_size: int) -> None:
         """``--envpipe-sim-straggler``'s replica against the data-parallel size (at start-up, where it is known)."""
         sim = self.sim_straggler
-        if sim is not None and data_parallel_size < 2:
-            raise EnvPipeConfigError(
-                f"--envpipe-sim-straggler {sim} slows one data-parallel replica, and this run has "
-                f"{data_parallel_size} (no replica to fall behind): run with data parallelism (world size = "
-                "DP x PP x TP, DP >= 2) or drop --envpipe-sim-straggler")
-        if sim is not None and not sim.replica < data_parallel_size:
+        if sim is not None and data_parallel_size >= 2 and not sim.replica < data_parallel_size:
             raise EnvPipeConfigError(
                 f"--envpipe-sim-straggler {sim}: replica {sim.replica} does not exist: the data-parallel size is "
                 f"{data_parallel_size} (replicas 0..{data_parallel_size - 1}); give a replica in that range")
 
-    def _validate_numbers(self) -> None:
-        """Each numeric flag: the right kind of number, finite, in its range (core.flag_ranges; nan, inf never pass)."""
-        if isinstance(self.max_slowdown, int | float) and 1 < self.max_slowdown < float("inf"):
-            x = show(self.max_slowdown)
-            raise EnvPipeConfigError(
-                f"--envpipe-max-slowdown {x} allows iterations up to {100 * self.max_slowdown:.0f}% slower than the "
-                f"baseline (at most 1 = 100%): it is a fraction, 0.05 = 5%; for {x}% give "
-                f"{show(self.max_slowdown / 100)} or {x}%"
-            )
-        for name, (flag, limits, example) in TRAINING_NUMBERS.items():
-            value = getattr(self, name)
-            if value is None and name in OPTIONAL_NUMBERS:
-                continue
-            problem = limits.problem(value)
-            if problem:
-                raise EnvPipeConfigError(f"{flag} {show(value)}: {problem}; give e.g. {flag} {example}")
-
     def _validate_dynamics(self) -> None:
         """The simulated GPU's dynamics load and hold (simulated GPUs only; read again by :attr:`device_dynamics`)."""
-        flags = [f"{flag} {show(getattr(self, name))}" for name, flag in _DYNAMICS_FLAGS.items()
-                 if getattr(self, name) is not None]
-        if self.sim_dynamics != "exact":
-            flags.insert(0, f"--envpipe-sim-dynamics {self.sim_dynamics}")
-        if flags and not (self.gpu or "").startswith("simulated"):
-            raise EnvPipeConfigError(f"{flags[0]} shapes the simulated GPU only: add --envpipe-gpu "
-                                     f"simulated:<profile> or drop {flags[0].split()[0]}")
         try:
             self.device_dynamics  # noqa: B018 (loads the file, checks the figures)
         except DeviceDynamicsError as exc:
@@ -312,38 +244,6 @@ class EnvPipeConfig:
         return load_dynamics(self.sim_dynamics, configs_dir()).with_overrides(
             clock_latency_s=_ms_to_s(self.sim_clock_latency_ms), counter_period_s=_ms_to_s(self.sim_counter_period_ms),
             thermal_drift=self.sim_thermal_drift)
-
-    def _validate_max_inflight(self) -> None:
-        """``--envpipe-max-inflight``: auto, none, a whole number >= 1, or one per stage; the memory model's numbers."""
-        flag, value = "--envpipe-max-inflight", self.max_inflight
-        example = "give e.g. auto, none, 8 or 4,3,2,2"
-        if value is None or value == AUTO:
-            pass
-        elif isinstance(value, tuple):
-            if not value:
-                raise EnvPipeConfigError(f"{flag} is empty: give one budget per pipeline stage, e.g. 4,3,2,2, or auto")
-            for s, b in enumerate(value):
-                problem = RANGES["max_inflight"].problem(b)
-                if problem:
-                    raise EnvPipeConfigError(f"{flag} {show_budget(value)}: stage {s}'s entry {show(b)} {problem}; "
-                                             f"{example}")
-        elif isinstance(value, str):
-            raise EnvPipeConfigError(f"{flag} {value!r}: {example}")
-        else:
-            problem = RANGES["max_inflight"].problem(value)
-            if problem:
-                raise EnvPipeConfigError(f"{flag} {show(value)}: {problem}; {example}")
-        model = self.sim_memory
-        if model is not None:
-            problem = model.problem() if isinstance(model, MemoryModel) else "not a memory model"
-            if problem:
-                raise EnvPipeConfigError(f"--envpipe-sim-memory: {problem}; give GIB_FREE,MIB_PER_MICROBATCH, "
-                                         "e.g. 2,256")
-            if self.scheduling != Scheduling.OURS or value != AUTO:
-                raise EnvPipeConfigError(
-                    "--envpipe-sim-memory only applies to --envpipe-max-inflight auto with --envpipe-scheduling ours "
-                    f"(this run has {flag} {show_budget(value)}, --envpipe-scheduling {self.scheduling}): "
-                    "drop --envpipe-sim-memory or use those")
 
     def validate_with_megatron_args(self, args: Any) -> "EnvPipeConfig":
         """Every check that needs Megatron's own flags, run once at argument parsing.
@@ -358,7 +258,8 @@ class EnvPipeConfig:
         ``args`` is Megatron's namespace (or any object with its attribute names);
         attributes it lacks are not checked.
         """
-        self.validate()
+        given = self.given_fields()
+        self.validate(given)
         resolved = self._follow_log_interval(args)
         stock = "--envpipe-type baseline --envpipe-scheduling 1f1b --envpipe-reconfig default"
         settings = " ".join(f"{flag} {value}" for flag, value, default in (
@@ -367,12 +268,13 @@ class EnvPipeConfig:
             ("--envpipe-reconfig", self.reconfig, ReconfigPolicy.DEFAULT)) if value != default)
         vpp_flags = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in VIRTUAL_PIPELINE_ARGS
                      if getattr(args, name, None) is not None]
-        virtual = virtual_stages_of(args) if self.scheduling == Scheduling.INTERLEAVED else 1
-        if self.scheduling == Scheduling.INTERLEAVED and virtual < 2:
+        chunked = scheduling_kind(self.scheduling).model_chunks
+        virtual = virtual_stages_of(args) if chunked else 1
+        if chunked and virtual < 2:
             raise EnvPipeConfigError(
                 "--envpipe-scheduling interleaved needs model chunks: add --virtual-pipeline-model-parallel-size V "
                 "(V >= 2) or --num-layers-per-virtual-pipeline-stage, or use --envpipe-scheduling 1f1b / ours")
-        if vpp_flags and self.scheduling != Scheduling.INTERLEAVED and not self.is_stock:
+        if vpp_flags and not chunked and not self.is_stock:
             raise EnvPipeConfigError(
                 f"--envpipe-scheduling {self.scheduling} has no interleaved (virtual-pipeline) order "
                 f"({', '.join(vpp_flags)}), so {settings} would not run: add --envpipe-scheduling interleaved, "
@@ -383,11 +285,7 @@ class EnvPipeConfig:
                 f"--envpipe-deadline-from {self.deadline_from} plans one deadline for the run, and with "
                 "--variable-seq-lengths --envpipe-type optimal plans every iteration for its own sizes: add "
                 "--no-envpipe-per-iteration-plans or drop --envpipe-deadline-from")
-        if self.per_iteration_plans and getattr(args, "variable_seq_lengths", None) is False:
-            raise EnvPipeConfigError(
-                "--envpipe-per-iteration-plans plans per iteration for micro-batches of varying lengths, and this "
-                "run's are all alike: add --variable-seq-lengths or drop the flag")
-        spec = _table_gpu(self.gpu)
+        spec = table_gpu(self.gpu)
         if self.profile is not None and self.p2p_power_w is None and spec is not None and spec.p2p_power_w is None:
             raise EnvPipeConfigError(
                 f"--envpipe-profile {self.profile} on --envpipe-gpu {self.gpu}: the P2P blocking power of "
@@ -399,27 +297,29 @@ class EnvPipeConfig:
             raise EnvPipeConfigError(f"--envpipe-scheduling interleaved: {virtual} model chunks per rank (Megatron's "
                                      f"virtual-pipeline flags) is more than the {most:g} EnvPipe plans; use fewer")
         # The simulated GPU's profile, read once here: every rank would otherwise die reading it.
-        source = self.gpu.partition(":")[2] if (self.gpu or "").startswith("simulated") else None
+        source = model_profile(self.gpu)
         simulated = load_profile(source, f"--envpipe-gpu {self.gpu}", "give another profile") if source else None
         pp = getattr(args, "pipeline_model_parallel_size", None)
-        if not is_whole(pp):
-            return resolved
-        if pp < 2 and not self.is_stock:
+        if is_whole(pp) and pp < 2 and not self.is_stock:
             raise EnvPipeConfigError(
                 f"EnvPipe needs pipeline parallelism: --pipeline-model-parallel-size is {pp}, so Megatron runs no "
                 f"pipeline schedule and {settings} would do nothing: set --pipeline-model-parallel-size >= 2, "
                 f"or run {stock}"
             )
+        # Each given flag against the launch's shape: sizes, iterations, variable lengths (config/flag_table.py).
+        refuse_inert(self._values(), given, self.facts(args, pp))
+        if not is_whole(pp):
+            return resolved
         check_launch(self, args, pp, simulated, source)  # replicas from the world size, lengths, iterations
         if pp >= 2:
             profile = load_profile(self.profile) if self.profile is not None else None
             self.check_pipeline(pp, num_microbatches_of(args, pp), profile, virtual)
             check_plan_size(self.plan_type, pp, num_microbatches_of(args, pp), virtual, EnvPipeConfigError)
             check_interleaved_budget(self, pp, num_microbatches_of(args, pp), virtual, args)
-            if not (vpp_flags and self.scheduling != Scheduling.INTERLEAVED):  # else Megatron's own schedule runs
+            if not (vpp_flags and not chunked):  # else Megatron's own schedule runs
                 for flag, given in (("--envpipe-profile", profile), (f"--envpipe-gpu {self.gpu}", simulated)):
                     if given is not None:
-                        _fit_profile(flag, given, pp, virtual)
+                        fit_profile(flag, given, pp, virtual)
         return resolved
 
     def _follow_log_interval(self, args: Any) -> "EnvPipeConfig":
@@ -448,12 +348,13 @@ class EnvPipeConfig:
                 "is per pipeline, one set of rows per stage, so it must have exactly P stages; profile this "
                 "model and parallel layout (drop --envpipe-profile to measure at start-up)"
             )
-        if self.scheduling == Scheduling.INTERLEAVED and num_microbatches is not None:
+        order = scheduling_kind(self.scheduling)
+        if order.model_chunks and num_microbatches is not None:
             try:  # Megatron's own constraints on M for its interleaved schedule
                 check_interleaved_sizes(num_stages, num_microbatches, virtual_stages)
             except ScheduleError as exc:
                 raise EnvPipeConfigError(f"--envpipe-scheduling interleaved: {exc}") from None
-        if self.scheduling != Scheduling.OURS:
+        if not order.extra_warmup:
             return
         if self.extra_warmup is not None and len(self.extra_warmup) != num_stages:
             example = ",".join(str(max(0, num_stages - 1 - s)) for s in range(num_stages))
@@ -501,7 +402,7 @@ class EnvPipeConfig:
             "p2p_power_w": self.p2p_power_w,
             "reconfig_step_mhz": self.reconfig_step_mhz,
             # Only ours plans within a budget (an interleaved run's is a start-up check).
-            "max_inflight": self.max_inflight if self.scheduling == Scheduling.OURS else None,
+            "max_inflight": self.max_inflight if scheduling_kind(self.scheduling).extra_warmup else None,
             "extra_warmup": self.extra_warmup,
             "max_slowdown": self.max_slowdown,
             "target_time_s": self.target_time_s,
@@ -530,53 +431,13 @@ class EnvPipeConfig:
         if isinstance(values.get("max_inflight"), list):
             values["max_inflight"] = tuple(values["max_inflight"])
         config = cls(**values)
-        return config.validate(config._given() | typed)
+        given = config._given() | typed
+        object.__setattr__(config, "typed_fields", given)  # read by given_fields(): not a setting
+        return config.validate(given)
 
 
 _NONE_IS_UNSET = ("switch_cost_j", "max_clock_changes", "timing_margin")
-_DYNAMICS_FLAGS = {"sim_clock_latency_ms": "--envpipe-sim-clock-latency-ms",
-                   "sim_counter_period_ms": "--envpipe-sim-counter-period-ms",
-                   "sim_thermal_drift": "--envpipe-sim-thermal-drift"}
 
 
 def _ms_to_s(value: float | None) -> float | None:
     return None if value is None else value / 1000.0
-
-
-# -- GPUs and profiles ------------------------------------------------------------------
-
-
-def _table_gpu(gpu: str | None) -> GpuSpec | None:
-    """The GPU-table entry ``--envpipe-gpu`` names, or None (auto, none, nvml, simulated: known at run time)."""
-    if not gpu or gpu in ("auto", "none", "nvml") or gpu.startswith("simulated"):
-        return None
-    return get_gpu_spec(gpu)  # validate() has checked the key
-
-
-def load_profile(name: str, flag: str = "--envpipe-profile",
-                 fix: str = "drop --envpipe-profile to measure at start-up") -> Profile:
-    """The ``--envpipe-profile`` CSV (a path or a shipped name), parsed; EnvPipeConfigError if it
-    cannot be read, is not UTF-8 text, or is not a valid Perseus-format profile. ``flag``/``fix``:
-    the flag that names it and what else to do (``--envpipe-gpu simulated:<profile>`` reads one too)."""
-    try:
-        return Profile.from_csv(shipped_profile(name))
-    except FileNotFoundError as exc:
-        raise EnvPipeConfigError(f"{flag} {name}: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise EnvPipeConfigError(
-            f"{flag} {name}: not a text CSV (byte {exc.start} is not UTF-8): give the Perseus-format "
-            "CSV (columns stage,instruction,frequency,time,energy)") from None
-    except ProfileError as exc:
-        where = flag if name in str(exc) else f"{flag} {name}"  # it names the file (and line)
-        raise EnvPipeConfigError(f"{where}: {exc}; fix the file, or {fix}") from None
-
-
-def _fit_profile(flag: str, profile: Profile, num_stages: int, virtual_stages: int) -> None:
-    """The profile serves this pipeline's stages and model chunks (the run-time would fail on every rank)."""
-    try:
-        profile.for_pipeline(num_stages).for_chunks(virtual_stages)
-    except ProfileError as exc:
-        raise EnvPipeConfigError(f"{flag}: {exc} (--pipeline-model-parallel-size {num_stages}, "
-                                 f"{virtual_stages} model chunk(s) per rank)") from None
-
-

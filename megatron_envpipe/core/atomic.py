@@ -150,7 +150,7 @@ def write_all_atomic(files: Sequence[tuple[str | os.PathLike[str], str | bytes]]
     targets = [Path(target) for target, _ in files]
     for i, target in enumerate(targets):
         if any(same_file(target, other) for other in targets[:i]):
-            raise ValueError(f"{target} is given twice: an output set names each file once")
+            raise OutputPathError(f"{target} is given twice: an output set names each file once")
     made: list[Path] = []  # folders created here, parents first
     staged: list[tuple[str, Path]] = []
     backups: dict[Path, str | None] = {}  # target -> hard link to its old version (None: it was new)

@@ -52,11 +52,6 @@ class ClockLead:
         if not isinstance(self.enabled, bool):
             raise ClockLeadError(f"clock lead: enabled must be True or False, got {self.enabled!r}")
 
-    @property
-    def lead_s(self) -> float:
-        """How long before a boundary a raise is requested (when the previous unit is long enough)."""
-        return self.latency_s + self.margin_s if self.enabled else 0.0
-
     def request_after_begin_s(self, old_mhz: int, new_mhz: int, previous_unit_s: float) -> float | None:
         """seconds after the previous unit's BEGIN at which to request the change: a raise with the rule on:
         max(0, previous_unit_s - latency_s - margin_s); None: at the boundary (lowerings; rule off)."""

@@ -29,7 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_envpipe.core.clock_lead import ClockLead, ClockLeadError
+from megatron_envpipe.core.graph import ready_s
 from megatron_envpipe.core.timeline import PlanEvaluator, PlanScore, Timeline, score_timeline
+from megatron_envpipe.errors import InvalidValueError
 
 __all__ = ["LatencyPrediction", "predict_with_latency"]
 
@@ -86,7 +88,7 @@ def predict_with_latency(
     graph = evaluator.graph
     n = len(graph.nodes)
     if len(freqs) != n:
-        raise ValueError(f"need {n} unit clocks, got {len(freqs)}")
+        raise InvalidValueError(f"need {n} unit clocks, got {len(freqs)}")
     latency_s = lead.latency_s
     if not 0.0 <= nvml_call_s <= latency_s:
         raise ClockLeadError(f"nvml_call_s must be between 0 and the latency ({latency_s:g} s), got {nvml_call_s!r}")
@@ -103,7 +105,7 @@ def predict_with_latency(
     if initial_mhz is None:
         initial_mhz = [freqs[nodes[-1]] if nodes else 0 for nodes in stage_nodes]
     elif len(initial_mhz) != num_stages:
-        raise ValueError(f"need one initial clock per stage ({num_stages}), got {len(initial_mhz)}")
+        raise InvalidValueError(f"need one initial clock per stage ({num_stages}), got {len(initial_mhz)}")
     stages = [_Stage(int(m)) for m in initial_mhz]
     for s, nodes in enumerate(stage_nodes):
         if nodes and freqs[nodes[0]] != stages[s].sm_mhz:
@@ -117,9 +119,7 @@ def predict_with_latency(
     for v in graph.order:
         s = graph.stage_of[v]
         st = stages[s]
-        b = st.free_s
-        for u, lat in graph.cross_preds[v]:
-            b = max(b, end[u] + lat)
+        b = max(st.free_s, ready_s(graph.cross_preds[v], end))  # free_s >= 0: the same max as edge by edge
         # Changes that landed before the unit begins (while the stage waited for input).
         while st.pending and st.pending[0][0] <= b:
             st.sm_mhz = st.pending.popleft()[1]

@@ -1,6 +1,6 @@
 """What a trace of energy-counter reads says about the counter (gpu-check step 2). Pure Python.
 
-The probe (:mod:`megatron_envpipe.gpu.counter_probe`) reads ``nvmlDeviceGetTotalEnergyConsumption``
+The probe (:mod:`megatron_envpipe.apps.gpu_check.counter_probe`) reads ``nvmlDeviceGetTotalEnergyConsumption``
 back to back, stamping each read's start and end, and now and then the power reading. From those:
 
 * **update period**: each change happened inside the *bracket* between the start of the read

@@ -23,7 +23,8 @@ from megatron_envpipe.core.jitter import MAX_JITTER
 
 @dataclass(frozen=True)
 class FlagRange:
-    """A number's kind ("int" or "float") and range ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    """A number's kind ("int" or "float") and range ``[low, high]`` (open at ``low``/``high`` with
+    ``low_open``/``high_open``)."""
 
     kind: str
     low: float
@@ -31,6 +32,7 @@ class FlagRange:
     unit: str = ""
     why: str = ""  # why the upper bound
     low_open: bool = False
+    high_open: bool = False
 
     def holds(self, value: Any) -> bool:
         return self.problem(value) is None
@@ -49,6 +51,8 @@ class FlagRange:
             return f"must be > {self.low:g}{unit}"
         if not self.low_open and not value >= self.low:
             return f"must be >= {self.low:g}{unit}"
+        if self.high_open and not value < self.high:
+            return f"must be < {self.high:g}{unit} ({self.why})" if self.why else f"must be < {self.high:g}{unit}"
         if not value <= self.high:
             return f"must be at most {self.high:g}{unit} ({self.why})" if self.why else f"must be at most {self.high:g}{unit}"
         return None
@@ -56,7 +60,8 @@ class FlagRange:
     def describe(self) -> str:
         """``>= 1 and <= 100 MHz``: the range as an argparse message says it."""
         low = f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
-        return f"{low} and <= {self.high:g}{f' {self.unit}' if self.unit else ''}"
+        high = f"< {self.high:g}" if self.high_open else f"<= {self.high:g}"
+        return f"{low} and {high}{f' {self.unit}' if self.unit else ''}"
 
 
 _TYPO = "a larger value is a typo or a unit mistake"
@@ -112,8 +117,9 @@ RANGES: dict[str, FlagRange] = {
     "log_interval": FlagRange("int", 1, 10**6, _ITERATIONS, _TYPO),
     # -- / --envpipe-baseline-iterations (0: the predicted baseline)
     "baseline_iterations": FlagRange("int", 0, 1_000, _ITERATIONS, "each one runs at the maximum clock"),
-    # -- / --envpipe-sim-time-scale (wall seconds per simulated second)
-    "sim_time_scale": FlagRange("float", 0.0, 10.0, "", "slower than the GPU it simulates", low_open=True),
+    # -- / --envpipe-sim-time-scale (wall seconds per simulated second; below 1/1000 the host's own
+    # milliseconds become seconds of simulated time: energies of 1e302 J at 1e-300)
+    "sim_time_scale": FlagRange("float", 0.001, 10.0, "", "slower than the GPU it simulates", low_open=True),
     # -- / --envpipe-sim-unit-scale (unit times and energies x this)
     "sim_unit_scale": FlagRange("float", 0.01, 10.0, "", "a GPU 100x faster or 10x slower than the profile's"),
     # -- / --envpipe-sim-jitter
@@ -123,6 +129,10 @@ RANGES: dict[str, FlagRange] = {
     "sim_clock_latency_ms": FlagRange("float", 0.0, 1000.0, "ms", "a second per clock change: ms given as s?"),
     "sim_counter_period_ms": FlagRange("float", 0.0, 5000.0, "ms", "no GPU's counter is that slow"),
     "sim_thermal_drift": FlagRange("float", 0.0, 0.5, "", "a fraction: 0.03 = 3 %"),
+    # -- / --envpipe-straggler-threshold: the slowest pipeline's lead that starts following
+    "straggler_threshold": FlagRange("float", 0.0, 1.0, "", "a fraction: 0.02 = 2 %", low_open=True, high_open=True),
+    # -- / --envpipe-sim-straggler R:FACTOR: a unit takes FACTOR times longer (4: a GPU at a quarter of its speed)
+    "straggler_factor": FlagRange("float", 1.0, 4.0, "", "a GPU throttled below a quarter of its speed"),
     # -- / --envpipe-sim-memory GIB_FREE,MIB_PER_MICROBATCH (core.memory.MemoryModel)
     "sim_free_gib": FlagRange("float", 0.0, 1e6, "GiB", "a pebibyte: a unit mistake"),
     "sim_mib_per_microbatch": FlagRange("float", 0.0, 1e6, "MiB", "a terabyte per micro-batch: a unit mistake",

@@ -8,10 +8,16 @@ The recurrences are written once, with a fixed summation order that the plans
 depend on bit for bit: ``start_v = max(0, max_u (end_u + latency))``,
 ``end_v = start_v + duration_v``; ``finish_v = min(deadline, min_w (latest_start_w - latency))``,
 ``latest_start_v = finish_v - duration_v``.
-The fixed-duration walks (:func:`earliest_times`, :func:`latest_times`) are
-the simulator's and the planners' inner loop, so they keep their own loop; the
-``*_choosing`` walks let the caller pick each duration from the time the node
-may start (or must finish) by, at one call per node. A built graph hands out
+The two relaxations are the kernel: :func:`ready_s` (when a node may start)
+and :func:`due_s` (when it must finish), with :func:`ready_pair_s` /
+:func:`due_pair_s` for a flat step's two edges. Every walk in the planners
+(full, incremental, choosing a duration per node) calls them rather than
+writing the loop again (tests/test_architecture_extension.py checks it); only
+the simulator's fixed-duration flat walks here inline the pair form (a call
+per node would cost them ~30 %; tests/core/test_graph_speed.py holds them to
+the general loop bit for bit);
+the ``*_choosing`` walks let the caller pick each duration from the time the
+node may start (or must finish) by, at one call per node. A built graph hands out
 its edges as :class:`EdgeLists` (frozen, with their topological order); given
 those, the two walks run over precomputed flat steps instead of nested tuples:
 the same float operations in the same order, about twice as fast.
@@ -21,11 +27,91 @@ Pure Python, no imports from the package.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 Edges = Sequence[Sequence[tuple[int, float]]]  # per node: (neighbour, latency_s)
 Step = tuple[int, int, float, int, float]  # (v, a, latency_a, b, latency_b): one node of a flat walk (EdgeLists)
 
+
+
+class _Times(Protocol):
+    """What the kernel reads node times from: a list, or an overlay of changes over one (:class:`Overlay`)."""
+
+    def __getitem__(self, node: int, /) -> float: ...
+
+
+def ready_s(in_edges: Iterable[tuple[int, float]], end_s: _Times) -> float:
+    """When a node may start: ``max(0, end_u + latency)`` over its ``(u, latency_s)`` edges, in list order.
+
+    The forward relaxation, written once: strict ``>`` from 0.0, edge by edge, so every
+    caller gets the same float for the same inputs (the plans depend on it bit for bit).
+    """
+    t = 0.0
+    for u, lat in in_edges:
+        ready = end_s[u] + lat
+        if ready > t:
+            t = ready
+    return t
+
+
+def ready_pair_s(end_s: _Times, a: int, lat_a: float, b: int, lat_b: float) -> float:
+    """:func:`ready_s` over a flat step's two edges ``(a, lat_a), (b, lat_b)``, the same comparisons in the same
+    order (an absent edge points at a slot holding 0 s, which never wins)."""
+    t = 0.0
+    ready = end_s[a] + lat_a
+    if ready > t:
+        t = ready
+    ready = end_s[b] + lat_b
+    if ready > t:
+        t = ready
+    return t
+
+
+def due_s(out_edges: Iterable[tuple[int, float]], latest_start_s: _Times, deadline_s: float) -> float:
+    """When a node must finish: ``min(deadline, latest_start_w - latency)`` over its ``(w, latency_s)`` edges,
+    in list order (the backward relaxation, strict ``<`` from the deadline)."""
+    t = deadline_s
+    for w, lat in out_edges:
+        by = latest_start_s[w] - lat
+        if by < t:
+            t = by
+    return t
+
+
+def due_pair_s(latest_start_s: _Times, deadline_s: float, a: int, lat_a: float, b: int, lat_b: float) -> float:
+    """:func:`due_s` over a flat step's two edges (an absent edge points at a slot holding the deadline)."""
+    t = deadline_s
+    by = latest_start_s[a] - lat_a
+    if by < t:
+        t = by
+    by = latest_start_s[b] - lat_b
+    if by < t:
+        t = by
+    return t
+
+
+class Overlay(dict):
+    """Changed node times over a base list, for incremental walks: ``o[v]`` is the change when there is one,
+    else ``base[v]``; the dict itself holds only the changes."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: Sequence[float]) -> None:
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, node: int) -> float:
+        return self.base[node]
+
+    def __reduce__(self) -> tuple:  # pickling/copying: dict's default would drop the base
+        return (_overlay, (self.base, dict(self)))
+
+
+def _overlay(base: Sequence[float], changes: dict[int, float]) -> Overlay:
+    o = Overlay(base)
+    o.update(changes)
+    return o
 
 class EdgeLists(tuple):
     """Per-node edge lists ``((neighbour, latency_s), ...)`` of a built graph, frozen, with the order they are walked in.
@@ -139,12 +225,7 @@ def earliest_times(order: Sequence[int], preds: Edges, durations_s: Sequence[flo
     start = [0.0] * n
     end = [0.0] * n
     for v in order:
-        t = 0.0
-        for u, lat in preds[v]:
-            ready = end[u] + lat
-            if ready > t:
-                t = ready
-        start[v] = t
+        start[v] = t = ready_s(preds[v], end)
         end[v] = t + durations_s[v]
     return start, end
 
@@ -157,12 +238,7 @@ def earliest_times_choosing(
     start = [0.0] * n
     end = [0.0] * n
     for v in order:
-        t = 0.0
-        for u, lat in preds[v]:
-            ready = end[u] + lat
-            if ready > t:
-                t = ready
-        start[v] = t
+        start[v] = t = ready_s(preds[v], end)
         end[v] = t + duration_at(v, t)
     return start, end
 
@@ -180,12 +256,7 @@ def latest_times(
     latest_start = [deadline_s] * n
     latest_finish = [deadline_s] * n
     for v in reversed(order):
-        t = deadline_s
-        for w, lat in succs[v]:
-            by = latest_start[w] - lat
-            if by < t:
-                t = by
-        latest_finish[v] = t
+        latest_finish[v] = t = due_s(succs[v], latest_start, deadline_s)
         latest_start[v] = t - durations_s[v]
     return latest_start, latest_finish
 
@@ -200,7 +271,7 @@ def _earliest_steps(
     start = [0.0] * n
     end = [0.0] * (n + 1)
     for v, a, lat_a, b, lat_b in steps:
-        t = 0.0
+        t = 0.0  # ready_pair_s, inlined: the simulator's inner loop (a call per node costs it ~30 %)
         ready = end[a] + lat_a
         if ready > t:
             t = ready
@@ -220,7 +291,7 @@ def _latest_steps(
     latest_start = [deadline_s] * (n + 1)
     latest_finish = [deadline_s] * n
     for v, a, lat_a, b, lat_b in steps:
-        t = deadline_s
+        t = deadline_s  # due_pair_s, inlined like _earliest_steps
         by = latest_start[a] - lat_a
         if by < t:
             t = by
@@ -241,12 +312,7 @@ def latest_times_choosing(
     latest_start = [deadline_s] * n
     latest_finish = [deadline_s] * n
     for v in reversed(order):
-        t = deadline_s
-        for w, lat in succs[v]:
-            by = latest_start[w] - lat
-            if by < t:
-                t = by
-        latest_finish[v] = t
+        latest_finish[v] = t = due_s(succs[v], latest_start, deadline_s)
         latest_start[v] = t - duration_at(v, t)
     return latest_start, latest_finish
 

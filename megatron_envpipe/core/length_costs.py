@@ -78,6 +78,11 @@ LengthKey = tuple[int, int, str, int]
 COLLINEAR_RTOL = 1e-6
 # Relative to the largest term, a fitted value below this is 0 (least-squares noise), not negative.
 NEGATIVE_RTOL = 1e-9
+# A unit's cost is fixed + per token + per attention token^2, none negative: against the reference size,
+# a sample of r_tok x its tokens and r_att x its attention costs between min(1, r_tok, r_att) and
+# max(1, r_tok, r_att) times as much. Beyond that, give or take this much measurement noise, it is
+# no measurement of that size (a 1024-token micro-batch taking 50x a 2048-token one's time).
+PLAUSIBLE_RTOL = 0.25
 
 
 @dataclass(frozen=True)
@@ -305,6 +310,7 @@ def fit_length_costs(samples: Sequence[LengthSample], reference: MicrobatchSize,
                 f"({', '.join(str(s.tokens) for s in sizes)}); a length fit needs >= 2: profile it at another "
                 "micro-batch size"
             )
+        _check_plausible(group, reference, source)
         time = _fit(group, lambda s: s.time_s, reference)
         energy = _fit(group, lambda s: s.energy_j, reference)
         for what, coeffs, positive in (("time", time, True), ("energy", energy, False)):
@@ -320,6 +326,31 @@ def fit_length_costs(samples: Sequence[LengthSample], reference: MicrobatchSize,
                     )
         costs[key] = UnitLengthCost(time, energy)
     return LengthCostModel(reference, costs, source=source)
+
+
+def _check_plausible(group: Sequence[LengthSample], reference: MicrobatchSize, source: str) -> None:
+    """Each sample against the group's sample at the reference size (where there is one): see PLAUSIBLE_RTOL."""
+    ref = next((s for s in group if s.size == reference), None)
+    for sample in group if ref is not None else ():
+        problem = implausible(sample, ref.time_s, ref.energy_j, reference)
+        if problem:
+            raise LengthCostError(f"{source}: {problem}")
+
+
+def implausible(sample: LengthSample, ref_time_s: float, ref_energy_j: float, reference: MicrobatchSize) -> str | None:
+    """Why ``sample`` cannot be a measurement of its size, given its unit's time and energy at ``reference``
+    (PLAUSIBLE_RTOL), or None."""
+    r_tok = sample.size.tokens / reference.tokens
+    r_att = sample.size.attention_tokens2 / reference.attention_tokens2
+    low, high = min(1.0, r_tok, r_att) / (1 + PLAUSIBLE_RTOL), max(1.0, r_tok, r_att) * (1 + PLAUSIBLE_RTOL)
+    for what, unit, value, at_ref in (("time", "s", sample.time_s, ref_time_s),
+                                       ("energy", "J", sample.energy_j, ref_energy_j)):
+        if at_ref > 0 and not low <= value / at_ref <= high:
+            return (f"{_where(sample.key)} at {sample.size}: {what} {value:g} {unit} is {value / at_ref:.3g}x that at "
+                    f"the reference size {reference} ({at_ref:g} {unit}); with {r_tok:.3g}x the tokens and "
+                    f"{r_att:.3g}x the attention it can only be {low:.3g}x..{high:.3g}x (no cost falls as a "
+                    "micro-batch grows, none grows faster than it): re-measure that row")
+    return None
 
 
 def _fit(group: Sequence[LengthSample], value: Callable[[LengthSample], float],
@@ -410,4 +441,21 @@ def split_by_size(rows: SizedRows, source: str, error: type[Exception]
             plain[key] = (time_s, energy_j)
         else:
             samples.append(LengthSample(stage, chunk, instruction, freq, size, time_s, energy_j))
+    # Every unit sampled at other sizes has rows at the reference size: stages that state different
+    # sizes would otherwise become samples only, and a plan would cover the other stages alone.
+    units = {(stage, chunk, instruction) for stage, chunk, instruction, _ in plain}
+    orphan = sorted({(s.stage, s.chunk, s.instruction) for s in samples} - units)
+    if orphan:
+        stage, chunk, instruction = orphan[0]
+        seen = sorted({s.size for s in samples if (s.stage, s.chunk, s.instruction) == orphan[0]})
+        unit = f"stage {stage}{f' chunk {chunk}' if chunk else ''} {instruction}"
+        raise error(f"{source}: {unit} states only the "
+                    f"micro-batch size(s) {', '.join(map(str, seen))}, not the reference size {reference} (the "
+                    f"largest in the file): every stage needs rows at the same reference size; profile the "
+                    f"stages at one micro-batch size")
+    for sample in samples:
+        at_ref = plain.get(sample.key)  # (a clock measured at other sizes only: nothing to compare with)
+        problem = reference is not None and at_ref is not None and implausible(sample, *at_ref, reference)
+        if problem:
+            raise error(f"{source}: {problem}")
     return plain, reference, tuple(samples)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_envpipe.core.flag_ranges import RANGES
+from megatron_envpipe.errors import InvalidValueError
 
 AUTO = "auto"
 UNLIMITED_WORDS = ("none", "unlimited")
@@ -51,7 +52,7 @@ def parse_max_inflight(text: str) -> MaxInflight:
     try:
         values = [int(p) for p in parts]
     except ValueError:
-        raise ValueError(
+        raise InvalidValueError(
             f"expected auto, none, a whole number of micro-batch activations or one per stage "
             f"(e.g. 8 or 4,3,2,2), got {text!r}"
         ) from None
@@ -129,11 +130,11 @@ class MemoryModel:
         try:
             free, act = (float(p) for p in parts)
         except ValueError:
-            raise ValueError(f"expected GIB_FREE,MIB_PER_MICROBATCH, e.g. 2,256, got {text!r}") from None
+            raise InvalidValueError(f"expected GIB_FREE,MIB_PER_MICROBATCH, e.g. 2,256, got {text!r}") from None
         model = cls(free, act)
         problem = model.problem()
         if problem:
-            raise ValueError(f"{text!r}: {problem}")
+            raise InvalidValueError(f"{text!r}: {problem}")
         return model
 
     def problem(self) -> str | None:

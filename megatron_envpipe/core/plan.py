@@ -67,12 +67,6 @@ class FrequencyPlan:
         """Clock changes per stage per iteration (the first unit's lock counts once)."""
         return tuple(1 + sum(1 for a, b in zip(row, row[1:]) if a != b) for row in self.freqs_mhz)
 
-    def busy_share_below(self, freq_mhz: int, durations_s: Sequence[float]) -> float:
-        """Fraction of compute time run below ``freq_mhz`` (durations flat, aligned)."""
-        total = sum(durations_s)
-        low = sum(d for d, f in zip(durations_s, self.flat()) if f < freq_mhz)
-        return low / total if total > 0 else 0.0
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "schedule": self.schedule.name,

@@ -53,6 +53,3 @@ def shipped_profile(name: str) -> Path:
         f"no profile {name!r}: give a CSV path or one of {', '.join(profiles)}"
     )
 
-
-def reference_result_path() -> Path:
-    return data_dir() / "profiles" / "reference" / "envpipe_emulation_result.csv"

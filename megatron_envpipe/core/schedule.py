@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from megatron_envpipe.core.interleaved import interleaved_schedule
 from megatron_envpipe.core.sizes import check_schedule_size
@@ -48,7 +49,9 @@ __all__ = [
     "UnitDag",
     "build_schedule",
     "check_extra_warmup",
+    "ClampedWarmup",
     "clamp_extra_warmup",
+    "clamp_extra_warmup_explained",
     "envpipe_schedule",
     "execution_order",
     "interleaved_schedule",
@@ -57,7 +60,6 @@ __all__ = [
     "raw_extra_warmup",
     "unit_dag",
     "unit_index",
-    "units_in_order",
 ]
 
 
@@ -177,13 +179,27 @@ def raw_extra_warmup(
     return r
 
 
+@dataclass(frozen=True)
+class ClampedWarmup:
+    """:func:`clamp_extra_warmup_explained`'s result: the r_s a schedule runs, and why each lowered stage was."""
+
+    raw: tuple[int, ...]
+    clamped: tuple[int, ...]
+    reasons: tuple[str | None, ...]  # per stage: None (kept as given) or why it was lowered
+
+    @property
+    def lowered(self) -> bool:
+        return self.raw != self.clamped
+
+
 def clamp_extra_warmup(
     num_stages: int,
     num_microbatches: int,
     raw: Sequence[int],
     max_inflight: Sequence[int | None] | int | None = None,
 ) -> tuple[int, ...]:
-    """Clamp EnvPipe's r_s: memory budget, ``M-(P-s)``, then non-increasing over stages.
+    """Clamp EnvPipe's r_s: memory budget, ``M-(P-s)``, then non-increasing over stages
+    (:func:`clamp_extra_warmup_explained` also says why each stage was lowered).
 
     ``max_inflight`` is the activation-memory budget per stage, counted in
     in-flight micro-batch activations (1F1B needs ``P-s``); ``None`` = unbounded.
@@ -197,6 +213,18 @@ def clamp_extra_warmup(
     ``raw`` needs one value >= 0 per stage (:func:`check_extra_warmup`): only
     values a schedule cannot run are clamped, input mistakes raise ScheduleError.
     """
+    return clamp_extra_warmup_explained(num_stages, num_microbatches, raw, max_inflight).clamped
+
+
+def clamp_extra_warmup_explained(
+    num_stages: int,
+    num_microbatches: int,
+    raw: Sequence[int],
+    max_inflight: Sequence[int | None] | int | None = None,
+) -> ClampedWarmup:
+    """:func:`clamp_extra_warmup`, with the reason of every stage it lowered, in its order of limits: the
+    activation budget, the ``M - (P - s)`` forwards left after 1F1B's own ``P - s`` warm-up, 0 on the last
+    stage, never more than the stage before."""
     raw = check_extra_warmup(num_stages, raw)
     if isinstance(max_inflight, int) or max_inflight is None:
         budgets: list[int | None] = [max_inflight] * num_stages
@@ -207,25 +235,40 @@ def clamp_extra_warmup(
                 f"activation budget (max-inflight) {','.join(str(b).lower() for b in budgets)} has {len(budgets)} "
                 f"entries but the pipeline has {num_stages} stages: give one per stage, first stage first"
             )
-    r = []
+    r: list[int] = []
+    why: list[str | None] = []
     for s in range(num_stages):
         value = raw[s]
         budget = budgets[s]
+        base = min(num_microbatches, num_stages - s)  # what 1F1B already holds
+        left = max(0, num_microbatches - (num_stages - s))
+        cap = left
         if budget is not None:
-            base = min(num_microbatches, num_stages - s)  # what 1F1B already holds
             if budget < base:
                 raise ScheduleError(
                     f"stage {s}: activation budget (max-inflight) {budget} is below the {base} in-flight "
                     f"activations that 1F1B itself needs there: give at least {base} for stage {s}"
                 )
-            value = min(value, budget - base)
-        value = min(value, max(0, num_microbatches - (num_stages - s)))
-        r.append(value)
-    if r:
-        r[-1] = 0
+            cap = min(cap, budget - base)
+        reason = None
+        if cap < value:  # the budget's words only where it, not M - (P - s), is the tighter limit
+            reason = (f"activation budget {budget} (--max-inflight) less 1F1B's own {base} leaves {budget - base}"
+                      if budget is not None and budget - base < left else
+                      f"only M - (P - s) = {num_microbatches} - {num_stages - s} = {left} forwards are left after "
+                      "1F1B's own warm-up")
+        r.append(min(value, cap))
+        why.append(reason)
+    if r and r[-1]:
+        r[-1], why[-1] = 0, "the last stage has no extra warm-up"
+    elif r and raw[-1]:
+        why[-1] = "the last stage has no extra warm-up"
     for s in range(1, num_stages):
-        r[s] = min(r[s], r[s - 1])
-    return tuple(r)
+        if r[s] > r[s - 1]:
+            r[s] = r[s - 1]
+            why[s] = (f"no more than the stage before ({r[s - 1]}): r never grows down the pipeline, "
+                      "which could deadlock")
+    reasons = tuple(w if r[s] != raw[s] else None for s, w in enumerate(why))
+    return ClampedWarmup(tuple(raw), tuple(r), reasons)
 
 
 def build_schedule(
@@ -267,9 +310,3 @@ def build_schedule(
         return envpipe_schedule(num_stages, num_microbatches, extra_warmup)
     raise ScheduleError(f"unknown scheduling {scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
 
-
-def units_in_order(schedule: Schedule) -> Iterable[tuple[int, int, Unit]]:
-    """(stage, position, unit) for every unit, stage by stage."""
-    for s, order in enumerate(schedule.orders):
-        for i, unit in enumerate(order):
-            yield s, i, unit

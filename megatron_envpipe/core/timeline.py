@@ -30,6 +30,7 @@ from megatron_envpipe.core.length_costs import LengthCostError, LengthCostModel,
 from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit, execution_order, unit_dag, unit_index
+from megatron_envpipe.errors import InvalidValueError
 
 # Relative tolerance when deciding which predecessor made a unit wait.
 _TIGHT_RTOL = 1e-9
@@ -256,7 +257,7 @@ class PlanEvaluator:
                 f"{schedule.num_stages}"
             )
         if p2p_power_w < 0:
-            raise ValueError(f"P2P blocking power must be >= 0 W, got {p2p_power_w}")
+            raise InvalidValueError(f"P2P blocking power must be >= 0 W, got {p2p_power_w}")
         profile = profile.for_chunks(schedule.num_chunks)
         self.schedule = schedule
         self.profile = profile

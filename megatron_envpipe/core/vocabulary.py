@@ -32,10 +32,6 @@ class UnitKind(StrEnum):
         """The name a Perseus-format profile uses: ``forward`` / ``backward``."""
         return "forward" if self is UnitKind.FORWARD else "backward"
 
-    @classmethod
-    def from_instruction(cls, name: str) -> "UnitKind":
-        return cls.FORWARD if name == "forward" else cls.BACKWARD
-
 
 class PlanType(StrEnum):
     """The initial clock plan (EnvPipe §3), or the optimal per-unit plan."""
@@ -69,11 +65,9 @@ class CommModel(StrEnum):
     PAIRED = "paired"  # EnvPipe-KISTI / §8.5: an activation waits for a gradient
 
 
-UNIT_KINDS = tuple(UnitKind)
 PLAN_TYPES = tuple(PlanType)
 SCHEDULINGS = tuple(Scheduling)
 RECONFIG_POLICIES = tuple(ReconfigPolicy)
-COMM_MODELS = tuple(CommModel)
 INSTRUCTIONS = tuple(k.instruction for k in UnitKind)  # ("forward", "backward")
 
 # Plain strings for argparse ``choices``: it lists choices with repr() in "invalid choice" errors.

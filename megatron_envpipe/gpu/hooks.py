@@ -1,7 +1,7 @@
 """Execution hooks that drive a GPU: clocks at unit boundaries, energy per iteration.
 
 * ``set_frequency`` queues the clock on the process's one clock worker
-  (:class:`~megatron_envpipe.gpu.clocks.ClockController`); on CUDA it passes an
+  (:class:`~megatron_envpipe.gpu.control.clocks.ClockController`); on CUDA it passes an
   event recorded on the compute stream at the unit boundary, so the worker
   changes the clock when the previous unit's kernels are done and the
   training thread never synchronizes the device.
@@ -14,7 +14,7 @@
   energy, never time). The executor hands over each iteration's units, clocks
   and predicted times (``clock_plan``). CUDA: the request is queued when unit k
   begins, behind an event recorded then plus the lead's offset
-  (:class:`~megatron_envpipe.gpu.clocks.DelayedEvent`); simulated GPU: made at
+  (:class:`~megatron_envpipe.gpu.control.clocks.DelayedEvent`); simulated GPU: made at
   that device time in ``unit_end``. The boundary's own ``set_frequency`` is then
   skipped. Only when clocks change moves: the order and the math never do.
 * ``iteration_sizes`` (variable-length micro-batches): each unit's micro-batch size goes to the
@@ -40,7 +40,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY
 from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.length_costs import MicrobatchSize
@@ -48,31 +47,26 @@ from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.errors import EnvPipeError
-from megatron_envpipe.gpu.base import GpuDevice
-from megatron_envpipe.gpu.clocks import ClockController, DelayedEvent
-from megatron_envpipe.gpu.energy import (
-    READ_FAILED,
-    EnergyMonitor,
-    EnergyMonitorError,
-    IterationEnergy,
-    IterationEnergyMeter,
-)
-from megatron_envpipe.gpu.safety import REPAIR_HINT
-from megatron_envpipe.gpu.sweep import StageSamples, UnitWindow, stage_samples
-from megatron_envpipe.gpu.sweep_lengths import sized_stage_samples
+from megatron_envpipe.gpu.control.clocks import ClockController, DelayedEvent
+from megatron_envpipe.gpu.control.safety import REPAIR_HINT
+from megatron_envpipe.gpu.devices.base import GpuDevice, GpuNotSupportedError
+from megatron_envpipe.gpu.energy.counter_errors import READ_FAILED, EnergyMonitorError
+from megatron_envpipe.gpu.energy.iteration_energy import IterationEnergy
+from megatron_envpipe.gpu.energy.iteration_meter import IterationEnergyMeter
+from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
+from megatron_envpipe.gpu.profiler.sweep import StageSamples, UnitWindow, stage_samples
+from megatron_envpipe.gpu.profiler.sweep_lengths import sized_stage_samples
 
 log = logging.getLogger("megatron_envpipe")
 
 # Blocking windows shorter than this are dominated by the energy counter's steps at their edges (the
-# monitor stamps each step at its fitted update time, gpu/counter_ticks.py); the P2P power fit ignores them.
+# monitor stamps each step at its fitted update time, gpu/energy/counter_ticks.py); the P2P power fit ignores them.
 MIN_BLOCKING_WINDOW_S = 0.02
 
 # What energy measurement and clock control may raise at the device boundary: our
 # own errors (GpuError wraps NVML's), OS errors, and RuntimeError (torch events,
 # bindings). They stay in the hooks; anything else is a bug and propagates.
 DEVICE_ERRORS = (EnvPipeError, OSError, RuntimeError)
-
-CLOCK_CONTROL_LOST = "clock control lost"
 
 
 def unmeasured_reason(exc: BaseException) -> str:
@@ -84,11 +78,7 @@ def expected_clock_lead(device: GpuDevice, enabled: bool = True, margin_s: float
     """The clock lead for ``device`` (``--envpipe-clock-lead on|off``): the simulated GPU's own
     latency (its dynamics), a real GPU's the default request-to-clock figure; None (changes
     at the boundary, as without a lead) when the device has no latency to lead."""
-    if device.simulated:
-        dynamics = getattr(device, "dynamics", None)
-        latency_s = dynamics.clock_latency_s if dynamics is not None else 0.0
-    else:
-        latency_s = DEFAULT_CLOCK_LATENCY.request_to_clock_s
+    latency_s = device.capabilities().clock_latency_s
     if latency_s <= 0.0:
         return None
     return ClockLead(latency_s=latency_s, enabled=enabled, margin_s=margin_s)
@@ -127,6 +117,8 @@ class GpuHooks(ExecutionHooks):
         virtual time (megatron/device_time.py): iteration edges, windows and the energy trace use
         it, and the trace is sampled inside its sleeps; ``time_scale`` is then 1."""
         self.device = device
+        # A modelled GPU times its units itself, on its own clock (asked once: a capability, not a name).
+        self._modelled = device.capabilities().modelled
         self.clock_lead = clock_lead
         self._sleep = sleep
         self._plan: _StagePlan | None = None  # this iteration's, from clock_plan()
@@ -145,7 +137,7 @@ class GpuHooks(ExecutionHooks):
             if lost is not None:
                 self.controller.fall_back(lost)
         self.monitor: EnergyMonitor | None = None
-        if device.backend != "none":
+        if device.capabilities().energy_scope != "none":  # a device with an energy counter
             self.monitor = EnergyMonitor(device, poll_interval_s=poll_interval_s, clock=self.clock)
             if virtual_clock is not None:
                 self.monitor.start_on(virtual_clock)
@@ -226,7 +218,7 @@ class GpuHooks(ExecutionHooks):
                 after = torch.cuda.Event()
                 after.record()
             controller.request(freq_mhz, after=after)
-            if self.device.simulated:
+            if self._modelled:
                 # The simulated GPU models the next unit with whatever clock is locked when
                 # it begins; a real GPU gets the same order from the event above.
                 controller.flush()
@@ -241,13 +233,13 @@ class GpuHooks(ExecutionHooks):
         if self._sizes is not None:  # without sizes the device is called exactly as before
             self.device.set_unit_size(size, unit.chunk)
         self.device.unit_begin(self.stage, unit.kind)
-        if not self.device.simulated:  # a real GPU: the worker waits for this unit's begin, then the offset
+        if not self._modelled:  # a real GPU: the worker waits for this unit's begin, then the offset
             offset_s = self._lead_offset_s()
             if offset_s is not None:
                 self._request_ahead(offset_s * self.time_scale)
 
     def unit_end(self, unit: Unit) -> None:
-        if self.device.simulated:  # its units' times are its model's, on its own clock
+        if self._modelled:  # its units' times are its model's, on its own clock
             offset_s = self._lead_offset_s()
             if offset_s is not None:
                 # Request at that device time (the device's clock: a VirtualClock keeps it exact).
@@ -379,7 +371,7 @@ class GpuHooks(ExecutionHooks):
         None when they are not known (energy unmeasured, or the clock was not the swept one).
         ``chunks``: each window's model chunk (interleaved pipeline), which tags its sample."""
         if self.monitor is None:
-            raise RuntimeError("profiling needs a device with an energy counter")
+            raise GpuNotSupportedError("profiling needs a device with an energy counter")
         if self.clock_control_lost is not None or self.last_unmeasured is not None:
             return None
         if len(self._device_windows) == len(windows):
@@ -387,7 +379,7 @@ class GpuHooks(ExecutionHooks):
             # The GPU blocks (P2P power) in the gaps between its units.
             blocking = [(a[2], b[1]) for a, b in zip(windows, windows[1:]) if b[1] > a[2]]
         options = {"time_scale": self.time_scale, "min_blocking_s": (
-            MIN_BLOCKING_WINDOW_S * self.time_scale if self.device.simulated else MIN_BLOCKING_WINDOW_S),
+            MIN_BLOCKING_WINDOW_S * self.time_scale if self._modelled else MIN_BLOCKING_WINDOW_S),
             "span": (self._begun_s, self._ended_s)}
         units = [UnitWindow(k, a, b) for k, a, b in windows]
         try:

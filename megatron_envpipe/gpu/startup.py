@@ -1,7 +1,7 @@
 """A rank's GPU at the first iteration: may it lock clocks, and what the pipeline agrees on.
 
 Whether a rank may lock clocks is proven by trying (:func:`clock_control`, with
-:func:`~megatron_envpipe.gpu.clock_proof.prove_clock_control`): a refused lock takes
+:func:`~megatron_envpipe.gpu.control.clock_proof.prove_clock_control`): a refused lock takes
 the no-permission path (``--envpipe-on-no-permission``: stop, or measure only); a
 lock accepted but not reached makes the rank monitor-only, with the reason logged once.
 A rank without clock control says so once, in one line: what EnvPipe still does there
@@ -20,12 +20,10 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megatron_envpipe.config import EnvPipeConfig
-from megatron_envpipe.core.vocabulary import PlanType
-from megatron_envpipe.gpu.base import PERMISSION_HINT, GpuDevice, GpuPermissionError
-from megatron_envpipe.gpu.clock_proof import ClockProof, ProofOutcome, prove_clock_control
-from megatron_envpipe.gpu.safety import ClockGuard, default_guard
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.control.clock_proof import ClockProof, ProofOutcome, prove_clock_control
+from megatron_envpipe.gpu.control.safety import ClockGuard, default_guard
+from megatron_envpipe.gpu.devices.base import PERMISSION_HINT, GpuDevice, GpuPermissionError
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 __all__ = ["HOOKS_BACKEND", "NO_CONTROL_ADVICE", "ClockDecision", "DeviceFacts", "StageDevice", "clock_control",
            "combine_stage_devices"]
@@ -49,18 +47,18 @@ class ClockDecision:
     proof: ClockProof | None = None  # the trial lock (None: none was tried)
 
 
-def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int, guard: ClockGuard | None = None, *,
-                  load: Callable[[float], None] | None = None) -> ClockDecision:
+def clock_control(device: GpuDevice, sets_clocks: bool, on_no_permission: str, stage: int,
+                  guard: ClockGuard | None = None, *, load: Callable[[float], None] | None = None) -> ClockDecision:
     """Whether this rank will lock clocks, proven by one trial lock (see the module docstring);
-    fails fast when the lock is refused (unless ``--envpipe-on-no-permission monitor``).
+    fails fast when the lock is refused (unless ``on_no_permission`` is ``monitor``).
 
-    Only plans that lower clocks need control: ``baseline`` runs at the driver's
-    default clocks, needs no privilege and tries nothing.
+    Only plans that lower clocks need control (``sets_clocks``: the plan type's capability,
+    core/kinds.py): ``baseline`` runs at the driver's default clocks, needs no privilege and tries nothing.
     """
     info = device.info()
-    if cfg.plan_type == PlanType.BASELINE:
+    if not sets_clocks:
         return ClockDecision(False)
-    if device.backend == "none":
+    if not device.capabilities().can_lock_clocks:
         log.warning("EnvPipe stage %d: no GPU clock control (%s): EnvPipe runs Megatron's own order and nothing "
                     "else (no extra warm-up, no clock plan, no energy counter to read); to save energy, train on "
                     "GPUs whose clocks this job may lock", stage, info.name)
@@ -76,7 +74,7 @@ def clock_control(device: GpuDevice, cfg: EnvPipeConfig, stage: int, guard: Cloc
     if proof.control:
         log.info("EnvPipe stage %d: clock control on %s: %s", stage, info.label(), proof.message)
         return ClockDecision(True, proof=proof)
-    if cfg.on_no_permission == "fail":
+    if on_no_permission == "fail":
         raise GpuPermissionError(f"EnvPipe stage {stage}: {info.label()}: {proof.message}; {PERMISSION_HINT}")
     log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only, per iteration, in "
                 "Megatron's own order (no extra warm-up, no clock plan; --envpipe-on-no-permission monitor); %s",
@@ -94,15 +92,16 @@ class StageDevice:
     clocks_mhz: tuple[int, ...]  # supported SM clocks
     control: bool  # this rank will lock clocks
     energy: bool  # this rank measures energy
-    simulated: bool = False
+    modelled: bool = False  # a model of a GPU (DeviceCapabilities.modelled): its figures are labelled simulated
     time_scale: float = 1.0  # clock seconds per device second (a simulated GPU in scaled wall time)
 
     @classmethod
     def of(cls, device: GpuDevice, control: bool) -> "StageDevice":
         info = device.info()
+        caps = device.capabilities()
         return cls(backend=device.backend, name=info.name, driver_version=info.driver_version,
                    clocks_mhz=tuple(device.supported_clocks_mhz()), control=control,
-                   energy=device.backend != "none", simulated=device.simulated,
+                   energy=caps.energy_scope != "none", modelled=caps.modelled,
                    time_scale=float(getattr(device, "time_scale", 1.0)))
 
     @classmethod
@@ -122,7 +121,7 @@ class DeviceFacts:
     clocks_mhz: tuple[int, ...]  # supported by every stage, fastest first
     control: bool  # clocks can be locked on every stage
     energy: bool  # energy is measured
-    simulated: bool = False
+    modelled: bool = False  # any stage is a model of a GPU: figures are labelled simulated
     # Clock seconds per device second: measured times are divided by it (1 but for a simulated
     # GPU in scaled wall time, --envpipe-sim-time wall).
     time_scale: float = 1.0
@@ -141,6 +140,6 @@ def combine_stage_devices(everyone: Sequence[StageDevice]) -> DeviceFacts:
         backend=first.backend, name=first.name, driver_version=first.driver_version,
         clocks_mhz=tuple(sorted(common, reverse=True)),
         control=all(e.control for e in everyone) and bool(common),
-        energy=all(e.energy for e in everyone), simulated=any(e.simulated for e in everyone),
+        energy=all(e.energy for e in everyone), modelled=any(e.modelled for e in everyone),
         time_scale=first.time_scale,
     )

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_envpipe.errors import InvalidValueError
+
 __all__ = ["BaselineRefresh"]
 
 FIRST_AFTER = 8  # planned iterations before the first repeat (the README's 40-iteration runs see one)
@@ -48,7 +50,7 @@ class BaselineRefresh:
 
     def __post_init__(self) -> None:
         if self.iterations < 0 or self.first_after < 1 or not 0 < self.settled < 1:
-            raise ValueError(f"baseline refresh: iterations >= 0, first_after >= 1, settled in (0, 1); got "
+            raise InvalidValueError(f"baseline refresh: iterations >= 0, first_after >= 1, settled in (0, 1); got "
                              f"{self.iterations}, {self.first_after}, {self.settled}")
         self._gap = self.first_after
         self.done = self.iterations == 0

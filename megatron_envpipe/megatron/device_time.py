@@ -1,7 +1,7 @@
 """Simulated GPUs in virtual time across training processes (Lamport timestamps).
 
 With ``--envpipe-sim-time virtual`` (the default for simulated GPUs) each rank's
-:class:`~megatron_envpipe.gpu.simulated.SimulatedGpu` runs on its own
+:class:`~megatron_envpipe.gpu.devices.simulated.SimulatedGpu` runs on its own
 :class:`~megatron_envpipe.core.virtual_clock.VirtualClock`: a unit takes exactly its
 modelled time, and nothing the host does (gloo messages, Python, thread switches, a
 busy CPU) takes device time. The ranks' clocks are kept consistent the way Lamport's

@@ -2,7 +2,7 @@
 
 With Megatron's ``variable_seq_lengths`` every iteration's micro-batches cost differently, so one clock
 plan for the average micro-batch wastes slack. Per schedule call ``i`` on every rank of the pipeline
-(:class:`IterationPlans`, one per run-time):
+(:class:`IterationPlans`, one per run, megatron/training_run.py):
 
 1. **Sizes one iteration ahead.** The data iterators the schedule is handed are wrapped once in a
    :class:`~megatron_envpipe.megatron.lookahead.DataLookahead` (what training pulls does not change) and
@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.core.device_backends import model_profile
 from megatron_envpipe.core.energy_report import Baseline
 from megatron_envpipe.core.instructions import build_programs
 from megatron_envpipe.core.length_costs import (
@@ -66,13 +67,13 @@ from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.lookahead import DataLookahead, LookaheadError
 from megatron_envpipe.megatron.reporting import log_interval
+from megatron_envpipe.megatron.run_parts import IterationStep
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime, IterationPlan
 from megatron_envpipe.planning.basis import planning_profile
 from megatron_envpipe.planning.per_iteration import IterationPlan as PlannedIteration
 from megatron_envpipe.planning.per_iteration import IterationPlanner
 
-__all__ = ["IterationPlans", "PlanStats", "SizeMapping", "costs_source", "iteration_plans_for", "length_model_for",
-           "plans_wanted"]
+__all__ = ["IterationPlans", "PlanStats", "SizeMapping", "costs_source", "length_model_for", "plans_wanted"]
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -118,9 +119,9 @@ class SizeMapping:
 
 def costs_source(config: EnvPipeConfig) -> str | None:
     """Where the unit costs come from, as config states it: the simulated GPU's profile, else --envpipe-profile."""
-    gpu = config.gpu or ""
-    if gpu.startswith("simulated"):
-        return gpu.partition(":")[2] or None
+    source = model_profile(config.gpu)
+    if source is not None:  # a modelled GPU's own profile
+        return source or None
     return config.profile
 
 
@@ -183,7 +184,8 @@ class PlanStats:
 
 
 class IterationPlans:
-    """One run-time's sizes exchange and per-iteration planner (module docstring)."""
+    """One run's sizes exchange and per-iteration planner (module docstring): a part of the run
+    (megatron/training_run.py), made at the first variable-length call; it reads the phase machine."""
 
     def __init__(self, runtime: EnvPipeRuntime, mapping: SizeMapping) -> None:
         self.runtime = runtime
@@ -202,6 +204,14 @@ class IterationPlans:
         self._last_call: float | None = None
         self.stats, self.window = PlanStats(), PlanStats()
         self.sizes: tuple[MicrobatchSize, ...] | None = None  # this iteration's, as the length model sees them
+
+    # -- the run's begin/end of an iteration ---------------------------------------------
+    def begin_iteration(self, step: IterationStep) -> None:
+        """This iteration's sizes (:attr:`sizes`), and the next iteration's broadcast posted (:meth:`exchange`)."""
+        self.exchange(step.groups, step.num_microbatches)
+
+    def end_iteration(self, step: IterationStep) -> None:
+        self.after_iteration(step.groups, step.iteration)
 
     # -- sizes ---------------------------------------------------------------------------
     def wrap(self, data_iterators: list[Any], num_microbatches: int) -> list[Any]:
@@ -369,7 +379,7 @@ class IterationPlans:
 
     def after_iteration(self, groups: StageGroups, iteration: int) -> None:
         """At every energy-log point: the window's line (on the last rank), and a new window (on every rank)."""
-        if self.off_reason is not None or self._planner is None or (iteration + 1) % log_interval(self.runtime):
+        if self.off_reason is not None or self._planner is None or (iteration + 1) % log_interval(self.runtime.config):
             return
         if dist.get_rank() == dist.get_world_size() - 1:
             log.info("%s", self.window.line(self.stats, f"iteration {iteration + 1}"))
@@ -433,12 +443,3 @@ def _as_plan(plan: IterationPlan, freqs: Any, prefetch: int, stage: int,
         times = tuple(unit_times if s == stage else () for s in range(freqs.schedule.num_stages))
     return dataclasses.replace(plan, plan=freqs, programs=tuple(build_programs(freqs.schedule, freqs, prefetch)),
                                unit_times_s=times)
-
-
-def iteration_plans_for(runtime: EnvPipeRuntime, seq_length: int, micro_batch_size: int) -> IterationPlans:
-    """This run-time's :class:`IterationPlans` (made at the first variable-length call)."""
-    plans = getattr(runtime, "iteration_plans", None)
-    if plans is None:
-        plans = IterationPlans(runtime, SizeMapping.for_run(runtime.config, seq_length, micro_batch_size))
-        runtime.iteration_plans = plans
-    return plans

@@ -30,11 +30,11 @@ from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.hooks import ExecutionHooks
-from megatron_envpipe.core.vocabulary import Scheduling
+from megatron_envpipe.core.kinds import scheduling_kind
 from megatron_envpipe.megatron.executor import envpipe_forward_backward, envpipe_interleaved_forward_backward
 from megatron_envpipe.megatron.reporting import summarize
-from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.megatron.state import STATE
+from megatron_envpipe.megatron.training_run import TrainingRun
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -90,7 +90,7 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
         megatron_args = _parsed_megatron_args()
     if megatron_args is not None:
         config = config.validate_with_megatron_args(megatron_args)  # follows Megatron's --log-interval
-    runtime = EnvPipeRuntime(config)  # reads --envpipe-profile: a bad one fails before anything is rebound
+    run = TrainingRun(config)  # reads --envpipe-profile: a bad one fails before anything is rebound
     # Megatron-core is imported here, not at module level: this module loads with torch alone.
     from megatron.core.pipeline_parallel import schedules
 
@@ -122,11 +122,11 @@ def install(config: EnvPipeConfig | None = None, hooks: ExecutionHooks | None = 
             mtraining.get_forward_backward_func = get_forward_backward_func
     if INTERLEAVED in _saved:  # re-bound at every install(): the scheduling may have changed
         original = _saved[INTERLEAVED]
-        ours = (envpipe_interleaved_forward_backward if config.scheduling == Scheduling.INTERLEAVED
+        ours = (envpipe_interleaved_forward_backward if scheduling_kind(config.scheduling).replaces == INTERLEAVED
                 else _logged_once(original, _NOT_REPLACED[INTERLEAVED]))
         _saved["replacements"][original] = ours
         setattr(schedules, INTERLEAVED, ours)
-    STATE.configure(runtime, _saved["schedule"], hooks, original_interleaved=_saved.get(INTERLEAVED))
+    STATE.configure(run, _saved["schedule"], hooks, original_interleaved=_saved.get(INTERLEAVED))
     log.info(
         "EnvPipe installed: type %s, scheduling %s, reconfig %s%s",
         config.plan_type, config.scheduling, config.reconfig,
@@ -148,7 +148,7 @@ def uninstall() -> None:
         from megatron.training import training as mtraining
 
         mtraining.get_forward_backward_func = _saved.pop("training_gffb")
-    summarize(STATE.runtime)  # the run's energy summary, once, on the last rank
+    summarize(STATE.run)  # the run's energy summary, once, on the last rank
     STATE.reset()
 
 

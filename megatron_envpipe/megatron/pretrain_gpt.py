@@ -53,7 +53,7 @@ import re
 import runpy
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ import megatron_envpipe
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.megatron.gpt_provider import ARGS_DEFAULTS, CheckoutNeeded, check_supported, pretrain_gpt
-from megatron_envpipe.megatron.preflight import cpu_build_blocker, report_blocker, training_blocker
+from megatron_envpipe.megatron.preflight import CPU_ALTERNATIVES, cpu_build_blocker, report_blocker, training_blocker
 
 PROG = "pretrain_gpt (megatron-envpipe)"
 CHECK_FLAG = "--envpipe-check-args"
@@ -162,21 +162,42 @@ def _envpipe_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def training_blocker_here(pre: argparse.Namespace, argv: Sequence[str]) -> str | None:
+def training_blocker_here(pre: argparse.Namespace, argv: Sequence[str],
+                          env: Mapping[str, str] | None = None) -> str | None:
     """Why Megatron's training cannot start on this node (no CUDA GPU per rank, no NCCL), or None.
 
     Asked before Megatron loads (torch alone, about a second), so that a node
     without what it needs fails in one line within seconds. Not asked for
-    ``--envpipe-check-args`` or ``--help``, which need no GPU.
+    ``--envpipe-check-args`` or ``--help``, which need no GPU. ``env``: the
+    rank's environment (default ``os.environ``; ``LOCAL_WORLD_SIZE`` is the
+    node's rank count).
     """
-    if pre.envpipe_check_args or "-h" in argv or "--help" in argv:
+    env = os.environ if env is None else env
+    if pre.envpipe_check_args or pre.envpipe_check_args_verbose or "-h" in argv or "--help" in argv:
         return None
-    cpu_build = cpu_build_blocker(os.environ)
+    cpu_build = cpu_build_blocker(env)
     if cpu_build is not None:
         return cpu_build
     import torch
 
-    return training_blocker(torch, os.environ, pre.distributed_backend)
+    return training_blocker(torch, env, pre.distributed_backend)
+
+
+def node_startup_error(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The one line (without the program name) that stops this command on this node before any rank starts.
+
+    What every rank would check first (EnvPipe's flags with the Megatron
+    flags they depend on, the checkout, a CUDA GPU per rank and NCCL), asked
+    once per node by ``envpipe torchrun``; None when the ranks can start.
+    """
+    pre, _ = _envpipe_parser().parse_known_args(list(argv))
+    try:
+        EnvPipeConfig.from_args(pre).validate_with_megatron_args(pre)
+        find_pretrain_gpt(pre.megatron_lm or env.get("MEGATRON_LM"))
+    except (EntryError, EnvPipeConfigError) as exc:
+        return str(exc)
+    blocker = training_blocker_here(pre, argv, env)
+    return None if blocker is None else f"{blocker}: {CPU_ALTERNATIVES}"
 
 
 def check_parsed_args(args: Any) -> Any:

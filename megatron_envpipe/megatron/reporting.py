@@ -10,7 +10,8 @@ computes them: docs/energy-measurement.md). At each log point (Megatron's
 ``--log-interval`` unless ``--envpipe-log-interval`` is given) the windows are
 summed over each stage's tensor/context-parallel GPUs, gathered over the
 pipeline and turned into an :class:`~megatron_envpipe.core.energy_report.EnergyReport`
-by the run-time; the last rank (where Megatron prints training progress) logs it,
+by the energy ledger (:mod:`~megatron_envpipe.megatron.energy_ledger`, which owns the sums, the
+measured baseline and the reports); the last rank (where Megatron prints training progress) logs it,
 warns when the window ran more than 1 % slower than planned, and writes it to
 Megatron's TensorBoard and W&B writers when ``megatron.training`` set them up.
 Intervals whose energy was not measured (:mod:`megatron_envpipe.gpu.hooks`) are
@@ -22,66 +23,27 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.energy_csv import append_report
-from megatron_envpipe.core.energy_report import SLOWER_THAN_PLANNED, Baseline, EnergyReport, GpuFigure, summary_line
+from megatron_envpipe.core.energy_report import SLOWER_THAN_PLANNED, EnergyReport, GpuFigure, summary_line
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.gpu.hooks import DEVICE_ERRORS, EnergyStatus, GpuHooks
+from megatron_envpipe.megatron.energy_ledger import Local, StageWindow, Sums
 from megatron_envpipe.megatron.groups import StageGroups
-from megatron_envpipe.megatron.runtime import EnvPipeRuntime
-from megatron_envpipe.megatron.stragglers import straggler_follow
+from megatron_envpipe.megatron.run_parts import IterationStep, RunView
+from megatron_envpipe.megatron.stragglers import StragglerFollow
 
-__all__ = ["Local", "counter_figure", "log_interval", "report_energy", "summarize", "tensorboard_writer", "unmeasured_summary",
+__all__ = ["EnergyReporting", "Local", "counter_figure", "log_interval", "report_energy", "summarize", "tensorboard_writer", "unmeasured_summary",
            "slower_than_planned", "summarize_following", "waits_for_straggler",
            "wandb_writer", "write_tensorboard", "write_wandb"]
 
 log = logging.getLogger("megatron_envpipe")
-
-
-@dataclass
-class _Sums:
-    """One GPU's iterations added up: measured ones' energy and time, and all of them."""
-
-    iterations: int = 0
-    measured: int = 0
-    energy_j: float = 0.0
-    time_s: float = 0.0
-
-    def add(self, energy: Any) -> None:
-        self.iterations += 1
-        if energy is not None:
-            self.measured += 1
-            self.energy_j += energy.energy_j
-            self.time_s += energy.time_s
-
-    def mean(self) -> tuple[float, float] | None:
-        return (self.energy_j / self.measured, self.time_s / self.measured) if self.measured else None
-
-
-@dataclass
-class Local:
-    """This process's bookkeeping between log points (one per run-time)."""
-
-    planned: _Sums = field(default_factory=_Sums)
-    before: _Sums = field(default_factory=_Sums)  # iterations before the plan
-    baseline: _Sums = field(default_factory=_Sums)  # of those, 1F1B at the maximum clock (or its repeat)
-    baseline_generation: int = 0  # the repeat the baseline sums belong to (megatron/baseline_refresh.py)
-    baseline_last: int = 0  # the last iteration (1-based) in them
-    counter: tuple[float, float] | None = None  # (time, cumulative mJ) at the last log point
-    counter_at: int | None = None  # the iteration count it was read after
-    num_gpus: int = 1
-    replicas: int = 1
-    last_rank: bool = False  # this process prints the lines (and the summary)
-    summarized: bool = False
-    told_dp_wait: bool = False  # said once that the extra time is the wait for a data-parallel straggler
-    follow_atexit: bool = False  # the straggler ledger's summary is registered for exit
-    replica: int = 0  # this pipeline's data-parallel replica
 
 
 @dataclass(frozen=True)
@@ -95,17 +57,16 @@ class _GpuWindow:
     figure: GpuFigure | None
 
 
-_LOCAL: "weakref.WeakKeyDictionary[EnvPipeRuntime, Local]" = weakref.WeakKeyDictionary()
 _WARNED: set[str] = set()
 
 
-def log_interval(runtime: EnvPipeRuntime) -> int:
+def log_interval(config: EnvPipeConfig) -> int:
     """Iterations per energy line: --envpipe-log-interval, else Megatron's --log-interval (as parsed in
     this process), else 1."""
-    if runtime.config.log_interval is not None:
-        return runtime.config.log_interval
+    if config.log_interval is not None:
+        return config.log_interval
     megatron = getattr(_megatron_args(), "log_interval", None)
-    return megatron if isinstance(megatron, int) and megatron >= 1 else runtime.config.energy_log_interval
+    return megatron if isinstance(megatron, int) and megatron >= 1 else config.energy_log_interval
 
 
 def _megatron_args() -> Any:
@@ -116,8 +77,7 @@ def _megatron_args() -> Any:
         return None
 
 
-def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageGroups,
-                  iteration: int) -> EnergyReport | None:
+def report_energy(run: RunView, hooks: ExecutionHooks, groups: StageGroups, iteration: int) -> EnergyReport | None:
     """After iteration ``iteration`` (0-based), on every rank: add it up; at a log point, a collective
     over the pipeline that reports the window.
 
@@ -125,46 +85,40 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
     line names it and why. Every line ends with how many intervals (one GPU's
     iteration) went unmeasured so far, by reason, and which GPUs lost clock control.
     """
+    runtime, ledger = run.phases, run.energy
     if not runtime.measures_energy:
         return None
     status = hooks.energy_status() if isinstance(hooks, GpuHooks) else None
-    local = _LOCAL.setdefault(runtime, Local())
-    energy = status.energy if status is not None else None
-    if runtime.is_planned_iteration(iteration):
-        local.planned.add(energy)
-    else:
-        local.before.add(energy)
-        if runtime.is_baseline_iteration(iteration):
-            if local.baseline_generation != runtime.refresh.generation:  # measured again: a fresh mean
-                local.baseline, local.baseline_generation = _Sums(), runtime.refresh.generation
-            local.baseline.add(energy)
-            local.baseline_last = iteration + 1
-    if (iteration + 1) % log_interval(runtime):
+    local = ledger.local
+    ledger.add_iteration(status.energy if status is not None else None, iteration)
+    if (iteration + 1) % log_interval(runtime.config):
         return None
     local.replica = groups.replicas.rank() if groups.replicas is not None else 0
-    window = local.planned if local.planned.iterations else local.before
+    window = ledger.take_window()
     mine = _GpuWindow(status, window.mean(), window.iterations, _baseline_of(local.baseline),
                       counter_figure(local, getattr(hooks, "monitor", None), groups.stage, dist.get_rank(),
                                      iteration + 1))
-    local.planned, local.before = _Sums(), _Sums()
     parts = _gather_pipeline(groups, mine)
     if any(p is None for p in parts):  # a GPU without energy hooks: nothing to report
         return None
     stages = [_stage_window(stage) for stage in parts]
-    _update_baseline(runtime, stages, local)
+    ledger.update_baseline(stages)
     everyone = [s.status for s in stages]
     measured = all(s.window is not None for s in stages)
     report = None
     if measured:
         figures = [g.figure for stage in parts for g in stage]
-        report = runtime.report_energy(
+        follow = run.stragglers
+        report = ledger.report(
             iteration + 1, [_Mean(*s.window) for s in stages], max(s.iterations for s in stages),
-            tuple(f for f in figures if f is not None) if all(f is not None for f in figures) else ())
+            tuple(f for f in figures if f is not None) if all(f is not None for f in figures) else (),
+            pace_time_s=follow.pace_time_s if follow is not None else None, plans=run.iteration_plans)
     # Megatron prints training progress on the last rank (print_rank_last); with data parallelism every
     # pipeline's last stage prints its own line too (replicas differ when one follows a straggler).
     replica = f" | replica {groups.replicas.rank()}" if groups.replicas is not None else ""
-    follows = f" | {runtime.pace_note}" if runtime.pace_note and report is not None else ""
-    measured_follow = _note_follow_window(runtime, groups, report)
+    note = run.stragglers.pace_note if run.stragglers is not None else None
+    follows = f" | {note}" if note and report is not None else ""
+    measured_follow = _note_follow_window(run, groups, report)
     if dist.get_rank() != dist.get_world_size() - 1:
         if report is not None and groups.last and groups.replicas is not None:
             log.info("%s%s%s", report.line(), replica, follows)
@@ -175,11 +129,11 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
     local.replicas = max(1, dist.get_world_size() // local.num_gpus)
     if not local.last_rank:
         local.last_rank = True
-        atexit.register(summarize, runtime)  # a run that never uninstalls still gets its summary
+        atexit.register(summarize, run)  # a run that never uninstalls still gets its summary
     if report is not None:
         line = report.line() + replica + follows
     else:
-        label = " (simulated)" if runtime.device.simulated else ""
+        label = " (simulated)" if runtime.device.modelled else ""
         missing = ", ".join(f"{s} ({st.status.reason if st.status else 'no hooks'})"
                             for s, st in enumerate(stages) if st.window is None)
         line = f"EnvPipe energy{label} | iteration {iteration + 1} | not measured on stage {missing}"
@@ -187,68 +141,64 @@ def report_energy(runtime: EnvPipeRuntime, hooks: ExecutionHooks, groups: StageG
     if measured_follow:
         log.info("%s", measured_follow)
     if report is not None:
-        told = slower_than_planned(runtime, report, local)
+        told = slower_than_planned(run.stragglers, report, local)
         if told is not None:
             log.log(*told)
-        _write_outputs(runtime, report, everyone)
+        _write_outputs(runtime.config, report, everyone)
     return report
 
 
-def _note_follow_window(runtime: EnvPipeRuntime, groups: StageGroups, report: EnergyReport | None) -> str | None:
+def _note_follow_window(run: RunView, groups: StageGroups, report: EnergyReport | None) -> str | None:
     """A pipeline's last stage with data parallelism: the window goes to the straggler ledger; the measured
     saving of following vs waiting, the first time it is known (stragglers.FollowLedger)."""
-    follow = straggler_follow(runtime)
+    follow = run.stragglers
     if report is None or follow is None or not groups.last or groups.replicas is None:
         return None
     told = follow.note_window(groups, report, groups.replicas.rank())
-    local = _LOCAL.setdefault(runtime, Local())
+    local = run.energy.local
     if follow.ledger.following.iterations and not follow.ledger.summarized and not local.follow_atexit:
         local.follow_atexit = True
-        atexit.register(summarize_following, runtime, groups.replicas.rank())
+        atexit.register(summarize_following, follow, run.phases.device.modelled, groups.replicas.rank())
     label = " (simulated)" if report.simulated else ""
     return f"EnvPipe stragglers{label} | {told}" if told else None
 
 
-def summarize_following(runtime: EnvPipeRuntime | None, replica: int) -> str | None:
+def summarize_following(follow: StragglerFollow | None, modelled: bool, replica: int) -> str | None:
     """At the run's end, once, on a pipeline that followed a straggler: the measured saving vs waiting."""
-    follow = straggler_follow(runtime) if runtime is not None else None
-    if follow is None or follow.ledger.summarized:
-        return None
-    line = follow.ledger.comparison(runtime.device.simulated, replica)
+    line = follow.ledger.summary(modelled, replica) if follow is not None else None
     if line is None:
         return None
-    follow.ledger.summarized = True
-    label = " (simulated)" if runtime.device.simulated else ""
+    label = " (simulated)" if modelled else ""
     line = f"EnvPipe summary{label} | {line}"
     log.info("%s", line)
     return line
 
 
-def waits_for_straggler(runtime: EnvPipeRuntime, report: EnergyReport) -> bool:
+def waits_for_straggler(follow: StragglerFollow | None, report: EnergyReport) -> bool:
     """Whether a window's extra time over the plan is the wait for a slower data-parallel pipeline: the last
-    agreement found one (``runtime.dp_wait``) and the window lasted no longer than its pace (plus the
+    agreement found one (``follow.dp_wait``) and the window lasted no longer than its pace (plus the
     warning's tolerance): anything beyond that is this pipeline's own and still warns."""
-    wait = runtime.dp_wait
+    wait = follow.dp_wait if follow is not None else None
     return wait is not None and report.time_s <= wait[1] * (1 + SLOWER_THAN_PLANNED)
 
 
-def slower_than_planned(runtime: EnvPipeRuntime, report: EnergyReport, local: Local) -> tuple[int, str] | None:
+def slower_than_planned(follow: StragglerFollow | None, report: EnergyReport,
+                        local: Local) -> tuple[int, str] | None:
     """(log level, line) for a window slower than planned, or None: a warning, unless the extra time is
     the wait for a data-parallel straggler (:func:`waits_for_straggler`), which is said once, at INFO."""
     warning = report.slower_than_planned()
     if not warning:
         return None
-    follow = straggler_follow(runtime)
     if follow is not None:  # data parallelism: the slowest replica sets every replica's pace
         explained, line = follow.explains_slow_window(report, local.replica)
         if explained:
             return (logging.INFO, line) if line else None
-    if not waits_for_straggler(runtime, report):
+    if not waits_for_straggler(follow, report):
         return logging.WARNING, warning
     if local.told_dp_wait:
         return None
     local.told_dp_wait = True
-    replica, pace_s = runtime.dp_wait
+    replica, pace_s = follow.dp_wait
     label = " (simulated)" if report.simulated else ""
     return logging.INFO, (f"EnvPipe{label}: {report.span()} lasted {report.time_s:.3f} s, not the planned "
                           f"{report.planned_time_s:.3f} s: this pipeline waits at the data-parallel gradient sync "
@@ -261,15 +211,7 @@ class _Mean:
     time_s: float
 
 
-@dataclass(frozen=True)
-class _StageWindow:
-    status: EnergyStatus | None
-    window: tuple[float, float] | None
-    iterations: int
-    baseline: tuple[float, float, int] | None
-
-
-def _baseline_of(sums: _Sums) -> tuple[float, float, int] | None:
+def _baseline_of(sums: Sums) -> tuple[float, float, int] | None:
     mean = sums.mean()
     return None if mean is None else (mean[0], mean[1], sums.measured)
 
@@ -303,7 +245,7 @@ def _gather_pipeline(groups: StageGroups, mine: _GpuWindow) -> list[Any]:
     return [None if any(g.status is None for g in stage) else stage for stage in stages]
 
 
-def _stage_window(gpus: Sequence[_GpuWindow]) -> _StageWindow:
+def _stage_window(gpus: Sequence[_GpuWindow]) -> StageWindow:
     """A stage's window is that of all its GPUs: energy summed, time the slowest's (unmeasured if any is)."""
     statuses = [g.status for g in gpus]
     status = EnergyStatus(
@@ -317,58 +259,35 @@ def _stage_window(gpus: Sequence[_GpuWindow]) -> _StageWindow:
     if all(g.baseline is not None for g in gpus):
         base = (sum(g.baseline[0] for g in gpus), max(g.baseline[1] for g in gpus),
                 min(g.baseline[2] for g in gpus))
-    return _StageWindow(status, window, max(g.iterations for g in gpus), base)
+    return StageWindow(status, window, max(g.iterations for g in gpus), base)
 
 
-def _update_baseline(runtime: EnvPipeRuntime, stages: Sequence[_StageWindow], local: Local) -> None:
-    """The measured baseline, from every stage's 1F1B iterations at f_max: before the plan (kept once it
-    runs), then each time it is measured again at the plan's GPU age (megatron/baseline_refresh.py), once
-    every one of that measurement's iterations is in."""
-    if runtime.config.baseline_iterations == 0:  # asked for the predicted baseline
-        return
-    if not stages or any(s.baseline is None for s in stages):
-        return
-    generation = local.baseline_generation
-    repeat = generation > 0
-    if runtime.baseline is not None and runtime.planned_at is not None and (
-            not repeat or runtime.baseline.generation >= generation):
-        return
-    done = min(s.baseline[2] for s in stages)
-    if repeat and done < runtime.refresh.span:
-        return  # the repeat is still under way (or an iteration of it went unmeasured)
-    scale = runtime.device.time_scale
-    energy_j = sum(s.baseline[0] for s in stages)
-    runtime.baseline = Baseline(energy_j, max(s.baseline[1] for s in stages) / scale, done,
-                                runtime.device.clocks_mhz[0], generation=generation,
-                                last_iteration=local.baseline_last if repeat else None)
-    if repeat:
-        runtime.refresh.measured(energy_j, local.baseline_last - 1)
-
-
-def summarize(runtime: EnvPipeRuntime | None) -> str | None:
+def summarize(run: RunView | None) -> str | None:
     """At the run's end, once, on the last rank: the planned windows' energy and time against the
     baseline, and kWh saved per day at this pace (logged and returned)."""
-    local = _LOCAL.get(runtime) if runtime is not None else None
-    if local is not None and local.follow_atexit:  # a pipeline that followed a straggler: its own summary
-        summarize_following(runtime, local.replica)
-    if local is None or local.summarized or not local.last_rank:
+    if run is None:
+        return None
+    ledger, local = run.energy, run.energy.local
+    if local.follow_atexit:  # a pipeline that followed a straggler: its own summary
+        summarize_following(run.stragglers, run.phases.device.modelled, local.replica)
+    if local.summarized or not local.last_rank:
         return None
     local.summarized = True
-    planned = [r for r in runtime.energy_log if r.planned_time_s is not None]
-    base = runtime.baseline
+    planned = [r for r in ledger.energy_log if r.planned_time_s is not None]
+    base = ledger.baseline
     if base is not None and base.last_iteration is not None:  # measured again: the windows after it, same GPU age
         planned = [r for r in planned if r.first_iteration > base.last_iteration] or planned
-    line = summary_line(planned, runtime.baseline, runtime.device.simulated, local.num_gpus, local.replicas)
+    line = summary_line(planned, ledger.baseline, run.phases.device.modelled, local.num_gpus, local.replicas)
     if line is not None:
         log.info("%s", line)
-    plans = runtime.iteration_plans  # variable-length micro-batches: what the per-iteration plans did
+    plans = run.iteration_plans  # variable-length micro-batches: what the per-iteration plans did
     told = plans.summary() if plans is not None else None
     if told is not None:
         log.info("%s", told)
     return line
 
 
-def _write_outputs(runtime: EnvPipeRuntime, report: EnergyReport, everyone: Sequence[EnergyStatus | None]) -> None:
+def _write_outputs(config: EnvPipeConfig, report: EnergyReport, everyone: Sequence[EnergyStatus | None]) -> None:
     """TensorBoard, W&B and the CSV; a failure (a full disk, a dead W&B connection) never stops training."""
     outputs = [("tensorboard", tensorboard_writer(), write_tensorboard), ("wandb", wandb_writer(), write_wandb)]
     for name, writer, write in outputs:
@@ -378,11 +297,11 @@ def _write_outputs(runtime: EnvPipeRuntime, report: EnergyReport, everyone: Sequ
             write(writer, report, report.iteration, [e for e in everyone if e is not None])
         except Exception as exc:  # noqa: BLE001 - any writer error: warn once, keep training
             _warn_once(name, f"writing the energy to {name} failed: {exc}")
-    if runtime.config.energy_csv:
+    if config.energy_csv:
         try:
-            append_report(runtime.config.energy_csv, report)
+            append_report(config.energy_csv, report)
         except OSError as exc:
-            _warn_once("csv", f"writing --envpipe-energy-csv {runtime.config.energy_csv} failed: {exc}")
+            _warn_once("csv", f"writing --envpipe-energy-csv {config.energy_csv} failed: {exc}")
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -462,3 +381,17 @@ def _megatron_writer(getter: str) -> Any:
         return get()
     except Exception:  # noqa: BLE001 - not initialised
         return None
+
+
+class EnergyReporting:
+    """The energy log as a part of the run (megatron/training_run.py): at every iteration's end, the
+    ledger's sums and, at a log point, the window's line (:func:`report_energy`)."""
+
+    def __init__(self, run: RunView) -> None:
+        self.run = run
+
+    def begin_iteration(self, step: IterationStep) -> None:
+        pass
+
+    def end_iteration(self, step: IterationStep) -> None:
+        report_energy(self.run, step.hooks, step.groups, step.iteration)

@@ -33,29 +33,31 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig, load_profile
-from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY
-from megatron_envpipe.core.energy_report import Baseline, EnergyReport
-from megatron_envpipe.core.gpu_specs import GpuSpec, get_gpu_spec, spec_for_nvml_name, spec_for_profile_source
-from megatron_envpipe.core.instructions import StageProgram, build_programs
+from megatron_envpipe.core.gpu_specs import GpuSpec, spec_for_nvml_name
+from megatron_envpipe.core.instructions import build_programs
 from megatron_envpipe.core.interleaved import interleaved_schedule
+from megatron_envpipe.core.kinds import scheduling_kind
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.memory import AUTO, Budget, StageMemory, budget_line, derive_budget, within_budget
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
-from megatron_envpipe.core.profile import Profile, ProfileError, ProfilePoint, instruction_of
+from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.schedule import Schedule, one_f_one_b
-from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
-from megatron_envpipe.gpu.profile_cache import ProfileCache
+from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy
+from megatron_envpipe.gpu.profiler.sweep import ClockSweep, startup_sweep
 from megatron_envpipe.gpu.startup import HOOKS_BACKEND, DeviceFacts
-from megatron_envpipe.gpu.sweep import ClockSweep, startup_sweep
 from megatron_envpipe.megatron.baseline_refresh import BaselineRefresh
+from megatron_envpipe.megatron.device_session import ClockTiming, DeviceSession
+from megatron_envpipe.megatron.plan_state import IterationPlan, PlanState, table_spec
+from megatron_envpipe.megatron.profile_store import cached_profile, store_profile
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
 from megatron_envpipe.planning.deadline import DeadlineFrom, deadline_from_1f1b, deadline_summary, reword_warnings
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
+
+__all__ = ["MEGATRON_ORDER", "EnvPipeRuntime", "IterationPlan"]
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -69,43 +71,27 @@ MEGATRON_ORDER = "Megatron's order (no clock control)"
 MEMORY_ITERATIONS = {"cuda": 2, "model": 1}
 
 
-@dataclass(frozen=True)
-class IterationPlan:
-    """Everything the executor needs for one iteration of one stage."""
-
-    schedule: Schedule
-    plan: FrequencyPlan | None  # None: no clock is set (the programs hold no SetFrequency)
-    programs: tuple[StageProgram, ...]
-    measure: bool  # time every unit and hand the measurement back
-    phase: str
-    profiling: bool = False  # attribute energy to every unit (sweep iteration)
-    measure_memory: bool = False  # measure activation and free memory, hand them back (1F1B iteration)
-    # Per stage, each unit's predicted time (s) at its planned clock, from the profile planned with;
-    # None where not known (profiling and measuring iterations): the GPU hooks' clock lead needs it.
-    unit_times_s: tuple[tuple[float, ...], ...] | None = None
-
-
 class EnvPipeRuntime:
+    """The phase machine of one process (module docstring). It owns every attribute below; the other parts
+    of a run (megatron/training_run.py) read them and hand it what it needs from them as arguments."""
+
     def __init__(self, config: EnvPipeConfig, gpu: GpuSpec | None = None) -> None:
         self.config = config.validate()
-        self.gpu = gpu if gpu is not None else _table_spec(config.gpu)
+        self.gpu = gpu if gpu is not None else table_spec(config.gpu)
         # An unreadable or corrupt --envpipe-profile is an EnvPipeConfigError here, at install().
         self.profile: Profile | None = load_profile(config.profile) if config.profile else None
         self.profile_p2p_power_w: float | None = None
-        self.device: DeviceFacts | None = None
-        self.cache_key: Mapping[str, Any] | None = None
+        self.session: DeviceSession | None = None  # the device facts and clock latency, decided once
         self.iteration = 0
-        self._by_m: dict[tuple[int, int], _PlanState] = {}
+        self._by_m: dict[tuple[int, int], PlanState] = {}
         self._measured: dict[tuple[int, int], list[IterationMeasurement]] = {}
         self._sweep: ClockSweep | None = None
         self._sweep_clock: int | None = None
         self._checked: set[tuple[int, int]] = set()  # pipelines whose sizes passed check_pipeline
         self.last_result: PlanResult | None = None
         self.planned_at: int | None = None  # iteration count when the plan took over
-        self.energy_log: list[EnergyReport] = []
-        # The measured baseline (core.energy_report): 1F1B iterations at the maximum clock before the plan,
-        # counted as they are handed out; the reporting sets ``baseline`` from their energy.
-        self.baseline: Baseline | None = None
+        # 1F1B iterations at the maximum clock before the plan, counted as they are handed out: the energy
+        # ledger (megatron/energy_ledger.py) makes the measured baseline from their energy.
         self.baseline_runs = 0
         # The baseline measured again once the plan runs, at the GPU age the log compares (baseline_refresh.py).
         self.refresh = BaselineRefresh(config.baseline_iterations)
@@ -117,32 +103,40 @@ class EnvPipeRuntime:
         # Model chunks per stage (Megatron's virtual pipeline) and its micro-batch group size, from prepare().
         self.num_chunks: int = 1
         self.microbatch_group_size: int | None = None
-        # Following a data-parallel straggler (megatron/stragglers.py): what the last plan was made from
-        # (profile, micro-batches, planner config), and the plan for the slowest pipeline's pace that
-        # replaces it (the same on every stage of the pipeline), its predicted time and energy-line note.
+        # What the last plan was made from (profile, micro-batches, planner config): the straggler follower
+        # and the per-iteration planner plan from it too.
         self.planned_with: tuple[Profile, int, PlannerConfig] | None = None
-        self.pace_plan: FrequencyPlan | None = None
-        self.pace_time_s: float | None = None
-        self.pace_note: str | None = None
-        # (slowest replica, its pace s) while the last agreement found this pipeline waiting for a slower one
-        # at the gradient sync (followed or not): iterations then last longer than planned, and that is why.
-        self.dp_wait: tuple[int, float] | None = None
-        # Variable-length micro-batches: megatron/iteration_plans.IterationPlans, made at the first such call.
-        self.iteration_plans: Any = None
         # --envpipe-deadline-from 1f1b: the deadline the plan was made for, and 1F1B at f_max it came from.
         self.deadline: DeadlineFrom | None = None
 
     # -- facts from the executor ---------------------------------------------------------
-    def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None) -> None:
-        """Called once, with facts every stage agrees on, before the first prepare()."""
-        self.device = facts
-        self.cache_key = cache_key
+    def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None,
+                      session: DeviceSession | None = None) -> None:
+        """Called once, with facts every stage agrees on, before the first prepare(); ``session``: the device
+        session decided at set-up (megatron/devices.py), else one made from the facts and the config."""
+        if session is None:
+            session = DeviceSession(facts, ClockTiming.assumed(facts.modelled, self.config.device_dynamics), cache_key)
+        self.session = session
         if self.gpu is None and facts.backend == "nvml":
             self.gpu = spec_for_nvml_name(facts.name)
         if self.profile is None and facts.control and not self.config.is_stock:
-            cached = self._cache_lookup()
+            cached = cached_profile(self.config, session.cache_key)
             if cached is not None:
-                self.profile = cached
+                self.profile, self.profile_p2p_power_w = cached
+
+    @property
+    def device(self) -> DeviceFacts | None:
+        """The pipeline's agreed device facts (None before attach_device: offline, or before set-up)."""
+        return self.session.facts if self.session is not None else None
+
+    @property
+    def cache_key(self) -> Mapping[str, Any] | None:
+        return self.session.cache_key if self.session is not None else None
+
+    def adopt_profile(self, profile: Profile | None, p2p_power_w: float | None) -> None:
+        """The profile (and its P2P power) the pipeline agreed on at set-up: the first stage's (each node reads
+        its own profile cache)."""
+        self.profile, self.profile_p2p_power_w = profile, p2p_power_w
 
     def attach_memory(self, source: str | None) -> None:
         """How the pipeline measures memory for ``--envpipe-max-inflight auto`` ("cuda" or None),
@@ -186,9 +180,14 @@ class EnvPipeRuntime:
             self._checked.add(key)
 
     def prepare(self, num_stages: int, num_microbatches: int, num_chunks: int = 1,
-                microbatch_group_size: int | None = None) -> IterationPlan:
+                microbatch_group_size: int | None = None, *, pace_plan: FrequencyPlan | None = None,
+                per_iteration_plans: bool = False) -> IterationPlan:
         """This iteration's plan; ``num_chunks`` > 1 (Megatron's virtual pipeline, scheduling
-        "interleaved") runs Megatron's interleaved order with ``microbatch_group_size``."""
+        "interleaved") runs Megatron's interleaved order with ``microbatch_group_size``.
+
+        From the run's other parts: ``pace_plan``, the plan for a data-parallel straggler's pace that replaces
+        the steady plan (megatron/stragglers.py); ``per_iteration_plans``: variable-length micro-batches get
+        plans of their own (megatron/iteration_plans.py), so the baseline is not measured again."""
         if (num_chunks, microbatch_group_size) != (self.num_chunks, self.microbatch_group_size):
             if self._by_m or self._measured:
                 raise RuntimeError(f"EnvPipe: the model chunks per stage changed from {self.num_chunks} to "
@@ -198,7 +197,7 @@ class EnvPipeRuntime:
         self.check_pipeline(num_stages, num_microbatches)
         state = self._by_m.get(key)
         if state is None and self.keeps_megatron_order:  # nothing to measure or plan
-            state = self._by_m[key] = _PlanState(self._megatron_schedule(num_stages, num_microbatches), None, None)
+            state = self._by_m[key] = PlanState(self._megatron_schedule(num_stages, num_microbatches), None, None)
         if state is None:
             memory = self._memory_wanted(num_stages, num_microbatches)
             if self.profile is None and not self.config.is_stock:
@@ -228,13 +227,13 @@ class EnvPipeRuntime:
             self._by_m[key] = state
         rc = state.reconfigurer
         measure = rc is not None and not rc.finished
-        if not measure and self._repeat_baseline():
+        if not measure and not per_iteration_plans and self._repeat_baseline():
             return self._uniform(num_stages, num_microbatches, self.device.clocks_mhz[0], measure=False,
                                  phase=f"baseline again (measurement {self.refresh.generation}, at the plan's GPU age)")
         plan = rc.plan if rc is not None else state.plan
         phase = "reconfigure" if measure else MEGATRON_ORDER if self.keeps_megatron_order else "steady"
-        if self.pace_plan is not None and not measure:  # following a straggler: its pace's plan
-            plan, phase = self.pace_plan, "following a straggler"
+        if pace_plan is not None and not measure:  # following a straggler: its pace's plan
+            plan, phase = pace_plan, "following a straggler"
         programs = state.programs_for(plan, self.config.prefetch)
         schedule = plan.schedule if plan is not None else state.schedule
         return IterationPlan(schedule, plan, programs, measure, phase, unit_times_s=state.unit_times_for(plan))
@@ -324,43 +323,17 @@ class EnvPipeRuntime:
 
     def _repeat_baseline(self) -> bool:
         """Whether this iteration measures the baseline again (megatron/baseline_refresh.py): clocks and energy
-        under control, a measured baseline asked for, and one plan for every iteration (not per-iteration
-        plans for variable lengths, whose iterations differ anyway)."""
+        under control, a measured baseline asked for, and one plan for every iteration (prepare() asks only
+        without per-iteration plans for variable lengths, whose iterations differ anyway)."""
         d = self.device
-        if d is None or not (d.control and d.energy and d.clocks_mhz) or self.iteration_plans is not None:
+        if d is None or not (d.control and d.energy and d.clocks_mhz):
             return False
         return self.refresh.due(self.iteration)
 
-    def report_energy(self, iteration: int, stage_energy: Sequence[Any], iterations: int = 1,
-                      gpus: Sequence[Any] = ()) -> EnergyReport | None:
-        """Per-stage means per iteration (``time_s``, ``energy_j``) of a window of ``iterations`` ending
-        at ``iteration`` (1-based) -> a report against :attr:`baseline` and the plan; ``gpus``: each GPU's
-        :class:`~megatron_envpipe.core.energy_report.GpuFigure`."""
-        if not stage_energy or not self.measures_energy:
-            return None
-        scale = self.device.time_scale  # the device's, not the flag's: 1 in virtual time
-        time_s = max(e.time_s for e in stage_energy) / scale
-        energy = sum(e.energy_j for e in stage_energy)
-        power = tuple(e.energy_j / (e.time_s / scale) if e.time_s > 0 else 0.0 for e in stage_energy)
-        result = self.last_result if self.is_planned_iteration(iteration - 1) else None
-        predicted = result.baseline_energy_j if result is not None else None
-        planned_time = None
-        if result is not None:
-            planned_time = result.deadline_s if result.deadline_s is not None else result.score.iteration_time_s
-            if self.pace_time_s is not None:  # following a straggler: its pace's plan
-                planned_time = self.pace_time_s
-        saving = result.energy_saving if result is not None else None
-        # Variable-length micro-batches: a window run wholly under per-iteration plans is held to their figures
-        # and compared with the stock run they predict for the same sizes (like with like).
-        own = (self.iteration_plans.window_prediction(iterations)
-               if result is not None and self.pace_time_s is None and self.iteration_plans is not None else None)
-        base = self.baseline if result is not None else None
-        if own is not None:
-            planned_time, saving, base = own
-        report = EnergyReport(iteration, time_s, energy, power, predicted, self.device.simulated,
-                              planned_time, saving, base, iterations, tuple(gpus), per_iteration_plans=own is not None)
-        self.energy_log.append(report)
-        return report
+    def baseline_measured(self, energy_j: float, last_iteration: int) -> None:
+        """The energy ledger measured a repeat of the baseline (mean pipeline J per iteration, up to 0-based
+        ``last_iteration``): the next repeat is scheduled, or none once two agree (baseline_refresh.py)."""
+        self.refresh.measured(energy_j, last_iteration)
 
     # -- activation budget ---------------------------------------------------------------
     def _memory_kind(self) -> str | None:
@@ -370,7 +343,7 @@ class EnvPipeRuntime:
         """Whether this 1F1B iteration should measure memory: ``ours`` with an auto budget, a way to
         measure, extra warm-up possible at all (M > P), and fewer measured iterations than needed."""
         kind = self._memory_kind()
-        if (self.config.max_inflight != AUTO or self.config.scheduling != Scheduling.OURS or kind is None
+        if (self.config.max_inflight != AUTO or not scheduling_kind(self.config.scheduling).extra_warmup or kind is None
                 or num_microbatches <= num_stages):
             return False
         return len(self._memory.get((num_stages, num_microbatches), [])) < MEMORY_ITERATIONS[kind]
@@ -379,13 +352,13 @@ class EnvPipeRuntime:
         """The activation budget to plan with: the flag's, or under ``auto`` the one derived from the
         measured memory (logged), or no limit when nothing could be measured (logged once)."""
         cfg = self.config
-        if cfg.scheduling != Scheduling.OURS:  # only ours plans within a budget (interleaved: checked at start-up)
+        if not scheduling_kind(cfg.scheduling).extra_warmup:  # only ours plans within a budget (interleaved: checked at start-up)
             return None
         if cfg.max_inflight != AUTO:
             return cfg.max_inflight
         runs = self._memory.get((num_stages, num_microbatches))
         if not runs:
-            if cfg.scheduling == Scheduling.OURS and num_microbatches > num_stages and not self._told_no_memory:
+            if scheduling_kind(cfg.scheduling).extra_warmup and num_microbatches > num_stages and not self._told_no_memory:
                 self._told_no_memory = True
                 log.info("EnvPipe: --envpipe-max-inflight auto: this device's memory cannot be measured (not CUDA, "
                          "no --envpipe-sim-memory): no activation budget, as with --envpipe-max-inflight none")
@@ -444,39 +417,8 @@ class EnvPipeRuntime:
         self.profile = sweep.profile()
         self.profile_p2p_power_w = sweep.p2p_power_w()
         log.info("EnvPipe profiler: %s", sweep.summary())
-        self._cache_store(sweep)
-
-    def _cache(self) -> ProfileCache | None:
-        if self.config.profile_cache == "off" or self.cache_key is None:
-            return None
-        return ProfileCache(self.config.profile_cache) if self.config.profile_cache else ProfileCache()
-
-    def _cache_lookup(self) -> Profile | None:
-        cache = self._cache()
-        if cache is None:
-            return None
-        profile = cache.load(self.cache_key)
-        if profile is not None:
-            meta = cache.meta(self.cache_key) or {}
-            self.profile_p2p_power_w = meta.get("p2p_power_w")
-            log.info("EnvPipe profiler: reusing the cached profile %s", cache.describe(self.cache_key))
-        return profile
-
-    def _cache_store(self, sweep: ClockSweep) -> None:
-        cache = self._cache()
-        if cache is None:
-            return
-        try:
-            path = cache.store(self.cache_key, self.profile, {
-                "iterations_used": sweep.iterations_used,
-                "p2p_power_w": self.profile_p2p_power_w,
-                "clocks_mhz": list(sweep.measured_clocks_mhz()),
-                "stop_reason": sweep.stop_reason,
-                "device": self.device.name if self.device else None,
-            })
-            log.info("EnvPipe profiler: profile cached at %s", path)
-        except OSError as exc:  # a read-only home must not stop training
-            log.warning("EnvPipe profiler: could not cache the profile: %s", exc)
+        store_profile(self.config, self.cache_key, self.profile, self.profile_p2p_power_w, sweep,
+                      self.device.name if self.device else None)
 
     def _profile_for(self, num_stages: int, num_microbatches: int) -> Profile:
         if self.profile is not None:  # its stage count passed check_pipeline in prepare()
@@ -497,7 +439,7 @@ class EnvPipeRuntime:
                     points[(s, ins, chunk)] = [ProfilePoint(clock, max(mean, 1e-9), 0.0)]
         return Profile(points, source=f"<timed at one clock over {len(runs)} iteration(s)>")
 
-    def _make_state(self, num_stages: int, num_microbatches: int) -> "_PlanState":
+    def _make_state(self, num_stages: int, num_microbatches: int) -> PlanState:
         cfg = self.config
         profile = self._profile_for(num_stages, num_microbatches)
         p2p = cfg.p2p_power_w if cfg.p2p_power_w is not None else self.profile_p2p_power_w
@@ -508,13 +450,9 @@ class EnvPipeRuntime:
         self.budgets[(num_stages, num_microbatches)] = budget
         chunks = {} if self.num_chunks == 1 else {"virtual_stages": self.num_chunks,
                                                   "microbatch_group_size": self.microbatch_group_size}
-        # The plan is scored with the clock latency the hooks lead raises by (gpu/hooks.expected_clock_lead):
-        # the simulated GPU's own, else the assumed default for real GPUs; none without a device (offline).
-        timing: dict[str, Any] = {}
-        if self.device is not None and self.device.control:
-            latency = cfg.device_dynamics.clock_latency if self.device.simulated else DEFAULT_CLOCK_LATENCY
-            timing = {"clock_latency_s": latency.request_to_clock_s, "clock_call_s": latency.call_s,
-                      "clock_lead": cfg.clock_lead == "on"}
+        # The plan is scored with the clock latency the hooks lead raises by, decided once by the device
+        # session (megatron/device_session.py); none without a device (offline).
+        timing = self.session.planner_timing(cfg.clock_lead == "on") if self.session is not None else {}
         pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget, **chunks, **timing)
         if self.gpu is not None and not self.gpu.on_ladder(profile.common_frequencies()):
             pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
@@ -533,7 +471,7 @@ class EnvPipeRuntime:
                      "in-flight activations %s; clocks stay as the driver sets them", cfg.plan_type, cfg.scheduling,
                      num_stages, num_microbatches, profile.source, list(result.schedule.extra_warmup),
                      list(result.schedule.peak_inflight()))
-            return _PlanState(result.schedule, None, None)
+            return PlanState(result.schedule, None, None)
         log.info(
             "EnvPipe plan %s/%s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, "
             "peak in-flight activations %s, %s, iteration time %+.2f%% (%s)",
@@ -555,43 +493,4 @@ class EnvPipeRuntime:
                               finish_limit=cfg.finish_limit, threshold_scale=cfg.threshold_scale,
                               target_time_s=target, window=cfg.reconfig_window,
                               profile=planning_profile(profile, pcfg))
-        return _PlanState(result.schedule, result.plan, rc, planning_profile(profile, pcfg))
-
-
-def _table_spec(key: str | None) -> GpuSpec | None:
-    if not key or key in ("auto", "none", "nvml"):
-        return None
-    if key.startswith("simulated"):
-        return spec_for_profile_source(key.partition(":")[2])
-    return get_gpu_spec(key)
-
-
-@dataclass
-class _PlanState:
-    schedule: Schedule
-    plan: FrequencyPlan | None  # None: no clock is set
-    reconfigurer: Reconfigurer | None
-    profile: Profile | None = None  # planned with (one row per model chunk): predicted unit times
-    _programs: dict = field(default_factory=dict)
-    _times: dict = field(default_factory=dict)
-
-    def programs_for(self, plan: FrequencyPlan | None, prefetch: int) -> tuple[StageProgram, ...]:
-        progs = self._programs.get(plan)
-        if progs is None:  # a straggler's pace plan carries its own schedule
-            progs = tuple(build_programs(plan.schedule if plan is not None else self.schedule, plan, prefetch))
-            self._programs = {plan: progs}  # keep only the current plan's programs
-        return progs
-
-    def unit_times_for(self, plan: FrequencyPlan | None) -> tuple[tuple[float, ...], ...] | None:
-        """Each unit's predicted time at its clock in ``plan`` (None: a clock the profile lacks, or no plan)."""
-        if self.profile is None or plan is None:
-            return None
-        if plan not in self._times:
-            try:
-                times = tuple(tuple(self.profile.time_s(s, instruction_of(u.kind), f, u.chunk)
-                                    for u, f in zip(order, plan.freqs_mhz[s], strict=True))
-                              for s, order in enumerate(plan.schedule.orders))
-            except ProfileError:
-                times = None
-            self._times = {plan: times}  # keep only the current plan's
-        return self._times[plan]
+        return PlanState(result.schedule, result.plan, rc, planning_profile(profile, pcfg))

@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_envpipe.core import instructions as ins
 from megatron_envpipe.core.communicators import warmup_programs
+from megatron_envpipe.core.deadlock import check_deadlock
 from megatron_envpipe.core.schedule import Schedule
 
 __all__ = ["ProvedPrograms", "uses_shape_messages"]
@@ -51,7 +52,7 @@ class ProvedPrograms:
             programs = self.shaped
         key = (plan.schedule, shapes, wrap)
         if self.proved is None or self.proved[0] is not key[0] or self.proved[1:] != key[1:]:
-            ins.check_deadlock(programs, lazy_communicators=True,
+            check_deadlock(programs, lazy_communicators=True,
                                warmup=warmup_programs(len(programs), wrap=wrap, shapes=shapes))
             self.proved = key
         return programs

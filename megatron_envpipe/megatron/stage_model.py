@@ -47,7 +47,7 @@ class StageSpec:
 
 
 class StageModel:
-    """The stage's kernels (:class:`megatron_envpipe.gpu.replay.StageKernels`): ``run(F(m))`` runs the
+    """The stage's kernels (:class:`megatron_envpipe.apps.gpu_check.replay.StageKernels`): ``run(F(m))`` runs the
     forward of micro-batch ``m`` and keeps its output, ``run(B(m))`` its backward."""
 
     def __init__(self, block: torch.nn.Module, spec: StageSpec, device: torch.device, dtype: torch.dtype) -> None:

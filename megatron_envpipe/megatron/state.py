@@ -1,8 +1,8 @@
 """The executor's process-wide state, set by ``install()`` and ``uninstall()``.
 
 Megatron calls the pipeline schedule as a plain function, once per iteration,
-so whatever must outlive one call lives in the one :data:`STATE`: the run-time
-(phases, plans, profile), the execution hooks (GPU hooks once the device is
+so whatever must outlive one call lives in the one :data:`STATE`: the training run
+(megatron/training_run.py: the phase machine and the run's other parts), the execution hooks (GPU hooks once the device is
 set up), Megatron's own schedule for fallbacks, and the P2P channels per
 pipeline. :mod:`megatron_envpipe.megatron.patch` configures and resets it;
 the executor reads it.
@@ -20,6 +20,7 @@ from megatron_envpipe.megatron.channels import PipelineChannels
 from megatron_envpipe.megatron.device_time import DeviceTimeLink
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.megatron.shape_exchange import ProvedPrograms
+from megatron_envpipe.megatron.training_run import TrainingRun
 
 __all__ = ["STATE", "ExecutorState"]
 
@@ -28,7 +29,7 @@ __all__ = ["STATE", "ExecutorState"]
 class ExecutorState:
     """What EnvPipe's executor keeps between Megatron's calls."""
 
-    runtime: EnvPipeRuntime | None = None
+    run: TrainingRun | None = None  # the composition root of this install()'s run
     hooks: ExecutionHooks = field(default_factory=ExecutionHooks)
     user_hooks: bool = False  # hooks were given to install(): no device of our own
     device_ready: bool = False  # the device was opened and the pipeline agreed on its facts
@@ -41,10 +42,15 @@ class ExecutorState:
     programs: ProvedPrograms = field(default_factory=ProvedPrograms)  # the programs check_deadlock last passed
     device_time: DeviceTimeLink | None = None  # a simulated GPU's stamps in virtual time (set up with the device)
 
-    def configure(self, runtime: EnvPipeRuntime, original: Callable[..., Any],
+    @property
+    def runtime(self) -> EnvPipeRuntime | None:
+        """The run's phase machine (None: not installed)."""
+        return self.run.phases if self.run is not None else None
+
+    def configure(self, run: TrainingRun, original: Callable[..., Any],
                   hooks: ExecutionHooks | None = None,
                   original_interleaved: Callable[..., Any] | None = None) -> None:
-        """``install()``: a new run-time and hooks; the device is set up again at the next call.
+        """``install()``: a new run and hooks; the device is set up again at the next call.
 
         Without ``hooks`` the executor opens this rank's GPU at the first
         iteration and drives it; the hooks used so far are closed.
@@ -52,7 +58,7 @@ class ExecutorState:
         old = self.hooks
         self.original = original
         self.original_interleaved = original_interleaved
-        self.runtime = runtime
+        self.run = run
         self.hooks = hooks or ExecutionHooks()
         self.user_hooks = hooks is not None
         self.device_ready = False
@@ -65,10 +71,9 @@ class ExecutorState:
     def reset(self) -> None:
         """``uninstall()``: close the hooks (resetting clocks) and forget the run-time and channels."""
         self.hooks.close()
-        plans = getattr(self.runtime, "iteration_plans", None)
-        if plans is not None:  # the per-iteration planner's thread
-            plans.close()
-        self.runtime = None
+        if self.run is not None:  # the per-iteration planner's thread
+            self.run.close()
+        self.run = None
         self.hooks = ExecutionHooks()
         self.user_hooks = False
         self.device_ready = False

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +36,7 @@ from megatron_envpipe.core.energy_report import SLOWER_THAN_PLANNED, EnergyRepor
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.megatron.groups import StageGroups
+from megatron_envpipe.megatron.run_parts import IterationStep
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.planning.straggler import (
     FollowSettings,
@@ -47,8 +47,8 @@ from megatron_envpipe.planning.straggler import (
 )
 from megatron_envpipe.planning.switching import steady_clock_changes
 
-__all__ = ["FollowLedger", "PaceSwitch", "StragglerFollow", "apply_sim_straggler", "follow_stragglers", "replica_of",
-           "straggler_follow", "waiting_energy_j"]
+__all__ = ["FollowLedger", "PaceSwitch", "SimStraggler", "StragglerFollow", "apply_sim_straggler", "replica_of",
+           "waiting_energy_j"]
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -68,11 +68,26 @@ def apply_sim_straggler(config: EnvPipeConfig, hooks: Any, groups: StageGroups, 
     replica, size = replica_of(groups)
     config.check_replicas(size)  # the same EnvPipeConfigError on every rank, before any unit runs
     device = getattr(hooks, "device", None)
-    if replica == sim.replica and getattr(device, "simulated", False) and iteration >= sim.start_iteration:
+    modelled = device is not None and hasattr(device, "capabilities") and device.capabilities().modelled
+    if replica == sim.replica and modelled and iteration >= sim.start_iteration:
         if device.slowdown != sim.factor:
             log.info("EnvPipe: simulated straggler: replica %d's GPU (stage %d) runs every unit %gx longer from "
                      "iteration %d", replica, groups.stage, sim.factor, iteration + 1)
         device.slowdown = sim.factor
+
+
+@dataclass(frozen=True)
+class SimStraggler:
+    """``--envpipe-sim-straggler`` as a part of the run: slows the straggling replica's GPU as each iteration
+    begins (:func:`apply_sim_straggler`)."""
+
+    config: EnvPipeConfig
+
+    def begin_iteration(self, step: IterationStep) -> None:
+        apply_sim_straggler(self.config, step.hooks, step.groups, step.iteration)
+
+    def end_iteration(self, step: IterationStep) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,12 @@ class FollowLedger:
     told: bool = False  # the first comparison was logged
     summarized: bool = False
 
+    def summary(self, simulated: bool, replica: int) -> str | None:
+        """The comparison for the run's summary, once (None: already given, or none to make)."""
+        line = None if self.summarized else self.comparison(simulated, replica)
+        self.summarized = self.summarized or line is not None
+        return line
+
     def comparison(self, simulated: bool, replica: int) -> str | None:
         if not self.waiting.iterations or not self.following.iterations or self.whom is None:
             return None
@@ -135,11 +156,20 @@ class FollowLedger:
 
 
 class StragglerFollow:
-    """One process's straggler detection and following (one per run-time, :func:`follow_stragglers`)."""
+    """One process's straggler detection and following (one per run, megatron/training_run.py). It owns
+    the plan for the slowest pipeline's pace that replaces the own plan (the same on every stage of the
+    pipeline; the run hands it to the phase machine's prepare()), its predicted time and energy-line note,
+    and ``dp_wait``; it reads the phase machine (``runtime``) and never writes it."""
 
     def __init__(self, runtime: EnvPipeRuntime) -> None:
         cfg = runtime.config
         self.runtime = runtime
+        self.pace_plan: FrequencyPlan | None = None  # following a straggler: its pace's plan (None: the own)
+        self.pace_time_s: float | None = None  # the pace it follows, planner time base
+        self.pace_note: str | None = None  # for the energy line: whom it follows, at what pace, what it saves
+        # (slowest replica, its pace s) while the last agreement found this pipeline waiting for a slower one
+        # at the gradient sync (followed or not): iterations then last longer than planned, and that is why.
+        self.dp_wait: tuple[int, float] | None = None
         self.window = max(1, cfg.straggler_window)
         # Release at half the threshold: hysteresis, so noise around the threshold does not flip plans.
         self.follower = StragglerFollower(FollowSettings(threshold=cfg.straggler_threshold,
@@ -161,6 +191,13 @@ class StragglerFollow:
         self.ledger = FollowLedger()
 
     # -- every rank ---------------------------------------------------------------------
+    def begin_iteration(self, step: IterationStep) -> None:
+        pass
+
+    def end_iteration(self, step: IterationStep) -> None:
+        """The run's end of an iteration: :meth:`after_iteration` (switches from the next iteration on)."""
+        self.after_iteration(step.groups, step.iteration, step.own_time_s)
+
     def active(self, groups: StageGroups, iteration: int) -> bool:
         """Whether detection applies: data parallelism, ``--envpipe-type optimal`` (the frontier's plans are
         optimal ones), clocks set, a plan running (not corrected online): facts every rank of every pipeline
@@ -206,8 +243,7 @@ class StragglerFollow:
             self.state_since = iteration + 1
 
     def _apply(self, switch: PaceSwitch) -> None:
-        rt = self.runtime
-        rt.pace_plan, rt.pace_note, rt.pace_time_s = switch.plan, switch.note, switch.pace_s
+        self.pace_plan, self.pace_note, self.pace_time_s = switch.plan, switch.note, switch.pace_s
         self.running_predicted_s = switch.predicted_time_s
         self.switches += 1
 
@@ -219,7 +255,7 @@ class StragglerFollow:
         self.engaged = self.engaged or self.active(groups, report.iteration - 1)
         if report.planned_time_s is None or report.first_iteration - 1 < self.state_since:
             return None
-        if self.runtime.pace_plan is not None:
+        if self.pace_plan is not None:
             self.ledger.following.add(report)
         elif self.pace_setter is None and report.time_s > report.planned_time_s * (1 + SLOWER_THAN_PLANNED):
             self.ledger.waiting.add(report)  # own plan, slower than planned: waiting at the gradient sync
@@ -279,7 +315,7 @@ class StragglerFollow:
                 # This pipeline waits for a slower one at the gradient sync: its iterations last longer
                 # than planned for that reason (the energy line says so once instead of warning).
                 waits = slow_replica != replica and slowest > sent * (1 + SLOWER_THAN_PLANNED)
-                self.runtime.dp_wait = (slow_replica, slowest) if waits else None
+                self.dp_wait = (slow_replica, slowest) if waits else None
                 if self.runtime.config.follow_stragglers:
                     decision = self.follower.update(sent, slowest)
                     if decision.changed:
@@ -340,21 +376,3 @@ def waiting_energy_j(energy_j: float, plan: FrequencyPlan, switch_cost_j: float,
     the straggler is done at ``target_s`` (planner time base)."""
     switches_j = switch_cost_j * sum(steady_clock_changes(plan))
     return energy_j + switches_j + p2p_power_w * num_stages * max(0.0, target_s - time_s)
-
-
-_FOLLOW: "weakref.WeakKeyDictionary[EnvPipeRuntime, StragglerFollow]" = weakref.WeakKeyDictionary()
-
-
-def straggler_follow(runtime: EnvPipeRuntime) -> StragglerFollow | None:
-    """This run-time's :class:`StragglerFollow`, if it has one (the energy log asks it)."""
-    return _FOLLOW.get(runtime)
-
-
-def follow_stragglers(runtime: EnvPipeRuntime, groups: StageGroups, iteration: int,
-                      own_time_s: float | None) -> StragglerFollow:
-    """This run-time's :class:`StragglerFollow`, fed iteration ``iteration`` (0-based)."""
-    follow = _FOLLOW.get(runtime)
-    if follow is None:
-        follow = _FOLLOW[runtime] = StragglerFollow(runtime)
-    follow.after_iteration(groups, iteration, own_time_s)
-    return follow

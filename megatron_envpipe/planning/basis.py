@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.gpu_specs import GpuSpec
 from megatron_envpipe.core.instructions import paired_hold_dependencies
+from megatron_envpipe.core.kinds import plan_kind, plan_type_names
 from megatron_envpipe.core.memory import AUTO
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile, ProfileError
 from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, one_f_one_b
 from megatron_envpipe.core.timeline import Dependency, PlanEvaluator, PlanScore, Timeline
 from megatron_envpipe.core.vocabulary import (
-    PLAN_TYPES,
     RECONFIG_POLICIES,
     SCHEDULINGS,
     CommModel,
@@ -105,8 +105,8 @@ class PlannerConfig:
             object.__setattr__(self, "max_inflight", tuple(self.max_inflight))
 
     def validate(self) -> "PlannerConfig":
-        if self.plan_type not in PLAN_TYPES:
-            raise PlannerError(f"unknown plan type {self.plan_type!r}; choose one of {', '.join(PLAN_TYPES)}")
+        if str(self.plan_type) not in plan_type_names():  # the registered ones (core/kinds.py)
+            raise PlannerError(f"unknown plan type {self.plan_type!r}; choose one of {', '.join(plan_type_names())}")
         if self.scheduling not in SCHEDULINGS:
             raise PlannerError(f"unknown scheduling {self.scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
         self._validate_virtual_stages()
@@ -140,7 +140,7 @@ class PlannerConfig:
         if self.max_slowdown and self.target_time_s is not None:
             raise PlannerError("give a maximum slowdown or a target iteration time, not both: "
                                "the target alone sets the deadline")
-        if self.plan_type != PlanType.OPTIMAL and (self.max_slowdown or self.target_time_s is not None):
+        if not plan_kind(self.plan_type).has_deadline and (self.max_slowdown or self.target_time_s is not None):
             raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
         check_switching(self.switch_cost_j, self.max_clock_changes)
         if self.scheduling == Scheduling.ONE_F_ONE_B and self.max_inflight is not None:

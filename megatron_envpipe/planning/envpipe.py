@@ -20,26 +20,28 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from megatron_envpipe.core.kinds import KindError, plan_kind, scheduling_kind
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import (
     Schedule,
     ScheduleError,
-    build_schedule,
     clamp_extra_warmup,
     one_f_one_b,
     raw_extra_warmup,
 )
-from megatron_envpipe.core.timeline import PlanEvaluator, outer_envelope
-from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
+from megatron_envpipe.core.timeline import PlanEvaluator
+from megatron_envpipe.core.vocabulary import ReconfigPolicy
 from megatron_envpipe.planning.basis import (
     SLOWDOWN_WARNING,
     PlannerConfig,
     PlannerError,
+    PlanningBasis,
     PlanResult,
     planning_basis,
 )
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
+from megatron_envpipe.planning.resimulation import Resimulator
 
 
 def plan_reconfigured(
@@ -47,17 +49,26 @@ def plan_reconfigured(
     num_microbatches: int,
     config: PlannerConfig,
     num_stages: int | None = None,
+    basis: PlanningBasis | None = None,
+    known_schedules: Sequence[Schedule] = (),
 ) -> PlanResult:
-    """Plan one iteration EnvPipe's way on the simulated timeline: initial plan, then reconfiguration."""
+    """Plan one iteration EnvPipe's way on the simulated timeline: initial plan, then reconfiguration.
+
+    ``basis``: this (profile, M, config)'s :func:`planning_basis` when the caller already has it (another plan
+    type of the same problem: the basis depends on neither the plan type nor the reconfiguration policy).
+    ``known_schedules``: schedules already planned on; one equal to this plan's is used as it is (its graph is
+    built already: :meth:`PipelineGraph.shared` knows a schedule by its identity)."""
     t0 = time.perf_counter()
     config.validate()
-    basis = planning_basis(profile, num_microbatches, config, num_stages)
+    if basis is None:
+        basis = planning_basis(profile, num_microbatches, config, num_stages)
     p, p2p_power, candidates = basis.num_stages, basis.p2p_power_w, basis.candidates_mhz
     f_max, valley, warnings = basis.f_max_mhz, basis.valley_mhz, basis.warnings
     ladder = ClockLadder(candidates, config.effective_reconfig_step_mhz)
-    inner = valley if config.plan_type != PlanType.BASELINE else (f_max,) * p
+    inner = valley if plan_kind(config.plan_type).sets_clocks else (f_max,) * p
+    order = scheduling_kind(config.scheduling)
 
-    if config.scheduling == Scheduling.OURS:
+    if order.extra_warmup:
         raw = (
             list(config.extra_warmup)
             if config.extra_warmup is not None
@@ -71,14 +82,15 @@ def plan_reconfigured(
             r = clamp_extra_warmup(p, num_microbatches, raw, config.max_inflight)
         except ScheduleError as exc:
             raise PlannerError(str(exc)) from None
-        schedule = build_schedule("ours", p, num_microbatches, r)
-    elif config.scheduling == Scheduling.INTERLEAVED:
+        schedule = order.build(p, num_microbatches, r, 1, None)
+    elif order.model_chunks:
         # Megatron's order, as the baseline: EnvPipe's extra warm-up does not carry over to chunks
         # (interleaved.md finding (b)), so only the clocks are planned.
         schedule = basis.baseline_plan.schedule
     else:
         schedule = one_f_one_b(p, num_microbatches)
 
+    schedule = next((known for known in known_schedules if known == schedule), schedule)
     evaluator = PlanEvaluator(schedule, profile, p2p_power, config.p2p_latency_s, config.dependencies(schedule))
     plan = initial_plan(schedule, config.plan_type, f_max, inner)
     reconf = Reconfigurer(plan, config.reconfig, ladder)
@@ -88,15 +100,27 @@ def plan_reconfigured(
         converged = reconf.on_envelope(timeline.critical_units())
         reason = "no reconfiguration (policy 'default')"
     else:
+        # The loop walks node indices: per node its (stage, position in its order) and whether it is on the
+        # outer envelope, looked up once (the same steps as reconf.apply on timeline.critical_units()).
+        # Unit durations are kept up to date where a raise changed a clock (evaluator.simulate's, per unit).
+        nodes = evaluator.graph.nodes
+        index = [{u: i for i, u in enumerate(order)} for order in schedule.orders]
+        position = [(s, index[s][u]) for s, u in nodes]
+        node_at = {pos: v for v, pos in enumerate(position)}
+        on_envelope = [node in reconf.envelope for node in nodes]
+        durations = list(timeline.duration_s)
+        resim = Resimulator(evaluator.graph)
         while True:
-            path = timeline.critical_units()
-            if reconf.on_envelope(path):
+            critical = timeline.critical_path()
+            if all(on_envelope[v] for v in critical):
                 converged, reason = True, "critical path is the outer envelope"
                 break
             if iterations >= config.max_iterations:
                 reason = f"stopped after max_iterations={config.max_iterations}"
                 break
-            if not reconf.apply(path):
+            changes = reconf.raise_off_envelope([position[v] for v in critical])
+            if not changes:
+                path = timeline.critical_units()
                 if all(f == f_max for f in reconf.freqs_flat()):
                     converged, reason = True, "nothing to reconfigure: every unit runs at f_max"
                     break
@@ -110,7 +134,12 @@ def plan_reconfigured(
                 )
                 break
             iterations += 1
-            timeline = evaluator.simulate(reconf.freqs_flat())
+            changed = []
+            for stage, i, _, new_mhz in changes:
+                v = node_at[(stage, i)]
+                durations[v] = evaluator.key_point(evaluator.cost_keys[v], new_mhz).time_s
+                changed.append(v)
+            timeline = resim.simulate(timeline, durations, changed)
         plan = reconf.plan
     score = evaluator.score(plan.flat(), timeline)
     result = PlanResult(
@@ -147,18 +176,11 @@ def plan_reconfigured(
 
 
 def initial_plan(schedule: Schedule, plan_type: str, f_max: int, inner_mhz: Sequence[int]) -> FrequencyPlan:
-    """The plan before any reconfiguration (envpipe.md §3)."""
-    if plan_type == PlanType.BASELINE:
-        return FrequencyPlan.constant(schedule, [f_max] * schedule.num_stages)
-    if plan_type == PlanType.UNIFORM:
-        return FrequencyPlan.constant(schedule, inner_mhz)
-    if plan_type == PlanType.ENVELOPE:
-        env = outer_envelope(schedule)
-        return FrequencyPlan(
-            schedule,
-            tuple(
-                tuple(f_max if (s, u) in env else int(inner_mhz[s]) for u in order)
-                for s, order in enumerate(schedule.orders)
-            ),
-        )
-    raise PlannerError(f"unknown plan type {plan_type!r}")
+    """The plan before any reconfiguration (envpipe.md §3): the registered plan type's (core/kinds.py)."""
+    try:
+        make = plan_kind(plan_type).initial_plan
+    except KindError as exc:
+        raise PlannerError(str(exc)) from None
+    if make is None:
+        raise PlannerError(f"plan type {plan_type!r} is planned by the optimal planner, not from an initial plan")
+    return make(schedule, f_max, inner_mhz)

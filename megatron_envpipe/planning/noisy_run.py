@@ -18,6 +18,7 @@ from megatron_envpipe.core.jitter import UnitJitter
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanEvaluator, score_timeline
+from megatron_envpipe.errors import InvalidValueError
 from megatron_envpipe.planning.basis import PlanResult
 from megatron_envpipe.planning.reconfig import DEFAULT_WINDOW, ClockLadder, Reconfigurer
 
@@ -69,7 +70,7 @@ def run_noisy(result: PlanResult, profile: Profile, iterations: int, jitter: flo
     ``window``, ``two_way`` and ``plain_steps`` (EnvPipe's ladder steps, profile not consulted) as the
     :class:`Reconfigurer`'s)."""
     if iterations < 1:
-        raise ValueError(f"need at least one iteration, got {iterations}")
+        raise InvalidValueError(f"need at least one iteration, got {iterations}")
     cfg = result.config
     p2p = cfg.effective_p2p_power_w
     evaluator = PlanEvaluator(result.schedule, profile, p2p, graph=result.timeline.graph)

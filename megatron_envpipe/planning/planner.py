@@ -17,16 +17,27 @@ import dataclasses
 import time
 
 from megatron_envpipe.core.clock_transitions import predict_with_latency
+from megatron_envpipe.core.kinds import plan_kind
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.errors import EnvPipeError
-from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
+from megatron_envpipe.planning.basis import (
+    PlannerConfig,
+    PlanningBasis,
+    PlanResult,
+    planner_candidates,
+    planning_profile,
+)
 from megatron_envpipe.planning.envpipe import plan_reconfigured
 from megatron_envpipe.planning.optimal import plan_optimal
 from megatron_envpipe.planning.optimal.entry import account_optimal
-from megatron_envpipe.planning.switching import reduce_clock_changes, steady_clock_changes
+from megatron_envpipe.planning.switching import (
+    reduce_clock_changes,
+    reduce_clock_changes_remembered,
+    steady_clock_changes,
+)
 from megatron_envpipe.planning.switching_dp import plan_segments, short_segments
 
 
@@ -47,7 +58,7 @@ def plan_envpipe(
         # Plan as if every slowed unit ran (1 + margin) x longer: each keeps that much slack.
         f_max = max(planner_candidates(profile, config.gpu), default=profile.max_frequency())
         planned_on = profile.with_timing_margin(config.timing_margin, f_max)
-    if config.plan_type == PlanType.OPTIMAL:
+    if plan_kind(config.plan_type).optimized:  # core/kinds.py: planned by the LP, not from an initial plan
         result = plan_optimal(planned_on, num_microbatches, config, num_stages)
     else:
         result = plan_reconfigured(planned_on, num_microbatches, config, num_stages)
@@ -125,8 +136,8 @@ def with_fewer_clock_changes(result: PlanResult, profile: Profile) -> PlanResult
     padded = bool(result.details.get("padded_to_deadline"))
     p2p = cfg.effective_p2p_power_w
     evaluator = PlanEvaluator(result.schedule, profile, p2p, graph=result.timeline.graph)
-    sw = reduce_clock_changes(result.plan, evaluator, result.deadline_s if padded else None, cost,
-                              cfg.max_clock_changes)
+    sw = reduce_clock_changes_remembered(result.plan, evaluator, result.deadline_s if padded else None, cost,
+                                         cfg.max_clock_changes)  # plan_optimal priced this very plan: its pass
     result.plan, result.score, result.timeline = sw.plan, sw.score, sw.timeline
     result.details["clock_switching"] = sw.summary()
     if sw.budget_unmet:
@@ -232,8 +243,14 @@ def better_than_envelope(result: PlanResult, profile: Profile, num_microbatches:
                                     switch_cost_j=cfg.effective_switch_cost_j, target_time_s=None)
     mine = counted_energy_j(result)
     result.details["kept_plan"] = "optimal"
+    # The rival starts from the optimal plan's basis (clocks, baseline): the same problem, planned once.
+    # (Its warnings are not reported, only its plan: the basis's own warnings are the optimal plan's.)
+    basis = PlanningBasis(result.schedule.num_stages, cfg.effective_p2p_power_w, result.candidates_mhz,
+                          result.f_max_mhz, result.valley_mhz, [], result.baseline_plan, result.baseline_timeline,
+                          result.baseline)
     try:
-        rival = plan_reconfigured(profile, num_microbatches, rival_cfg, num_stages)
+        rival = plan_reconfigured(profile, num_microbatches, rival_cfg, num_stages, basis,
+                                  (result.schedule, result.baseline_plan.schedule))
     except EnvPipeError:
         return result
     rival = with_fewer_clock_changes(rival, profile)

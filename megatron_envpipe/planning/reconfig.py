@@ -163,27 +163,38 @@ class Reconfigurer:
             return False
         return bool(self._raise(path))
 
+    def raise_off_envelope(self, positions: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int, int], ...]:
+        """:meth:`apply` on a path that leaves the outer envelope, given as (stage, position in its order) pairs
+        (the offline planner's loop: no unit lookups); the changes made, (stage, position, old MHz, new MHz)."""
+        if self.policy == ReconfigPolicy.DEFAULT or not positions:
+            return ()
+        return self._raise_at(positions)
+
     def _raise(self, path: Sequence[tuple[int, Unit]]) -> tuple[tuple[int, int, int, int], ...]:
         """The policy's raise on ``path``, applied; the changes made (none: nothing to raise)."""
         index = self._index
+        return self._raise_at([(s, index[s][u]) for s, u in path])
+
+    def _raise_at(self, positions: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int, int], ...]:
+        """:meth:`_raise` on (stage, position) pairs."""
+        orders = self.schedule.orders
+        freqs = self.freqs
         f_max = self.ladder.f_max
         if self.policy == ReconfigPolicy.GREEDY:
-            for s, u in path:
-                i = index[s][u]
-                if self.freqs[s][i] < f_max:
-                    old = self.freqs[s][i]
-                    self.freqs[s][i] = self._raised(s, u, old, GREEDY_STEP_FACTOR)
-                    return ((s, i, old, self.freqs[s][i]),)
+            for s, i in positions:
+                if freqs[s][i] < f_max:
+                    old = freqs[s][i]
+                    freqs[s][i] = self._raised(s, orders[s][i], old, GREEDY_STEP_FACTOR)
+                    return ((s, i, old, freqs[s][i]),)
             return ()
         # balanced: every unit of the path at the path's lowest clock, one step up
-        f_min = min(self.freqs[s][index[s][u]] for s, u in path)
+        f_min = min(freqs[s][i] for s, i in positions)
         if f_min >= f_max:
             return ()
         changes = []
-        for s, u in path:
-            i = index[s][u]
-            if self.freqs[s][i] == f_min:
-                self.freqs[s][i] = new = self._raised(s, u, f_min, 1)
+        for s, i in positions:
+            if freqs[s][i] == f_min:
+                freqs[s][i] = new = self._raised(s, orders[s][i], f_min, 1)
                 changes.append((s, i, f_min, new))
         return tuple(changes)
 

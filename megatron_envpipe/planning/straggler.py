@@ -35,7 +35,7 @@ from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError, planning_profile
-from megatron_envpipe.planning.frontier import DEFAULT_POINTS, Frontier, FrontierPoint, compute_frontier
+from megatron_envpipe.planning.frontier import DEFAULT_POINTS, Frontier, compute_frontier
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.switching import steady_clock_changes
 
@@ -227,11 +227,6 @@ class FrontierPlans:
     @property
     def fastest_time_s(self) -> float:
         return self.frontier.points[0].time_s
-
-    def point_for(self, target_time_s: float) -> FrontierPoint:
-        target = _check_pace("target iteration time", target_time_s)
-        point, _, _ = self.frontier.pick(max(target, self.fastest_time_s))
-        return point
 
     def plan_for(self, target_time_s: float) -> PacePlan:
         """The minimum-energy frontier plan when iterations last ``target_time_s``: the slowest plan not

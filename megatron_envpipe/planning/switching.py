@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -203,6 +204,41 @@ def _by_budget(state: SwitchingState, max_changes: int) -> None:
                         lambda s=s: state.changes[s] <= max_changes)
         if state.merges == merges:
             return  # every rank within budget, or no merge of the others fits the deadline (reported)
+
+
+# The last few passes, by their inputs (reduce_clock_changes_remembered): the optimal planner prices its candidates'
+# changes with the pass (optimal/entry.py counted_extra_j) and then runs it again on the plan it keeps. Keyed by the identity of the
+# schedule, graph and profile (immutable; the entry holds them, so the ids stay theirs) and the plan's clocks.
+_RECENT_PASSES: dict[tuple, tuple[tuple, SwitchingResult]] = {}
+_RECENT_PASSES_MAX = 4
+_RECENT_PASSES_LOCK = threading.Lock()
+
+
+def reduce_clock_changes_remembered(
+    plan: FrequencyPlan,
+    evaluator: PlanEvaluator,
+    deadline_s: float | None = None,
+    switch_cost_j: float = 0.0,
+    max_clock_changes: int | None = None,
+) -> SwitchingResult:
+    """:func:`reduce_clock_changes`, or the (identical) result of one of the last few passes with the same
+    inputs (the planner's: optimal/entry.py prices its candidates with the pass, planner.py runs it on the one kept)."""
+    check_switching(switch_cost_j, max_clock_changes)
+    if evaluator.microbatch_sizes is not None:
+        return reduce_clock_changes(plan, evaluator, deadline_s, switch_cost_j, max_clock_changes)
+    pins = (plan.schedule, evaluator.graph, evaluator.profile)
+    key = (tuple(map(id, pins)), plan.freqs_mhz, repr(evaluator.p2p_power_w), repr(deadline_s), repr(switch_cost_j),
+           max_clock_changes)
+    with _RECENT_PASSES_LOCK:
+        hit = _RECENT_PASSES.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], pins)):
+        return hit[1]
+    result = reduce_clock_changes(plan, evaluator, deadline_s, switch_cost_j, max_clock_changes)
+    with _RECENT_PASSES_LOCK:
+        while len(_RECENT_PASSES) >= _RECENT_PASSES_MAX:
+            del _RECENT_PASSES[next(iter(_RECENT_PASSES))]  # the oldest
+        _RECENT_PASSES[key] = (pins, result)
+    return result
 
 
 def reduce_clock_changes(

@@ -20,7 +20,15 @@ from __future__ import annotations
 import math
 from itertools import accumulate
 
-from megatron_envpipe.core.graph import flat_steps, latest_times, successors
+from megatron_envpipe.core.graph import (
+    due_pair_s,
+    due_s,
+    flat_steps,
+    latest_times,
+    ready_pair_s,
+    ready_s,
+    successors,
+)
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.timeline import PlanEvaluator, Timeline
 
@@ -179,14 +187,10 @@ class SwitchingState:
             # Nothing gets faster, so no unit ends earlier than now: walking the run with the
             # current ends of its other inputs gives lower bounds of its new end times.
             preds = self.preds
-            chain = -math.inf
+            ends = _RunChain(end, first, last)
             for v in range(first, last):
-                t = 0.0
-                for u, lat in preds[v]:
-                    ready = (chain if first <= u < last else end[u]) + lat
-                    if ready > t:
-                        t = ready
-                chain = t + dur[v] + (new_dur[v - first] - old_dur[v - first])
+                chain = ready_s(preds[v], ends) + dur[v] + (new_dur[v - first] - old_dur[v - first])
+                ends.chain = chain
                 if chain > lf[v] * (1 + RTOL):
                     self._refused[(run, freq)] = (run.version, self._epoch)
                     return False
@@ -241,14 +245,7 @@ class SwitchingState:
                     dirty[p] = 0
                     walked += 1
                     v, a, lat_a, b, lat_b, p1, p2 = steps[p]
-                    t = 0.0  # the general loop's comparisons, in the same order
-                    ready = end[a] + lat_a
-                    if ready > t:
-                        t = ready
-                    ready = end[b] + lat_b
-                    if ready > t:
-                        t = ready
-                    e = t + dur[v]
+                    e = ready_pair_s(end, a, lat_a, b, lat_b) + dur[v]
                     if e != end[v]:
                         end[v] = e
                         dirty[p1] = 1
@@ -258,12 +255,7 @@ class SwitchingState:
                 dirty[p] = 0
                 v = order[p]
                 walked += 1
-                t = 0.0
-                for u, lat in preds[v]:
-                    ready = end[u] + lat
-                    if ready > t:
-                        t = ready
-                e = t + dur[v]
+                e = ready_s(preds[v], end) + dur[v]
                 if e != end[v]:
                     end[v] = e
                     for w, _ in succs[v]:
@@ -285,13 +277,7 @@ class SwitchingState:
                     dirty[p] = 0
                     walked += 1
                     v, w1, lat_w1, w2, lat_w2, p1, p2 = steps[p]
-                    t = deadline
-                    by = ls[w1] - lat_w1
-                    if by < t:
-                        t = by
-                    by = ls[w2] - lat_w2
-                    if by < t:
-                        t = by
+                    t = due_pair_s(ls, deadline, w1, lat_w1, w2, lat_w2)
                     new_ls = t - dur[v]
                     lf[v] = t
                     if new_ls != ls[v]:
@@ -303,11 +289,7 @@ class SwitchingState:
                 dirty[p] = 0
                 v = order[p]
                 walked += 1
-                t = deadline
-                for w, lat in succs[v]:
-                    by = ls[w] - lat
-                    if by < t:
-                        t = by
+                t = due_s(succs[v], ls, deadline)
                 new_ls = t - dur[v]
                 lf[v] = t
                 if new_ls != ls[v]:
@@ -349,21 +331,12 @@ class SwitchingState:
         p = find(1, min(pos[v] for v in range(first, last)), n)
         while p >= 0:
             walked += 1
-            t = 0.0
             if steps is not None:
                 v, a, lat_a, b, lat_b, p1, p2 = steps[p]
-                ready = end[a] + lat_a
-                if ready > t:
-                    t = ready
-                ready = end[b] + lat_b
-                if ready > t:
-                    t = ready
+                t = ready_pair_s(end, a, lat_a, b, lat_b)
             else:
                 v = order[p]
-                for u, lat in preds[v]:
-                    ready = end[u] + lat
-                    if ready > t:
-                        t = ready
+                t = ready_s(preds[v], end)
             e = t + dur[v]
             old = end[v]
             if e != old:
@@ -459,3 +432,17 @@ class SwitchingState:
 
     def plan(self) -> FrequencyPlan:
         return FrequencyPlan.from_flat(self.schedule, self.freqs)
+
+
+class _RunChain:
+    """The end times :meth:`SwitchingState.fits` reads for a run ``first..last-1`` walked along its rank: a unit
+    of the run reads the bound just computed for the run (``chain``), any other unit its current end."""
+
+    __slots__ = ("end", "first", "last", "chain")
+
+    def __init__(self, end: list[float], first: int, last: int) -> None:
+        self.end, self.first, self.last = end, first, last
+        self.chain = -math.inf
+
+    def __getitem__(self, u: int) -> float:
+        return self.chain if self.first <= u < self.last else self.end[u]

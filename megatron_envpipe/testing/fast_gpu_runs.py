@@ -22,7 +22,7 @@ from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.core.gpu_specs import GpuSpec
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanEvaluator
-from megatron_envpipe.gpu.sweep import ClockSweep, startup_sweep
+from megatron_envpipe.gpu.profiler.sweep import ClockSweep, startup_sweep
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.testing.pipeline_runs import SimulatedPipeline, sweep_on_pipeline

@@ -24,7 +24,7 @@ from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.gpu import open_gpu
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.megatron import devices
 from megatron_envpipe.megatron.executor import envpipe_forward_backward
 from megatron_envpipe.megatron.patch import install
@@ -71,7 +71,8 @@ def _run(config: EnvPipeConfig, record_dir: str, iterations: int, refuse_locks: 
     install(config)  # no hooks: the executor opens this rank's device itself
     executed: list[str] = []
     _record_units(executed)
-    runtime = STATE.runtime
+    run = STATE.run
+    runtime = run.phases
     m = kwargs["num_microbatches"]
     orders, store = [], []
     for i in range(iterations):
@@ -90,7 +91,7 @@ def _run(config: EnvPipeConfig, record_dir: str, iterations: int, refuse_locks: 
         "backend": runtime.device.backend,
         "planned_at": runtime.planned_at,
         "planned": runtime.last_result is not None,
-        "energy_j": [r.energy_j for r in runtime.energy_log],
+        "energy_j": [r.energy_j for r in run.energy.energy_log],
     }
     write_json_atomic(Path(record_dir) / f"rank{rank}.json", record, indent=None)
     return store  # the last iteration's: one iteration's losses and grads

@@ -1,13 +1,13 @@
 """Whole training runs of a pipeline on simulated GPUs, in virtual time: profile, plan, train.
 
 What ``bench/fast_gpus.py`` and the fast-GPU tests run. A :class:`SimulatedPipeline` keeps one
-:class:`~megatron_envpipe.gpu.simulated.SimulatedGpu` per stage (with its device dynamics: clock
+:class:`~megatron_envpipe.gpu.devices.simulated.SimulatedGpu` per stage (with its device dynamics: clock
 latency, stepped energy counter, heat) and its energy poller across iterations, so the GPUs age
 and heat as a run's do. Each iteration runs the schedule's units in dependency order as
 :func:`~megatron_envpipe.testing.pipeline_sim.run_pipeline_sim` does (clock requests as the hooks
 make them; every stage idles until the pipeline's last unit ends). A profiling iteration then
 attributes energy exactly as the runtime's hooks do (device unit windows, P2P waits in between,
-:func:`~megatron_envpipe.gpu.attribution.stage_samples` on the stage's poller), so the start-up
+:func:`~megatron_envpipe.gpu.profiler.attribution.stage_samples` on the stage's poller), so the start-up
 profiler is fed what it would be fed in training. Nothing reads the host's clock.
 """
 
@@ -22,11 +22,11 @@ from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.attribution import StageSamples, UnitWindow, stage_samples
-from megatron_envpipe.gpu.energy import EnergyMonitor
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
+from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
 from megatron_envpipe.gpu.hooks import MIN_BLOCKING_WINDOW_S
-from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.gpu.sweep import ClockSweep
+from megatron_envpipe.gpu.profiler.attribution import StageSamples, UnitWindow, stage_samples
+from megatron_envpipe.gpu.profiler.sweep import ClockSweep
 from megatron_envpipe.testing.pipeline_sim import run_units
 
 __all__ = ["PipelineIteration", "SimulatedPipeline", "sweep_on_pipeline"]

@@ -1,7 +1,7 @@
 """One pipeline iteration measured on P simulated GPUs with device dynamics, in simulated time.
 
 The *measured* side that ``bench/clock_latency.py`` and the tests hold a plan's prediction against:
-every stage is a real :class:`~megatron_envpipe.gpu.simulated.SimulatedGpu` with the given
+every stage is a real :class:`~megatron_envpipe.gpu.devices.simulated.SimulatedGpu` with the given
 :class:`~megatron_envpipe.core.device_dynamics.DeviceDynamics` (clock latency, NVML call time), on
 its own :class:`~megatron_envpipe.core.virtual_clock.VirtualClock`. Units run in a dependency order
 of the schedule's graph: a unit begins at ``max(its stage's clock, each producer's end on the other
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.device_dynamics import DeviceDynamics
+from megatron_envpipe.core.graph import ready_s
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 __all__ = ["MeasuredIteration", "run_pipeline_sim", "run_units"]
 
@@ -120,7 +121,8 @@ def run_units(evaluator: PlanEvaluator, freqs: Sequence[int], devices: Sequence[
     for v in graph.order:
         s, unit = graph.nodes[v]
         dev, vc = devices[s], clocks[s]
-        ready = max((end[u] + lat for u, lat in graph.cross_preds[v]), default=t0)
+        cross = graph.cross_preds[v]
+        ready = ready_s(cross, end) if cross else t0  # ends are >= 0: the kernel's max from 0 is the inputs' max
         vc.sleep(ready - vc.now())  # waits for the input at P2P power (no-op when it is there)
         nodes, k = stage_nodes[s], position[v]
         nxt = nodes[k + 1] if k + 1 < len(nodes) else None

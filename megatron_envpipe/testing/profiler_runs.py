@@ -3,7 +3,7 @@
 Used by ``bench/profiler_cost.py`` and ``tests/gpu/test_profiler_cost.py``. The
 pipeline is driven the way the runtime drives it per profiling iteration: lock
 the sweep's clock on every stage, run each stage's forwards and backwards on
-its :class:`~megatron_envpipe.gpu.simulated.SimulatedGpu` (device-side unit
+its :class:`~megatron_envpipe.gpu.devices.simulated.SimulatedGpu` (device-side unit
 windows, as CUDA events give on GPUs), with P2P blocking windows of 2, 4, 6, ...
 ms before the backwards, attribute energy from each stage's background counter
 poller by the per-iteration regression, and record. Nothing is fed exact values.
@@ -24,10 +24,10 @@ from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.energy import EnergyMonitor
-from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.gpu.sweep import ClockSweep, ProfileRow, UnitWindow, stage_samples, sweep_candidates
-from megatron_envpipe.gpu.sweep_lengths import sized_stage_samples
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
+from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
+from megatron_envpipe.gpu.profiler.sweep import ClockSweep, ProfileRow, UnitWindow, stage_samples, sweep_candidates
+from megatron_envpipe.gpu.profiler.sweep_lengths import sized_stage_samples
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 

@@ -43,11 +43,11 @@ def _worker(rank: int, out_dir: str, factor: float, recover_at: int, iterations:
         runtime = EnvPipeRuntime(config)
         clocks = tuple(sorted(runtime.profile.common_frequencies(), reverse=True))
         runtime.attach_device(DeviceFacts("simulated", "Simulated GPU", "simulated", clocks, control=True,
-                                          energy=True, simulated=True))
+                                          energy=True, modelled=True))
         straggler = StragglerFollow(runtime)
         records: list[dict[str, Any]] = []
         for it in range(iterations):
-            runtime.prepare(STAGES, MICROBATCHES)
+            runtime.prepare(STAGES, MICROBATCHES, pace_plan=straggler.pace_plan)
             runtime.finish(STAGES, MICROBATCHES, None)
             own_pred = runtime.last_result.score.iteration_time_s
             running = straggler.running_predicted_s or own_pred  # a follower runs its pace plan's time
@@ -56,9 +56,9 @@ def _worker(rank: int, out_dir: str, factor: float, recover_at: int, iterations:
             if it == 0 and straggler.frontier is not None:
                 straggler.frontier.result(120)  # ready before the first decision, whatever the host
             straggler.settle()
-            records.append({"iteration": it, "following": runtime.pace_plan is not None,
-                            "pace_time_s": runtime.pace_time_s, "note": runtime.pace_note,
-                            "own_time_s": own_pred, "dp_wait": runtime.dp_wait})
+            records.append({"iteration": it, "following": straggler.pace_plan is not None,
+                            "pace_time_s": straggler.pace_time_s, "note": straggler.pace_note,
+                            "own_time_s": own_pred, "dp_wait": straggler.dp_wait})
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
     finally:
         dist.destroy_process_group()

@@ -13,14 +13,14 @@ import pytest
 
 from megatron_envpipe import EnvPipeError, UsageError
 from megatron_envpipe.apps.cli import EXIT_FAILURE, EXIT_USAGE, CliError, gpu_cmds, main, planning_cmds
-from megatron_envpipe.apps.demo import DemoError
+from megatron_envpipe.apps.demo_errors import DemoError
 from megatron_envpipe.apps.plot import PlotUnavailableError
 from megatron_envpipe.config import EnvPipeConfigError
 from megatron_envpipe.core.gpu_specs import GpuSpecError
 from megatron_envpipe.core.instructions import DeadlockError
 from megatron_envpipe.core.profile import ProfileError
 from megatron_envpipe.core.schedule import ScheduleError
-from megatron_envpipe.gpu.base import GpuError, GpuPermissionError
+from megatron_envpipe.gpu.devices.base import GpuError, GpuPermissionError
 from megatron_envpipe.planning.basis import PlannerError
 from megatron_envpipe.planning.optimal import InfeasibleDeadline
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_envpipe.apps.demo import DemoConfig, DemoError
+from megatron_envpipe.apps.demo import DemoConfig
+from megatron_envpipe.apps.demo_errors import DemoError
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.planning.basis import PlannerConfig
 

@@ -103,12 +103,12 @@ def python_blocks() -> list[tuple[Path, int, str]]:
 def kind(command: str) -> str:
     if command in MAPPED:
         return "mapped"
+    if command.startswith(("torchrun ", "envpipe torchrun ")) and "-m megatron_envpipe.megatron.pretrain_gpt" in command:
+        return "megatron-lm"  # needs Megatron-LM's own training stack: MEGATRON_LM_TEST reads it from the doc
     if command.startswith("envpipe "):
         return "envpipe"
     if re.match(r"(sudo -E )?python3 bench/\w+\.py\b", command):
         return "bench"
-    if command.startswith("torchrun ") and "-m megatron_envpipe.megatron.pretrain_gpt" in command:
-        return "megatron-lm"  # needs Megatron-LM's own training stack: MEGATRON_LM_TEST reads it from the doc
     if re.fullmatch(r"(\w+=\S+ )+(sbatch( --[\w-]+=\S+)* examples/slurm/pretrain_gpt_envpipe\.sbatch"
                     r"|bash examples/torchrun_single_node\.sh)", command):
         return "script"

@@ -284,7 +284,7 @@ def test_simulated_gpu_profiles_plans_trains_and_reports_energy(
 ) -> None:
     """Issue 4's loop on CPU: start-up profiler on the simulated GPU, plan, train, energy log."""
     flags = ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced",
-             "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.1",
+             "--envpipe-gpu", "simulated:a40/gpt3-175b",
              "--envpipe-profile-step", "300", "--envpipe-profile-iterations", "1",
              "--envpipe-profile-cache", str(tmp_path / "profiles"), "--envpipe-log-interval", "1"]
     simulated, log = _run_example(flags, example_cache, tmp_path / "sim.json", SIM_ITERS)
@@ -312,7 +312,7 @@ def test_every_energy_window_spans_the_whole_pipeline_iteration(
     csv = tmp_path / "p4.csv"
     Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(NPROC).to_csv(csv)
     flags = ["--envpipe-type", "baseline", "--envpipe-scheduling", "1f1b", "--envpipe-profile", str(csv),
-             "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.3",
+             "--envpipe-gpu", "simulated:a40/gpt3-175b",
              "--envpipe-log-interval", "1"]
     result, log = _run_example(flags, example_cache, tmp_path / "baseline.json", 5)
     run = result["envpipe_run"]

@@ -1,6 +1,7 @@
 """Measurement never stops training, end to end: the tiny GPT on 4 CPU ranks with the
 simulated GPU, a fault injected on every stage, trains to the end with the losses of
-stock Megatron (bit for bit) and an energy report that names what was not measured.
+stock Megatron (bit for bit, trained first in the same ranks: --stock-reference-iters) and an
+energy report that names what was not measured.
 
 The faults come from tests/gpu/fault_double.py, wrapped around the GPU each rank's
 executor opens (a launcher patches ``megatron_envpipe.megatron.devices.open_gpu``
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 NPROC = 4
 ITERS = 12  # 1 warm-up + 4 swept clocks (+1 repeated), then planned iterations (room to recover)
 UNITS = 16  # per iteration and stage
+MEGATRON_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
 LAUNCHER = """\
 import sys
 sys.path.insert(0, {tests_gpu!r})
@@ -73,13 +75,17 @@ def _run(tmp_path: Path, name: str, flags: list[str], faults: list[dict] | None 
 
 
 def test_faults_on_every_stage_never_stop_training(tmp_path: Path) -> None:
-    stock, _ = _run(tmp_path, "stock", ["--no-envpipe"])
     flags = ["--envpipe-type", "envelope", "--envpipe-scheduling", "ours", "--envpipe-reconfig", "balanced",
-             "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.1",
+             "--envpipe-gpu", "simulated:a40/gpt3-175b",
              "--envpipe-profile-step", "300", "--envpipe-profile-iterations", "1",
              "--envpipe-profile-cache", "off", "--envpipe-log-interval", "1"]
-    faulty, log = _run(tmp_path, "faulty", flags, FAULTS)
-    # Same math: the faults change what is measured and which clocks run, never the losses.
+    faulty, log = _run(tmp_path, "faulty", [*flags, "--stock-reference-iters", str(ITERS)], FAULTS)
+    # Same math: the faults change what is measured and which clocks run, never the losses. The reference is
+    # stock Megatron trained first in the same ranks, before EnvPipe (and its faulty GPU) was installed;
+    # that it equals a never-installed process's run is tests/apps/test_example_tiny_gpt.py's to prove.
+    stock = faulty["stock_reference"]
+    assert all(rank == {"functions": [MEGATRON_1F1B], "envpipe_installed": False, "executor_imported": False}
+               for rank in stock["schedule"]) and len(stock["schedule"]) == NPROC
     assert len(faulty["losses"]) == ITERS
     assert [x.hex() for x in faulty["losses"]] == [x.hex() for x in stock["losses"]]
 

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from megatron_envpipe.apps.gpu_check import clock_step
+from megatron_envpipe.apps.gpu_check.clock_change_probe import TracedChange
 from megatron_envpipe.apps.gpu_check.step_api import StepContext
 from megatron_envpipe.core.clock_trace import TraceKernel, analyse_trace
-from megatron_envpipe.gpu.clock_change_probe import TracedChange
 
 RAISE_S, LOWER_S = 0.012, 0.045
 KERNEL_S = 1e-4  # at the higher clock

@@ -12,15 +12,15 @@ import time
 import pytest
 
 from megatron_envpipe.apps.gpu_check import blocking_step, counter_step
+from megatron_envpipe.apps.gpu_check.energy_window import window_length_s
+from megatron_envpipe.apps.gpu_check.spin_wait import measure_blocking_power, spin_clocks_mhz
 from megatron_envpipe.apps.gpu_check.step_api import STEP_FILES, StepContext, StepResult
 from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.core.gpu_specs import spec_for_profile_source
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.energy_window import window_length_s
-from megatron_envpipe.gpu.safety import ClockGuard
-from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.gpu.spin_wait import measure_blocking_power, spin_clocks_mhz
+from megatron_envpipe.gpu.control.safety import ClockGuard
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 A40_P2P_W = spec_for_profile_source("a40/gpt3-175b").p2p_power_w
 

@@ -32,8 +32,8 @@ from megatron_envpipe.apps.gpu_check.runner import CheckOptions, GpuCheckError, 
 from megatron_envpipe.apps.gpu_check.step_api import OUTPUT_FILES, Step, StepContext, StepResult  # noqa: E402
 from megatron_envpipe.apps.gpu_check.steps import MAX_TOTAL_S, STEPS, planned_total_s  # noqa: E402
 from megatron_envpipe.apps.gpu_check.summary import format_duration, plan_lines  # noqa: E402
-from megatron_envpipe.gpu.nvml import NvmlGpu  # noqa: E402
-from megatron_envpipe.gpu.safety import ClockGuard  # noqa: E402
+from megatron_envpipe.gpu.control.safety import ClockGuard  # noqa: E402
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu  # noqa: E402
 
 SITECUSTOMIZE = f"""
 import os, sys
@@ -285,3 +285,14 @@ def test_a_step_that_raises_or_is_missing_is_a_failed_result_not_a_crash(tmp_pat
 
 def not_a_result(ctx: StepContext) -> dict:
     return {"status": "ok"}
+
+
+@pytest.mark.parametrize("index", ["-1", "256", "1" + "0" * 30, "x"])
+def test_a_device_index_no_node_has_is_one_line_before_the_check_starts(index, tmp_path, capsys):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_:  # argparse's error: one line, exit 2
+        envpipe_main(["gpu-check", "--out", str(out), "--device-index", index])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "device index" in err and "Traceback" not in err, err
+    assert not out.exists()  # refused before anything was written

@@ -22,8 +22,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 
-from megatron_envpipe.apps import tiny_data
-from megatron_envpipe.apps.tiny_data import LengthDistribution, VariableLengthDataset
+from megatron_envpipe.apps import tiny_data, tiny_samples
+from megatron_envpipe.apps.tiny_samples import LengthDistribution, VariableLengthDataset
 from megatron_envpipe.megatron.localhost import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> VariableLengthDataset:
     patch.setattr(socket, "socket", refuse)
     patch.setattr(socket, "create_connection", refuse)
     try:
-        _, built = tiny_data.build_dataset(SEQ, seed=1234, cache_dir=cache, lengths=LengthDistribution.default(SEQ))
+        _, built = tiny_samples.build_dataset(SEQ, seed=1234, cache_dir=cache, lengths=LengthDistribution.default(SEQ))
     finally:
         patch.undo()
     assert isinstance(built, VariableLengthDataset)

@@ -21,8 +21,8 @@ from megatron_envpipe.core.profile import Profile  # noqa: E402
 from megatron_envpipe.core.resources import shipped_profile  # noqa: E402
 from megatron_envpipe.core.schedule import B, F  # noqa: E402
 from megatron_envpipe.core.virtual_clock import VirtualClock  # noqa: E402
-from megatron_envpipe.gpu.energy import EnergyMonitor  # noqa: E402
-from megatron_envpipe.gpu.simulated import SimulatedGpu  # noqa: E402
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu  # noqa: E402
+from megatron_envpipe.gpu.energy.monitor import EnergyMonitor  # noqa: E402
 from megatron_envpipe.megatron.device_time import consumer_of, producer_of, stamp_tag  # noqa: E402
 from megatron_envpipe.megatron.localhost import free_port  # noqa: E402
 

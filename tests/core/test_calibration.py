@@ -14,7 +14,7 @@ from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics, DeviceD
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import configs_dir, shipped_profile
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 REALISTIC = load_dynamics("realistic", configs_dir())
 MEASURED = {

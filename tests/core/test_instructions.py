@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from megatron_envpipe.core.deadlock import check_deadlock
 from megatron_envpipe.core.instructions import (
     Backward,
     CommInstruction,
@@ -23,7 +24,6 @@ from megatron_envpipe.core.instructions import (
     SetFrequency,
     StageProgram,
     build_programs,
-    check_deadlock,
     paired_hold_dependencies,
     parse_instruction,
 )

@@ -15,6 +15,7 @@ import random
 import pytest
 
 from megatron_envpipe.core.communicators import creation_order, disjoint_classes, warmup_order, warmup_programs
+from megatron_envpipe.core.deadlock import check_deadlock
 from megatron_envpipe.core.instructions import (
     ACT,
     ACT_SHAPE,
@@ -29,7 +30,6 @@ from megatron_envpipe.core.instructions import (
     SendGradShapeFinish,
     StageProgram,
     build_programs,
-    check_deadlock,
     parse_instruction,
     with_shape_messages,
 )

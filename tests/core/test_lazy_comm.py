@@ -13,14 +13,8 @@ import random
 import pytest
 
 from megatron_envpipe.core.communicators import creation_order, disjoint_classes, warmup_order, warmup_programs
-from megatron_envpipe.core.instructions import (
-    ACT,
-    GRAD,
-    CommInstruction,
-    DeadlockError,
-    build_programs,
-    check_deadlock,
-)
+from megatron_envpipe.core.deadlock import check_deadlock
+from megatron_envpipe.core.instructions import ACT, GRAD, CommInstruction, DeadlockError, build_programs
 from megatron_envpipe.core.schedule import Schedule, envpipe_schedule, one_f_one_b
 
 SCHEDULES = [one_f_one_b(2, 2), one_f_one_b(2, 8), one_f_one_b(4, 8), one_f_one_b(8, 16),

@@ -1,6 +1,6 @@
 """A GPU whose energy counter and clock control fail on cue: a test double around SimulatedGpu.
 
-:class:`FaultyGpu` wraps a real :class:`~megatron_envpipe.gpu.simulated.SimulatedGpu`
+:class:`FaultyGpu` wraps a real :class:`~megatron_envpipe.gpu.devices.simulated.SimulatedGpu`
 (time, energy and clocks are the model's) and injects, at once or from the n-th
 unit on (``unit_begin`` count, so a training run hits the fault at the same
 point every time):
@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError
+from megatron_envpipe.core.device_backends import DeviceCapabilities
+from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError
 
 FAULTS_ENV = "ENVPIPE_TEST_FAULTS"
 FAULTS = ("stall", "back", "read_fail", "lock_fail")
@@ -35,7 +36,6 @@ FAULTS = ("stall", "back", "read_fail", "lock_fail")
 
 class FaultyGpu(GpuDevice):
     backend = "simulated"
-    simulated = True
 
     def __init__(self, inner: GpuDevice, clock: Callable[[], float] = time.perf_counter) -> None:
         self.inner = inner
@@ -53,6 +53,9 @@ class FaultyGpu(GpuDevice):
         self.fired: list[tuple[str, float]] = []  # (fault, clock time) as injected
 
     # -- injecting ------------------------------------------------------------------------
+    def capabilities(self) -> DeviceCapabilities:
+        return self.inner.capabilities()  # what it wraps can do; the faults are injected on top
+
     def inject(self, fault: str, **args: Any) -> None:
         """Inject ``fault`` now, or from unit ``args["unit"]`` on (1-based)."""
         if fault not in FAULTS:

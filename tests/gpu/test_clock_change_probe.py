@@ -1,4 +1,4 @@
-"""The clock-change probe (gpu/clock_change_probe.py) and gpu-check step 3 (apps/gpu_check/clock_step.py).
+"""The clock-change probe (apps/gpu_check/clock_change_probe.py) and gpu-check step 3 (apps/gpu_check/clock_step.py).
 
 The probe runs unchanged against the simulated GPU on a virtual clock: spin kernels whose
 progress follows the device's running clock (SimKernelTrain), lock requests through the
@@ -19,13 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nvml_double import NvmlDouble, node  # noqa: E402
 
-from megatron_envpipe.apps.gpu_check.clock_step import run  # noqa: E402
-from megatron_envpipe.apps.gpu_check.step_api import STEP_FILES, StepContext  # noqa: E402
-from megatron_envpipe.core.clock_trace import pick_clock_pairs  # noqa: E402
-from megatron_envpipe.core.device_dynamics import DeviceDynamics  # noqa: E402
-from megatron_envpipe.core.virtual_clock import VirtualClock  # noqa: E402
-from megatron_envpipe.gpu.base import GpuPermissionError  # noqa: E402
-from megatron_envpipe.gpu.clock_change_probe import (  # noqa: E402
+from megatron_envpipe.apps.gpu_check.clock_change_probe import (  # noqa: E402
     CudaKernelTrain,
     ProbeTiming,
     SimKernelTrain,
@@ -35,8 +29,14 @@ from megatron_envpipe.gpu.clock_change_probe import (  # noqa: E402
     simulated_clock_gpu,
     trace_change,
 )
-from megatron_envpipe.gpu.nvml import NvmlGpu  # noqa: E402
-from megatron_envpipe.gpu.safety import ClockGuard  # noqa: E402
+from megatron_envpipe.apps.gpu_check.clock_step import run  # noqa: E402
+from megatron_envpipe.apps.gpu_check.step_api import STEP_FILES, StepContext  # noqa: E402
+from megatron_envpipe.core.clock_trace import pick_clock_pairs  # noqa: E402
+from megatron_envpipe.core.device_dynamics import DeviceDynamics  # noqa: E402
+from megatron_envpipe.core.virtual_clock import VirtualClock  # noqa: E402
+from megatron_envpipe.gpu.control.safety import ClockGuard  # noqa: E402
+from megatron_envpipe.gpu.devices.base import GpuPermissionError  # noqa: E402
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu  # noqa: E402
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.core.profile import Profile, ProfilePoint, instruction_of
 from megatron_envpipe.core.schedule import B, F
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.clocks import DelayedEvent
+from megatron_envpipe.gpu.control.clocks import DelayedEvent
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.gpu.hooks import GpuHooks, expected_clock_lead
-from megatron_envpipe.gpu.nvml import NvmlGpu
-from megatron_envpipe.gpu.simulated import SimulatedGpu
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

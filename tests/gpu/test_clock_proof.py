@@ -1,4 +1,4 @@
-"""Clock control proven by trying: one lock, read back, reset (gpu/clock_proof.py), and what
+"""Clock control proven by trying: one lock, read back, reset (gpu/control/clock_proof.py), and what
 start-up and the bench scripts do with the answer.
 
 Driven by the NVML test double (tests/gpu/nvml_double.py: a lock refused, accepted and
@@ -21,17 +21,18 @@ from nvml_double import NvmlDouble, node  # noqa: E402
 from megatron_envpipe.config import EnvPipeConfig  # noqa: E402
 from megatron_envpipe.core.profile import Profile  # noqa: E402
 from megatron_envpipe.core.resources import shipped_profile  # noqa: E402
-from megatron_envpipe.gpu.base import GpuError, GpuPermissionError  # noqa: E402
-from megatron_envpipe.gpu.clock_proof import (  # noqa: E402
+from megatron_envpipe.gpu.control.clock_proof import (  # noqa: E402
     ProofOutcome,
     clock_step_mhz,
     probe_clock_mhz,
     prove_clock_control,
 )
+from megatron_envpipe.gpu.control.safety import ClockGuard  # noqa: E402
+from megatron_envpipe.gpu.devices.base import GpuError, GpuPermissionError  # noqa: E402
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu  # noqa: E402
+from megatron_envpipe.gpu.devices.nvml_library import decode_clock_event_reasons  # noqa: E402
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu  # noqa: E402
 from megatron_envpipe.gpu.hooks import GpuHooks  # noqa: E402
-from megatron_envpipe.gpu.nvml import NvmlGpu, decode_clock_event_reasons  # noqa: E402
-from megatron_envpipe.gpu.safety import ClockGuard  # noqa: E402
-from megatron_envpipe.gpu.simulated import SimulatedGpu  # noqa: E402
 from megatron_envpipe.gpu.startup import clock_control  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -225,9 +226,8 @@ def test_simulated_gpu_refuses_and_clamps(profile, guard):
 def test_startup_refused_lock_takes_the_no_permission_path(profile, guard, caplog):
     gpu = SimulatedGpu(profile, 0, lock_refusal="NVML_ERROR_NO_PERMISSION")
     with pytest.raises(GpuPermissionError, match=r"was refused \(a VM.*--envpipe-on-no-permission monitor"):
-        clock_control(gpu, EnvPipeConfig(plan_type="envelope"), stage=1, guard=guard)
-    cfg = EnvPipeConfig(plan_type="envelope", on_no_permission="monitor")
-    decision = clock_control(gpu, cfg, stage=1, guard=guard)
+        clock_control(gpu, True, "fail", stage=1, guard=guard)
+    decision = clock_control(gpu, True, "monitor", stage=1, guard=guard)
     assert not decision.control and decision.lost is None
     assert decision.proof.outcome == ProofOutcome.REFUSED and "measuring energy only" in caplog.text
 
@@ -235,7 +235,7 @@ def test_startup_refused_lock_takes_the_no_permission_path(profile, guard, caplo
 def test_startup_lock_not_reached_goes_monitor_only_logged_once(profile, guard, caplog):
     gpu = SimulatedGpu(profile, 0, time_scale=0.001, sm_clock_range_mhz=(1410, 1740))
     # Even with --envpipe-on-no-permission fail: the lock is permitted, it just does not hold.
-    decision = clock_control(gpu, EnvPipeConfig(plan_type="envelope"), stage=0, guard=guard)
+    decision = clock_control(gpu, True, "fail", stage=0, guard=guard)
     assert not decision.control and decision.proof.outcome == ProofOutcome.NOT_REACHED
     assert "clock check at start-up" in decision.lost
     caplog.set_level(logging.WARNING, "megatron_envpipe")
@@ -263,7 +263,7 @@ def test_setup_device_uses_the_proof(profile, monkeypatch, guard):
     monkeypatch.setattr("megatron_envpipe.gpu.startup.default_guard", lambda: guard)
     seen = {}
     runtime = types.SimpleNamespace(config=EnvPipeConfig(plan_type="envelope"),
-                                    attach_device=lambda facts, key: seen.update(facts=facts),
+                                    attach_device=lambda facts, key, session=None: seen.update(facts=facts),
                                     attach_memory=lambda source: None)
     state = types.SimpleNamespace(runtime=runtime, user_hooks=False, device_ready=False,
                                   use_hooks=lambda hooks: seen.update(hooks=hooks))

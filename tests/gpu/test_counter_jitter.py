@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from megatron_envpipe.gpu.energy_window import measure_window
+from megatron_envpipe.apps.gpu_check.energy_window import measure_window
 
 PERIOD_S, PHASE_S = 0.1, 0.0421
 

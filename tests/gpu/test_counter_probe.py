@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_envpipe.apps.gpu_check.counter_probe import CounterProbeError, SimulatedUnitLoad, poll_counter
 from megatron_envpipe.core.counter_analysis import analyze_counter
 from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.counter_probe import CounterProbeError, SimulatedUnitLoad, poll_counter
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 IDLE_W = 65.0
 LOAD_W = 280.0

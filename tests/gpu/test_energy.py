@@ -9,20 +9,18 @@ import time
 import pytest
 
 from megatron_envpipe.core.profile import Profile, ProfilePoint
-from megatron_envpipe.gpu.attribution import attribute_windows, fit_window_powers
-from megatron_envpipe.gpu.base import GpuDevice, GpuInfo
-from megatron_envpipe.gpu.energy import (
+from megatron_envpipe.gpu.devices.base import GpuDevice, GpuInfo
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
+from megatron_envpipe.gpu.energy.counter_errors import (
     CounterReadError,
     CounterStalledError,
     CounterWentBackError,
-    EnergyMonitor,
     EnergyMonitorError,
-    IterationEnergy,
-    IterationEnergyMeter,
-    PipelineIterationEnergy,
-    mean_iteration,
 )
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.energy.iteration_energy import IterationEnergy, PipelineIterationEnergy, mean_iteration
+from megatron_envpipe.gpu.energy.iteration_meter import IterationEnergyMeter
+from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
+from megatron_envpipe.gpu.profiler.attribution import attribute_windows, fit_window_powers
 
 UPDATE_S = 0.010  # NVML's counter period
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_envpipe.core.device_dynamics import DeviceDynamics
-from megatron_envpipe.core.profile import Profile, ProfilePoint
-from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.energy_window import (
+from megatron_envpipe.apps.gpu_check.energy_window import (
     MIN_WINDOW_PERIODS,
     EnergyWindowError,
     measure_window,
     poll_interval_s,
     window_length_s,
 )
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.core.device_dynamics import DeviceDynamics
+from megatron_envpipe.core.profile import Profile, ProfilePoint
+from megatron_envpipe.core.virtual_clock import VirtualClock
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 PERIOD_S = 0.1
 IDLE_W = 60.0

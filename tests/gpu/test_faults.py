@@ -19,11 +19,11 @@ from fault_double import FaultyGpu  # noqa: E402  (tests/gpu is on sys.path unde
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.schedule import B, F
-from megatron_envpipe.gpu.energy import READ_FAILED, STALLED, WENT_BACK
+from megatron_envpipe.gpu.control.safety import ClockGuard
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
+from megatron_envpipe.gpu.energy.counter_errors import READ_FAILED, STALLED, WENT_BACK
 from megatron_envpipe.gpu.hooks import EnergyStatus, GpuHooks
-from megatron_envpipe.gpu.safety import ClockGuard
-from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.gpu.sweep import ClockSweep, StageSamples
+from megatron_envpipe.gpu.profiler.sweep import ClockSweep, StageSamples
 
 SCALE = 0.05  # wall seconds per simulated second: an iteration of 4 units takes ~50 ms
 P2P_W = 70.0
@@ -223,7 +223,7 @@ def test_runtime_plans_without_a_profile_when_no_clock_was_measured():
     rt = EnvPipeRuntime(EnvPipeConfig(plan_type="envelope", scheduling="ours", reconfig="balanced",
                                       profile_cache="off", profile_step_mhz=300))
     rt.attach_device(DeviceFacts(backend="simulated", name="Simulated", driver_version="simulated",
-                                 clocks_mhz=(1740, 1440, 1140), control=True, energy=True, simulated=True))
+                                 clocks_mhz=(1740, 1440, 1140), control=True, energy=True, modelled=True))
     for _ in range(1 + 3):  # warm-up, then three unmeasured iterations at the first clock
         it = rt.prepare(4, 8)
         assert it.profiling

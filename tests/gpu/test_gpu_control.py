@@ -6,14 +6,13 @@ import time
 
 import pytest
 
-from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.schedule import B, F
 from megatron_envpipe.gpu import GpuPermissionError, open_gpu
+from megatron_envpipe.gpu.devices.none import NoGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.gpu.hooks import GpuHooks
-from megatron_envpipe.gpu.none import NoGpu
-from megatron_envpipe.gpu.simulated import SimulatedGpu
 from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control, combine_stage_devices
 
 
@@ -39,20 +38,19 @@ def profile():
 def test_missing_permission_fails_fast_with_the_fix(profile):
     gpu = _Unprivileged(profile, 0)
     with pytest.raises(GpuPermissionError, match="CAP_SYS_ADMIN.*--cap-add SYS_ADMIN.*--envpipe-on-no-permission monitor"):
-        clock_control(gpu, EnvPipeConfig(plan_type="envelope"), stage=0)
+        clock_control(gpu, True, "fail", stage=0)
 
 
 def test_monitor_mode_continues_without_control(profile, caplog):
     gpu = _Unprivileged(profile, 0)
-    cfg = EnvPipeConfig(plan_type="envelope", on_no_permission="monitor")
-    assert clock_control(gpu, cfg, stage=0).control is False
+    assert clock_control(gpu, True, "monitor", stage=0).control is False
     assert "measuring energy only" in caplog.text
 
 
 def test_baseline_and_no_gpu_need_no_control(profile):
-    assert clock_control(_Unprivileged(profile, 0), EnvPipeConfig(), stage=0).control is False
-    assert clock_control(NoGpu(), EnvPipeConfig(plan_type="envelope"), stage=0).control is False
-    assert clock_control(SimulatedGpu(profile, 0), EnvPipeConfig(plan_type="envelope"), stage=0).control is True
+    assert clock_control(_Unprivileged(profile, 0), False, "fail", stage=0)  # baseline.control is False
+    assert clock_control(NoGpu(), True, "fail", stage=0).control is False
+    assert clock_control(SimulatedGpu(profile, 0), True, "fail", stage=0).control is True
 
 
 def test_device_capabilities_have_base_defaults(profile):
@@ -69,13 +67,13 @@ def test_device_capabilities_have_base_defaults(profile):
 
 def test_stage_devices_combine_to_what_every_stage_has(profile):
     sim = StageDevice.of(SimulatedGpu(profile, 0), control=True)
-    assert sim.backend == "simulated" and sim.energy and sim.simulated and sim.clocks_mhz[0] == 1740
+    assert sim.backend == "simulated" and sim.energy and sim.modelled and sim.clocks_mhz[0] == 1740
     narrower = StageDevice(backend="nvml", name="A40", driver_version="550", clocks_mhz=(1740, 1500, 1200),
                            control=True, energy=True)
     facts = combine_stage_devices([narrower, sim])
     assert facts == DeviceFacts(backend="nvml", name="A40", driver_version="550",
                                 clocks_mhz=tuple(sorted(set(sim.clocks_mhz) & {1740, 1500, 1200}, reverse=True)),
-                                control=True, energy=True, simulated=True)
+                                control=True, energy=True, modelled=True)
     # One stage without control, energy or any common clock: none for the pipeline.
     absent = combine_stage_devices([narrower, StageDevice.absent()])
     assert absent.clocks_mhz == () and not absent.control and not absent.energy
@@ -87,7 +85,7 @@ def test_open_gpu_backends():
     assert open_gpu("none").backend == "none"
     assert open_gpu("auto", cuda=False).backend == "none"  # a CPU rank never grabs some GPU
     sim = open_gpu("simulated:a40/gpt3-175b", stage=3, num_stages=4, time_scale=0.01)
-    assert sim.simulated and sim.info().simulated and "Simulated" in sim.info().name
+    assert sim.capabilities().modelled and sim.info().simulated and "Simulated" in sim.info().name
     assert sim.supported_clocks_mhz()[0] == 1740
     # The 4-stage emulation's last stage is the 8-stage profile's last (heavier) stage.
     assert sim.profile.points(3, "backward") == Profile.from_csv(shipped_profile("a40/gpt3-175b")).points(7, "backward")

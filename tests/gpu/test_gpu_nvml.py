@@ -18,20 +18,17 @@ pytest.importorskip("pynvml")  # nvidia-ml-py: installed by install.sh
 import nvml_double  # noqa: E402  (tests/ is on sys.path under pytest's rootdir-relative import)
 from nvml_double import FakeGpu, NvmlDouble, node  # noqa: E402
 
-from megatron_envpipe.gpu import nvml as nvml_mod  # noqa: E402
-from megatron_envpipe.gpu.base import (  # noqa: E402
+from megatron_envpipe.gpu.devices import nvml as nvml_mod  # noqa: E402
+from megatron_envpipe.gpu.devices import nvml_library  # noqa: E402
+from megatron_envpipe.gpu.devices.base import (  # noqa: E402
     PERMISSION_HINT,
     GpuError,
     GpuNotSupportedError,
     GpuPermissionError,
 )
-from megatron_envpipe.gpu.none import NoGpu  # noqa: E402
-from megatron_envpipe.gpu.nvml import (  # noqa: E402
-    NvmlGpu,
-    clock_permission,
-    normalize_pci_bus_id,
-    parse_cuda_visible_devices,
-)
+from megatron_envpipe.gpu.devices.none import NoGpu  # noqa: E402
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu, normalize_pci_bus_id, parse_cuda_visible_devices
+from megatron_envpipe.gpu.devices.nvml_library import clock_permission
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -467,4 +464,4 @@ def test_real_pynvml_without_a_driver_fails_clearly(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", nvml_double._real)
     with pytest.raises(GpuNotSupportedError, match="NVML cannot start"):
         NvmlGpu.for_cuda_device(0)
-    assert nvml_mod.nvml_refcount() == 0
+    assert nvml_library.nvml_refcount() == 0

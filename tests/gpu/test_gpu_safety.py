@@ -25,11 +25,11 @@ pytest.importorskip("pynvml")  # nvidia-ml-py: installed by install.sh
 
 from nvml_double import STATE_ENV, NvmlDouble, node  # noqa: E402
 
-from megatron_envpipe.gpu.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError  # noqa: E402
-from megatron_envpipe.gpu.clocks import ClockController  # noqa: E402
-from megatron_envpipe.gpu.nvml import NvmlGpu  # noqa: E402
-from megatron_envpipe.gpu.repair import reset_all_gpus, reset_clocks_from_state  # noqa: E402
-from megatron_envpipe.gpu.safety import ClockGuard, install_signal_handlers, resolve_state_dir  # noqa: E402
+from megatron_envpipe.gpu.control.clocks import ClockController  # noqa: E402
+from megatron_envpipe.gpu.control.repair import reset_all_gpus, reset_clocks_from_state  # noqa: E402
+from megatron_envpipe.gpu.control.safety import ClockGuard, install_signal_handlers, resolve_state_dir  # noqa: E402
+from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError  # noqa: E402
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parents[1]
@@ -327,9 +327,9 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import nvml_double
     nvml_double.install_from_env()
-    from megatron_envpipe.gpu.clocks import ClockController
-    from megatron_envpipe.gpu.nvml import NvmlGpu
-    from megatron_envpipe.gpu.safety import ClockGuard
+    from megatron_envpipe.gpu.control.clocks import ClockController
+    from megatron_envpipe.gpu.devices.nvml import NvmlGpu
+    from megatron_envpipe.gpu.control.safety import ClockGuard
 
     mode, state_dir, marker = sys.argv[1:4]
     double = nvml_double.NvmlDouble.from_file(os.environ[nvml_double.STATE_ENV])

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from megatron_envpipe.core.profile import Profile, ProfilePoint
-from megatron_envpipe.gpu.base import GpuDevice, GpuError
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 P2P_W = 70.0
 
@@ -55,7 +55,7 @@ def fake_gpu(scale: float = 0.5, stage: int = 0) -> tuple[SimulatedGpu, FakeTime
 def test_device_interface_and_labels():
     gpu, _ = fake_gpu()
     assert isinstance(gpu, GpuDevice)
-    assert gpu.backend == "simulated" and gpu.simulated
+    assert gpu.backend == "simulated" and gpu.capabilities().modelled
     info = gpu.info()
     assert info.simulated and info.backend == "simulated"
     assert info.name.startswith("Simulated") and "simulated" in info.label()

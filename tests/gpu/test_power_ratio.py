@@ -1,5 +1,5 @@
-"""Telling forwards from backwards on units shorter than the counter's period (gpu/power_ratio.py) and one
-heat drift for a pipeline (gpu/heat_drift.fit_pipeline_heat_drift): the two corrections of issue 33."""
+"""Telling forwards from backwards on units shorter than the counter's period (gpu/profiler/power_ratio.py) and one
+heat drift for a pipeline (gpu/profiler/heat_drift.fit_pipeline_heat_drift): the two corrections of issue 33."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
-from megatron_envpipe.gpu.attribution import KindPowers
-from megatron_envpipe.gpu.heat_drift import fit_heat_drift, fit_pipeline_heat_drift
-from megatron_envpipe.gpu.power_ratio import RATIO_SPREAD, pool_ratio, pull_towards
+from megatron_envpipe.gpu.profiler.attribution import KindPowers
+from megatron_envpipe.gpu.profiler.heat_drift import fit_heat_drift, fit_pipeline_heat_drift
+from megatron_envpipe.gpu.profiler.power_ratio import RATIO_SPREAD, pool_ratio, pull_towards
 
 
 @pytest.mark.parametrize("name", ["a40/gpt3-175b", "a40/bloom-176b"])

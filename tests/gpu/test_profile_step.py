@@ -1,4 +1,4 @@
-"""gpu-check step 5's measurement (megatron_envpipe.gpu.stage_profile) against the simulated GPU on virtual time:
+"""gpu-check step 5's measurement (megatron_envpipe.apps.gpu_check.stage_profile) against the simulated GPU on virtual time:
 it must recover the profile that drives the device within the uncertainty it reports, through a stepped
 (100 ms) energy counter, and leave out (never write under the wrong clock) rows whose clock was not reached."""
 
@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_envpipe.core.device_dynamics import DeviceDynamics
-from megatron_envpipe.core.profile import Profile, ProfileError
-from megatron_envpipe.core.schedule import Unit
-from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.safety import ClockGuard
-from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.gpu.stage_profile import (
+from megatron_envpipe.apps.gpu_check.stage_profile import (
     ProfileRunError,
     identical_stages,
     measure_stage_profile,
     pick_clocks,
 )
+from megatron_envpipe.core.device_dynamics import DeviceDynamics
+from megatron_envpipe.core.profile import Profile, ProfileError
+from megatron_envpipe.core.schedule import Unit
+from megatron_envpipe.core.virtual_clock import VirtualClock
+from megatron_envpipe.gpu.control.safety import ClockGuard
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 PERIOD_S = 0.1
 

@@ -10,9 +10,8 @@ from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
-from megatron_envpipe.gpu.profile_cache import ProfileCache
-from megatron_envpipe.gpu.startup import DeviceFacts
-from megatron_envpipe.gpu.sweep import (
+from megatron_envpipe.gpu.profiler.profile_cache import ProfileCache
+from megatron_envpipe.gpu.profiler.sweep import (
     COST_SHARE_OF_ENVPIPE,
     ClockSweep,
     StageSamples,
@@ -20,6 +19,7 @@ from megatron_envpipe.gpu.sweep import (
     startup_sweep,
     sweep_candidates,
 )
+from megatron_envpipe.gpu.startup import DeviceFacts
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.planning.basis import PlannerConfig, planner_candidates
 from megatron_envpipe.planning.planner import plan_envpipe
@@ -243,7 +243,7 @@ def test_the_runtime_profiles_with_this_sweep_and_plans_from_measured_clocks(tmp
                         profile_cache=str(tmp_path / "cache"))
     rt = EnvPipeRuntime(cfg)
     rt.attach_device(DeviceFacts(backend="simulated", name="Simulated A40", driver_version="simulated",
-                                 clocks_mhz=prof.common_frequencies(), control=True, energy=True, simulated=True),
+                                 clocks_mhz=prof.common_frequencies(), control=True, energy=True, modelled=True),
                      cache_key={"model": "gpt3 test"})
     clocks = []
     while True:

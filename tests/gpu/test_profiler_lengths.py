@@ -18,8 +18,8 @@ from megatron_envpipe.core.length_costs import (
 )
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import configs_dir
-from megatron_envpipe.gpu.profile_cache import ProfileCache
-from megatron_envpipe.gpu.sweep import startup_sweep
+from megatron_envpipe.gpu.profiler.profile_cache import ProfileCache
+from megatron_envpipe.gpu.profiler.sweep import startup_sweep
 from megatron_envpipe.testing.profiler_runs import a40_three_stages, profile_on_simulated_gpus
 
 REF = MicrobatchSize.from_lengths([2048])

@@ -1,4 +1,4 @@
-"""The one-GPU replay (megatron_envpipe.gpu.replay) on simulated time: what it measures cannot depend on
+"""The one-GPU replay (megatron_envpipe.apps.gpu_check.replay) on simulated time: what it measures cannot depend on
 the host's speed. The kernels here stall the host on purpose (3 ms of real sleep per unit, three times a
 unit's wall length): on a VirtualClock the replay still matches the plan to rounding; on the wall clock the
 same stalls make it late and off, which is what made the bench's test fail on a busy machine."""
@@ -9,12 +9,12 @@ import time
 
 import pytest
 
+from megatron_envpipe.apps.gpu_check.replay import ReplaySetup, replay_plan
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.core.virtual_clock import VirtualClock, VirtualClockError
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.gpu.hooks import GpuHooks
-from megatron_envpipe.gpu.replay import ReplaySetup, replay_plan
-from megatron_envpipe.gpu.simulated import SimulatedGpu
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 

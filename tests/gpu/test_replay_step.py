@@ -1,4 +1,4 @@
-"""gpu-check step 6's replay (megatron_envpipe.gpu.replay, replay_step.replay_plans) on the simulated GPU on
+"""gpu-check step 6's replay (megatron_envpipe.apps.gpu_check.replay, replay_step.replay_plans) on the simulated GPU on
 virtual time, with a blocking power that depends on the locked clock (as a GPU spinning on a flag does) and a
 stepped (100 ms) energy counter. The replay must match the prediction that charges each wait at its own clock,
 within the tolerance the measurement implies; a replay at the wrong clocks must come out as a mismatch."""
@@ -9,19 +9,19 @@ import time
 
 import pytest
 
-from megatron_envpipe.core.device_dynamics import DeviceDynamics
-from megatron_envpipe.core.schedule import Unit
-from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.hooks import GpuHooks
-from megatron_envpipe.gpu.replay import (
+from megatron_envpipe.apps.gpu_check.replay import (
     ReplayError,
     ReplaySetup,
     interpolated_power,
     predicted_stage_energy_j,
     replay_plan,
 )
-from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.gpu.stage_profile import identical_stages
+from megatron_envpipe.apps.gpu_check.stage_profile import identical_stages
+from megatron_envpipe.core.device_dynamics import DeviceDynamics
+from megatron_envpipe.core.schedule import Unit
+from megatron_envpipe.core.virtual_clock import VirtualClock
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
+from megatron_envpipe.gpu.hooks import GpuHooks
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 

@@ -14,8 +14,8 @@ from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics, DeviceD
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.resources import configs_dir
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.base import GpuError
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.base import GpuError
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 P2P_W = 70.0
 LATENCY_S = 0.015

@@ -19,9 +19,9 @@ from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.schedule import B, F
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu import open_gpu
-from megatron_envpipe.gpu.base import GpuError
+from megatron_envpipe.gpu.devices.base import GpuError
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.gpu.hooks import GpuHooks
-from megatron_envpipe.gpu.simulated import SimulatedGpu
 
 REF = MicrobatchSize.from_lengths([2048])
 MID = MicrobatchSize.from_lengths([1024, 1024])

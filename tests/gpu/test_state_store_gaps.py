@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_envpipe.gpu.repair import reset_clocks_from_state
-from megatron_envpipe.gpu.state_store import ClockStateStore, LockRecord, StateStoreError
+from megatron_envpipe.gpu.control.repair import reset_clocks_from_state
+from megatron_envpipe.gpu.control.state_store import ClockStateStore, LockRecord, StateStoreError
 
 OTHER_UID = 65534  # nobody
 

@@ -31,17 +31,17 @@ pytest.importorskip("pynvml")  # nvidia-ml-py: installed by install.sh
 from nvml_double import STATE_ENV, NvmlDouble, node  # noqa: E402
 
 from megatron_envpipe.apps.cli import main  # noqa: E402
-from megatron_envpipe.gpu.base import GpuError  # noqa: E402
-from megatron_envpipe.gpu.nvml import NvmlGpu  # noqa: E402
-from megatron_envpipe.gpu.repair import reset_clocks_from_state  # noqa: E402
-from megatron_envpipe.gpu.safety import ClockGuard  # noqa: E402
-from megatron_envpipe.gpu.state_store import (  # noqa: E402
+from megatron_envpipe.gpu.control.repair import reset_clocks_from_state  # noqa: E402
+from megatron_envpipe.gpu.control.safety import ClockGuard  # noqa: E402
+from megatron_envpipe.gpu.control.state_store import (  # noqa: E402
     MAX_STATE_BYTES,
     ClockStateStore,
     LockRecord,
     StateStoreError,
     printable,
 )
+from megatron_envpipe.gpu.devices.base import GpuError  # noqa: E402
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parents[1]

@@ -15,11 +15,11 @@ from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics, load_dy
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.resources import configs_dir
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu import simulated
-from megatron_envpipe.gpu.counter_ticks import TickGrid
-from megatron_envpipe.gpu.energy import EnergyMonitor
-from megatron_envpipe.gpu.heat_drift import fit_heat_drift
-from megatron_envpipe.gpu.sweep import COST_SHARE_OF_ENVPIPE, ENVPIPE_ITERATIONS_PER_CLOCK, startup_sweep
+from megatron_envpipe.gpu.devices import simulated
+from megatron_envpipe.gpu.energy.counter_ticks import TickGrid
+from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
+from megatron_envpipe.gpu.profiler.heat_drift import fit_heat_drift
+from megatron_envpipe.gpu.profiler.sweep import COST_SHARE_OF_ENVPIPE, ENVPIPE_ITERATIONS_PER_CLOCK, startup_sweep
 from megatron_envpipe.testing.profiler_runs import a40_three_stages, profile_on_simulated_gpus, relative_errors
 
 A40 = get_gpu_spec("a40")

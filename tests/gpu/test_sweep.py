@@ -10,10 +10,10 @@ import pytest
 
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.resources import shipped_profile
-from megatron_envpipe.gpu.energy import EnergyMonitor
-from megatron_envpipe.gpu.profile_cache import ProfileCache, ProfileKey, ProfileMeta, key_digest
-from megatron_envpipe.gpu.simulated import SimulatedGpu
-from megatron_envpipe.gpu.sweep import (
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
+from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
+from megatron_envpipe.gpu.profiler.profile_cache import ProfileCache, ProfileKey, ProfileMeta, key_digest
+from megatron_envpipe.gpu.profiler.sweep import (
     BlockingSample,
     ClockSweep,
     ProfileRow,

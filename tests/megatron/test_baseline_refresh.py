@@ -69,7 +69,7 @@ def test_the_runtime_never_counts_a_repeat_as_planned(tmp_path):
     rt = EnvPipeRuntime(EnvPipeConfig(plan_type="envelope", scheduling="ours", reconfig="default",
                                       profile="a40/gpt3-175b"))
     rt.attach_device(DeviceFacts(backend="simulated", name="sim", driver_version="", clocks_mhz=(1740, 1650),
-                                 control=True, energy=True, simulated=True))
+                                 control=True, energy=True, modelled=True))
     phases = []
     for _ in range(20):
         plan = rt.prepare(8, 12)

@@ -24,7 +24,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from megatron_envpipe.core import instructions as ins  # noqa: E402
 from megatron_envpipe.core.communicators import creation_order, disjoint_classes, warmup_order  # noqa: E402
-from megatron_envpipe.core.instructions import build_programs, check_deadlock  # noqa: E402
+from megatron_envpipe.core.deadlock import check_deadlock  # noqa: E402
+from megatron_envpipe.core.instructions import build_programs  # noqa: E402
 from megatron_envpipe.core.schedule import envpipe_schedule, one_f_one_b  # noqa: E402
 from megatron_envpipe.megatron import channels  # noqa: E402
 

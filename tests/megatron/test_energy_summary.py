@@ -108,7 +108,7 @@ def test_the_interval_follows_megatrons_log_interval_unless_given():
 
 def test_baseline_iterations_run_1f1b_at_max_clock_before_a_given_profile():
     facts = DeviceFacts(backend="simulated", name="sim", driver_version="", clocks_mhz=(1740, 1500, 1200),
-                        control=True, energy=True, simulated=True)
+                        control=True, energy=True, modelled=True)
     rt = EnvPipeRuntime(EnvPipeConfig(plan_type="envelope", profile="a40/gpt3-175b"))
     rt.attach_device(facts)
     for i in range(2):

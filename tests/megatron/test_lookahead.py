@@ -286,7 +286,7 @@ def test_bad_arguments_say_what_to_do() -> None:
 
 def test_tiny_gpt_variable_length_micro_batches_are_sized_by_their_padded_shape() -> None:
     torch = pytest.importorskip("torch")
-    from megatron_envpipe.apps.tiny_data import LengthDistribution, VariableLengthDataset
+    from megatron_envpipe.apps.tiny_samples import LengthDistribution, VariableLengthDataset
 
     dataset = VariableLengthDataset(torch.arange(5000) % 97, LengthDistribution.default(32), seed=5, eod=0)
     look = DataLookahead(dataset.microbatches(0, M, 2), M)

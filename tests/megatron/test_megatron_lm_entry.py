@@ -32,18 +32,24 @@ CPU_WARNINGS = pytest.mark.filterwarnings("ignore:(Transformer Engine and )?Apex
 
 
 def readme_command() -> list[str]:
-    """The README's Megatron-LM command: a ```bash block line ``torchrun ... -m <ENTRY>``, continuations joined."""
+    """The README's Megatron-LM command: a ```bash block line ``envpipe torchrun ... -m <ENTRY>``, joined."""
     text = README.read_text()
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         joined = re.sub(r"\\\n\s*", " ", block)
         for line in joined.splitlines():
-            if line.startswith("torchrun") and f"-m {ENTRY}" in line:
+            if line.startswith(("envpipe torchrun", "torchrun")) and f"-m {ENTRY}" in line:
                 return shlex.split(line, comments=True)
-    raise AssertionError(f"README.md has no ```bash line starting with torchrun and running -m {ENTRY}")
+    raise AssertionError(f"README.md has no ```bash line starting with (envpipe) torchrun and running -m {ENTRY}")
+
+
+def torchrun_args(command: list[str]) -> list[str]:
+    """The command's arguments to torchrun (after ``torchrun`` or ``envpipe torchrun``)."""
+    return command[command.index("torchrun") + 1:]
 
 
 def split_torchrun(command: list[str]) -> tuple[int, list[str]]:
     """(world size torchrun would start, the entry's own arguments)."""
+    command = ["torchrun", *torchrun_args(command)]
     at = command.index("-m")
     launcher, entry_args = command[1:at], command[at + 2:]
     assert command[at + 1] == ENTRY, command
@@ -214,8 +220,33 @@ def test_envpipes_own_gpt_pieces_train_a_step_on_cpu():
     assert math.isclose(float(loss_per_token), float(uniform), rel_tol=0.1), line
 
 
-def test_the_readme_command_on_a_node_without_cuda_stops_in_one_line_within_30_s():
-    """The torchrun command as written, where Megatron's training cannot run: one line, every rank exits 2.
+def test_the_readme_command_on_a_node_without_cuda_says_one_line_and_exits_2():
+    """The README's command as written (``envpipe torchrun``), where Megatron's training cannot run.
+
+    The node is asked once, before torchrun starts a rank: exactly one line
+    (what is missing, what to do), exit 2, nothing from torchrun or a rank.
+    """
+    import time
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        pytest.skip("this node has CUDA and NCCL: the README command would train here")
+    command = readme_command()
+    assert command[:2] == ["envpipe", "torchrun"], command[:2]
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_LM", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    start = time.monotonic()
+    # `envpipe` is this checkout's CLI (python -m, so the console script of another install cannot stand in).
+    proc = subprocess.run([sys.executable, "-m", "megatron_envpipe.apps.cli", *command[1:]], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    print(f"envpipe torchrun stopped after {time.monotonic() - start:.1f} s (wall, this host)")
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout[-2000:])
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("envpipe torchrun: error: Megatron-LM's training needs a CUDA GPU per rank (8 here)"), line
+    assert CHECK_FLAG in line, line
+
+
+def test_plain_torchrun_on_a_node_without_cuda_stops_each_rank_in_one_line_within_30_s():
+    """The same arguments under stock torchrun: one line from EnvPipe, every rank exits 2.
 
     torchrun itself always adds its failure summary (it lists each rank's exit
     code) and exits 1; no worker may add a traceback or Megatron's output.
@@ -228,7 +259,7 @@ def test_the_readme_command_on_a_node_without_cuda_stops_in_one_line_within_30_s
     command = readme_command()
     env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_LM", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *command[1:]], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun_args(command)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     took_s = time.monotonic() - start
     output = proc.stdout + proc.stderr

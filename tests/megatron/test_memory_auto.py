@@ -266,7 +266,7 @@ def test_tiny_gpt_auto_budget_on_the_simulated_gpu(tmp_path):
            "--master-port", str(free_port()), str(REPO / "examples" / "train_tiny_gpt.py"),
            "--pipeline-model-parallel-size", "4", "--device", "cpu", "--train-iters", "6",
            "--cache-dir", str(tmp_path / "cache"), "--losses-out", str(out), *OURS,
-           "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-time-scale", "0.05",
+           "--envpipe-gpu", "simulated:a40/gpt3-175b",
            "--envpipe-profile-step", "300", "--envpipe-profile-iterations", "1",
            "--envpipe-profile-cache", str(tmp_path / "profiles"), "--envpipe-sim-memory", "0.75,256"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -121,7 +121,7 @@ def timed(schedule):
 
 
 NO_CONTROL = DeviceFacts(backend="simulated", name="sim", driver_version="", clocks_mhz=(1740, 1500, 1200),
-                         control=False, energy=True, simulated=True)
+                         control=False, energy=True, modelled=True)
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

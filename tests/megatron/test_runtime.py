@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_envpipe.config import EnvPipeConfig
-from megatron_envpipe.core.instructions import check_deadlock
+from megatron_envpipe.core.deadlock import check_deadlock
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.timeline import PipelineGraph
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime

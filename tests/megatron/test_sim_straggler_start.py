@@ -13,7 +13,7 @@ from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.stragglers import apply_sim_straggler
 

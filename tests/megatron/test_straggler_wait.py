@@ -28,7 +28,7 @@ def _parse(*argv: str) -> EnvPipeConfig:
 
 def test_straggler_window_is_its_own_flag_and_works_without_online_reconfiguration():
     assert _parse().straggler_window == 3
-    cfg = _parse("--envpipe-reconfig", "default", "--envpipe-straggler-window", "5")
+    cfg = _parse("--envpipe-type", "optimal", "--envpipe-reconfig", "default", "--envpipe-straggler-window", "5")
     assert cfg.straggler_window == 5 and cfg.reconfig_window == 3
     assert StragglerFollow(EnvPipeRuntime(cfg)).window == 5  # the agreement's window
     with pytest.raises(EnvPipeConfigError, match="--envpipe-reconfig-window 5 tunes online reconfiguration"):
@@ -43,15 +43,15 @@ def _report(time_s: float) -> EnergyReport:
 
 
 def test_the_wait_for_a_straggler_is_said_once_not_warned_every_line():
-    rt, local = EnvPipeRuntime(EnvPipeConfig()), Local()
-    assert slower_than_planned(rt, _report(3.6), local) is None  # on plan: nothing
-    level, line = slower_than_planned(rt, _report(4.14), local)  # no agreement yet: a warning
+    follow, local = StragglerFollow(EnvPipeRuntime(EnvPipeConfig())), Local()
+    assert slower_than_planned(follow, _report(3.6), local) is None  # on plan: nothing
+    level, line = slower_than_planned(follow, _report(4.14), local)  # no agreement yet: a warning
     assert level == logging.WARNING and "ran slower than planned" in line
-    rt.dp_wait = (1, 4.14)  # the agreement: replica 1's pace is 4.14 s
-    level, line = slower_than_planned(rt, _report(4.14), local)
+    follow.dp_wait = (1, 4.14)  # the agreement: replica 1's pace is 4.14 s
+    level, line = slower_than_planned(follow, _report(4.14), local)
     assert level == logging.INFO and "waits at the data-parallel gradient sync for replica 1 (its pace 4.140 s)" in line
-    assert slower_than_planned(rt, _report(4.14), local) is None  # once
-    level, line = slower_than_planned(rt, _report(4.5), local)  # slower than the straggler too: its own
+    assert slower_than_planned(follow, _report(4.14), local) is None  # once
+    level, line = slower_than_planned(follow, _report(4.5), local)  # slower than the straggler too: its own
     assert level == logging.WARNING and "ran slower than planned" in line
 
 

@@ -19,7 +19,7 @@ from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.flag_types import EnvPipeConfigError, SimStraggler
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.planning.straggler import compute_frontier_plans
 from megatron_envpipe.testing.straggler_runs import follow_run
@@ -33,8 +33,10 @@ def test_flags_parse_with_defaults_on():
     cfg = _parse("--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-straggler", "1:1.15@10")
     assert cfg.sim_straggler == SimStraggler(1, 1.15, 10)
     assert cfg.follow_stragglers is True and cfg.straggler_threshold == 0.02
-    off = _parse("--no-envpipe-follow-stragglers", "--envpipe-straggler-threshold", "5%")
-    assert off.follow_stragglers is False and off.straggler_threshold == pytest.approx(0.05)
+    assert _parse("--no-envpipe-follow-stragglers").follow_stragglers is False
+    # (the threshold acts where following does: an optimal plan; refusals in tests/megatron/test_flag_table.py)
+    five = _parse("--envpipe-type", "optimal", "--envpipe-straggler-threshold", "5%")
+    assert five.straggler_threshold == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("text, says", [
@@ -93,15 +95,13 @@ def test_the_run_time_runs_the_pace_plan_on_every_stage_and_goes_back():
     prof, m, pcfg = rt.planned_with
     pace = compute_frontier_plans(prof, m, pcfg).plan_for(rt.last_result.score.iteration_time_s * 1.15)
     assert pace.plan != own.plan
-    rt.pace_plan, rt.pace_time_s = pace.plan, pace.predicted_time_s
-    following = rt.prepare(4, 8)
+    following = rt.prepare(4, 8, pace_plan=pace.plan)  # the straggler follower's (megatron/training_run.py)
     assert following.phase == "following a straggler" and following.plan == pace.plan
     for s, program in enumerate(following.programs):  # every stage's program sets the pace plan's clocks
         clocks = [i.freq_mhz for i in program.instructions if isinstance(i, ins.SetFrequency)]
         assert set(clocks) <= set(pace.plan.freqs_mhz[s]) and clocks
     assert following.unit_times_s is not None and following.unit_times_s != own.unit_times_s
-    rt.pace_plan = rt.pace_time_s = None
-    back = rt.prepare(4, 8)
+    back = rt.prepare(4, 8, pace_plan=None)
     assert back.plan == own.plan and back.phase == "steady"
 
 

@@ -143,6 +143,7 @@ def test_menu_budget_ours_within_it_and_interleaved_must_fit() -> None:
       "--p2p-latency", "1"], "cannot run in 1F1B's time"),
     (["menu", "--max-inflight", "10"], "holds 11.5 micro-batch activations on stage 0"),
     (["menu", "--schedules", "1f1b,zero"], "expected some of 1f1b,ours,interleaved"),
+    (["menu", "--schedules", "1f1b,ours,1f1b"], "1f1b given twice in '1f1b,ours,1f1b': name each schedule once"),
 ])
 def test_bad_combinations_are_one_line_errors(argv: list[str], message: str, capsys) -> None:
     code, out, err = run([*argv[:1], "--profile", "a40/gpt3-175b", "-m", "16", *argv[1:]], capsys)

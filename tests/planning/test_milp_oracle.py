@@ -20,7 +20,7 @@ from megatron_envpipe.core.instructions import paired_hold_dependencies  # noqa:
 from megatron_envpipe.core.profile import Profile, ProfilePoint  # noqa: E402
 from megatron_envpipe.core.schedule import envpipe_schedule, one_f_one_b  # noqa: E402
 from megatron_envpipe.core.timeline import PlanEvaluator  # noqa: E402
-from megatron_envpipe.planning import milp  # noqa: E402
+from megatron_envpipe.testing import milp  # noqa: E402
 from megatron_envpipe.planning.optimal import TimeEnergyModel  # noqa: E402
 from megatron_envpipe.planning.optimal import options as options_mod  # noqa: E402
 from megatron_envpipe.planning.optimal import rows as rows_mod  # noqa: E402

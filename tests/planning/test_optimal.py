@@ -20,7 +20,7 @@ from megatron_envpipe.core.profile import Profile, ProfilePoint  # noqa: E402
 from megatron_envpipe.core.schedule import build_schedule, clamp_extra_warmup, one_f_one_b  # noqa: E402
 from megatron_envpipe.core.timeline import PipelineGraph, PlanEvaluator  # noqa: E402
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
-from megatron_envpipe.planning.milp import solve_milp  # noqa: E402
+from megatron_envpipe.testing.milp import solve_milp  # noqa: E402
 from megatron_envpipe.planning.optimal import (  # noqa: E402
     InfeasibleDeadline,
     TimeEnergyModel,

@@ -14,7 +14,7 @@ from megatron_envpipe.core.schedule import build_schedule  # noqa: E402
 from megatron_envpipe.core.timeline import PipelineGraph, PlanEvaluator  # noqa: E402
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS  # noqa: E402
 from megatron_envpipe.planning.basis import PlannerConfig  # noqa: E402
-from megatron_envpipe.planning.milp import unit_clocks  # noqa: E402
+from megatron_envpipe.testing.milp import unit_clocks  # noqa: E402
 from megatron_envpipe.planning.optimal import TimeEnergyModel  # noqa: E402
 from megatron_envpipe.planning.planner import plan_envpipe  # noqa: E402
 

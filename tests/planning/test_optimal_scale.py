@@ -13,7 +13,7 @@ from megatron_envpipe.planning.optimal.entry import optimal_setup, rank_schedule
 from megatron_envpipe.planning.optimal.model import TimeEnergyModel
 from megatron_envpipe.planning.optimal.rows import ConstraintRows
 from megatron_envpipe.planning.optimal.search import SEARCH_SKIP_GAP
-from megatron_envpipe.planning.synthetic import deepened
+from megatron_envpipe.testing.synthetic import deepened
 
 A40 = get_gpu_spec("a40")
 

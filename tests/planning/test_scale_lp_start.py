@@ -10,7 +10,7 @@ from megatron_envpipe.core.schedule import build_schedule
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.optimal.entry import optimal_setup
 from megatron_envpipe.planning.optimal.model import TimeEnergyModel
-from megatron_envpipe.planning.synthetic import repeated
+from megatron_envpipe.testing.synthetic import repeated
 
 A40 = get_gpu_spec("a40")
 

@@ -20,7 +20,7 @@ from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL
 from megatron_envpipe.planning.optimal.model import TimeEnergyModel
 from megatron_envpipe.planning.optimal.retiming import Retimer
 from megatron_envpipe.planning.optimal.search import MAX_FAILED_CHECKS, ClockSearch
-from megatron_envpipe.planning.synthetic import deepened, repeated
+from megatron_envpipe.testing.synthetic import deepened, repeated
 
 A40 = get_gpu_spec("a40")
 

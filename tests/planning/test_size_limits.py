@@ -38,7 +38,7 @@ from megatron_envpipe.errors import UsageError
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.frontier import compute_frontier
 from megatron_envpipe.planning.planner import plan_envpipe
-from megatron_envpipe.planning.synthetic import deepened
+from megatron_envpipe.testing.synthetic import deepened
 
 A40 = get_gpu_spec("a40")
 

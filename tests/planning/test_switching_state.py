@@ -15,7 +15,7 @@ from megatron_envpipe.planning.basis import PlannerConfig  # noqa: E402
 from megatron_envpipe.planning.planner import plan_envpipe  # noqa: E402
 from megatron_envpipe.planning.switching import default_switch_cost_j, reduce_clock_changes  # noqa: E402
 from megatron_envpipe.planning.switching_state import SwitchingState  # noqa: E402
-from megatron_envpipe.planning.synthetic import repeated  # noqa: E402
+from megatron_envpipe.testing.synthetic import repeated  # noqa: E402
 
 A40 = get_gpu_spec("a40")
 

@@ -1,11 +1,13 @@
-"""The ``envpipe`` command line: plan, frontier, show, simulate, schedule, programs, reset-clocks, demo, gpus, gpu-check.
+"""The ``envpipe`` command line: plan, frontier, menu, show, simulate, schedule, programs, reset-clocks, demo, gpus, gpu-check,
+torchrun.
 
 ``parser`` defines the flags; ``planning_cmds`` (plan, frontier, show),
 ``pipeline_cmds`` (simulate, schedule, programs), ``gpu_cmds`` (gpus,
 reset-clocks) and ``demo_cmd`` run the commands; ``render`` shapes their JSON
 and text; ``common`` holds what they share (profiles, GPUs, plan files, the
 planner config built from the flags); ``outputs`` checks ``--out``/``--csv``/
-``--plot`` before any work and writes them last, all or none.
+``--plot`` before any work and writes them last, all or none. ``torchrun``
+hands its arguments to :mod:`megatron_envpipe.megatron.launch` unparsed.
 
 Errors: every error the package raises on purpose is an
 :class:`~megatron_envpipe.errors.EnvPipeError`; :func:`main` prints it as one
@@ -29,6 +31,7 @@ from megatron_envpipe.apps.cli.common import CliError
 from megatron_envpipe.apps.cli.parser import build_parser
 from megatron_envpipe.apps.cli.render import result_to_dict
 from megatron_envpipe.errors import EnvPipeError, UsageError
+from megatron_envpipe.megatron.launch import main as torchrun_main
 
 EXIT_USAGE = 2  # bad input the user can fix (argparse uses 2 for bad flags too)
 EXIT_FAILURE = 1  # any other EnvPipeError
@@ -38,6 +41,9 @@ __all__ = ["EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_USAGE", "CliError", "build_
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["torchrun"]:  # torchrun's arguments, not ours: handed over unparsed
+        return torchrun_main(argv[1:])
     command = ""
     try:
         args = build_parser().parse_args(argv)

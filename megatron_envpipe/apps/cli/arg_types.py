@@ -92,10 +92,14 @@ def add_switching_args(p: argparse.ArgumentParser, which: str) -> None:
 
 def menu_schedules(text: str) -> tuple[str, ...]:
     """``--schedules 1f1b,ours``: a subset of 1f1b, ours, interleaved (argparse type)."""
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",")))
+    given = [n.strip() for n in text.split(",")]
+    names = tuple(dict.fromkeys(given))
     bad = [n for n in names if n not in MENU_SCHEDULES]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"expected some of {','.join(MENU_SCHEDULES)}, comma-separated, got {text!r}")
+    if len(names) < len(given):  # a repeated name would plan nothing more: say so rather than drop it
+        twice = sorted({n for n in given if given.count(n) > 1})
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice in {text!r}: name each schedule once")
     return names
 
 

@@ -5,19 +5,23 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config.flag_table import BY_NAME, CLI_NAMES, Facts, inert_problem, refuse_inert
 from megatron_envpipe.core.file_numbers import loads_json
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
-from megatron_envpipe.core.memory import show_budget
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile, shipped_profiles
-from megatron_envpipe.core.schedule import ScheduleError, check_extra_warmup, clamp_extra_warmup
+from megatron_envpipe.core.schedule import (
+    ClampedWarmup,
+    ScheduleError,
+    check_extra_warmup,
+    clamp_extra_warmup_explained,
+)
 from megatron_envpipe.core.textfile import read_text
-from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
+from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy
 from megatron_envpipe.errors import UsageError
 from megatron_envpipe.planning.basis import PlannerConfig
 
@@ -67,8 +71,10 @@ def check_extra_warmup_flag(args: argparse.Namespace, num_stages: int, schedulin
     if args.extra_warmup is None:
         return
     text = ",".join(str(v) for v in args.extra_warmup)
-    if (scheduling or args.scheduling) != Scheduling.OURS:
-        raise CliError(f"--extra-warmup {text} only applies to --scheduling ours: add --scheduling ours or drop it")
+    facts = Facts(scheduling=scheduling or args.scheduling, offline=True)
+    problem = inert_problem(BY_NAME["extra_warmup"], args.extra_warmup, facts, CLI_NAMES, "--extra-warmup")
+    if problem:
+        raise CliError(problem)
     try:
         check_extra_warmup(num_stages, args.extra_warmup)
     except ScheduleError as exc:
@@ -85,84 +91,61 @@ def note(args: argparse.Namespace, text: str) -> None:
     print(f"envpipe {args.command}: note: {text}", file=sys.stderr)
 
 
-def warmup_clamp_text(num_stages: int, num_microbatches: int, raw: Sequence[int], clamped: Sequence[int],
-                      max_inflight: Any = None) -> str | None:
-    """Why ``clamp_extra_warmup`` lowered ``--extra-warmup`` (None where it did not), stage by stage, on one line.
-
-    Its limits, in its order: the activation budget, the ``M - (P - s)`` forwards left after 1F1B's own
-    ``P - s`` warm-up, 0 on the last stage, and never more than the stage before (a larger r after a
-    smaller one can deadlock)."""
-    if list(raw) == list(clamped):
+def warmup_clamp_text(num_stages: int, num_microbatches: int, clamp: ClampedWarmup) -> str | None:
+    """Why ``clamp_extra_warmup`` lowered ``--extra-warmup`` (None where it did not), stage by stage, on one
+    line: the reasons the clamp itself gives (core.schedule.clamp_extra_warmup_explained), stages with
+    one reason grouped."""
+    if not clamp.lowered:
         return None
-    p, m = num_stages, num_microbatches
-    budgets = list(max_inflight) if isinstance(max_inflight, Sequence) else [max_inflight] * p
-    reasons: list[tuple[str, list[str]]] = []  # (why, ["stage s r->c", ...]), stages with one reason grouped
-    for s in range(p):
-        if clamped[s] == raw[s]:
+    reasons: list[tuple[str, list[str]]] = []  # (why, ["stage s r->c", ...])
+    for s, why in enumerate(clamp.reasons):
+        if why is None:
             continue
-        left = max(0, m - (p - s))
-        base = min(m, p - s)
-        budget_cap = None if budgets[s] is None else budgets[s] - base
-        before_order = min(raw[s], left, budget_cap if budget_cap is not None else raw[s])
-        if s == p - 1:
-            why = "the last stage has no extra warm-up"
-        elif clamped[s] == before_order and budget_cap is not None and budget_cap < min(raw[s], left):
-            why = (f"activation budget {budgets[s]} (--max-inflight) less 1F1B's own {base} "
-                   f"leaves {budget_cap}")
-        elif clamped[s] == before_order:
-            why = f"only M - (P - s) = {m} - {p - s} = {left} forwards are left after 1F1B's own warm-up"
-        else:
-            why = (f"no more than the stage before ({clamped[s - 1]}): r never grows down the pipeline, "
-                   "which could deadlock")
-        cell = f"stage {s} {raw[s]}->{clamped[s]}"
+        cell = f"stage {s} {clamp.raw[s]}->{clamp.clamped[s]}"
         if reasons and reasons[-1][0] == why:
             reasons[-1][1].append(cell)
         else:
             reasons.append((why, [cell]))
-    return (f"--extra-warmup {','.join(map(str, raw))} runs as {','.join(map(str, clamped))} "
-            f"({m} micro-batches, {p} stages): "
+    return (f"--extra-warmup {','.join(map(str, clamp.raw))} runs as {','.join(map(str, clamp.clamped))} "
+            f"({num_microbatches} micro-batches, {num_stages} stages): "
             + "; ".join(f"{', '.join(cells)}: {why}" for why, cells in reasons))
 
 
 def note_warmup_clamp(args: argparse.Namespace, num_stages: int, num_microbatches: int,
-                      max_inflight: Any = None) -> None:
-    """Say on stderr when --extra-warmup is clamped (the plan, simulation or schedule runs the clamped r)."""
+                      max_inflight: Any = None, clamp: ClampedWarmup | None = None) -> None:
+    """Say on stderr when --extra-warmup is clamped (the plan, simulation or schedule runs the clamped r).
+    ``clamp``: the clamp the command ran (else it is worked out here, for a planner that clamps inside)."""
     if args.extra_warmup is None:
         return
-    try:
-        clamped = clamp_extra_warmup(num_stages, num_microbatches, args.extra_warmup, max_inflight)
-    except ScheduleError:
-        return  # a budget below 1F1B's own: the command reports it in its own words
-    text = warmup_clamp_text(num_stages, num_microbatches, args.extra_warmup, clamped, max_inflight)
+    if clamp is None:
+        try:
+            clamp = clamp_extra_warmup_explained(num_stages, num_microbatches, args.extra_warmup, max_inflight)
+        except ScheduleError:
+            return  # a budget below 1F1B's own: the command reports it in its own words
+    text = warmup_clamp_text(num_stages, num_microbatches, clamp)
     if text is not None:
         note(args, text)
 
 
+# The envpipe command's twins of the training flags that config/flag_table.py says when they act:
+# field -> (flag, attribute of the parsed arguments).
+_TWINS = {"max_inflight": ("--max-inflight", "max_inflight"), "switch_cost_j": ("--switch-cost-j", "switch_cost_j"),
+          "max_clock_changes": ("--max-clock-changes", "max_clock_changes"),
+          "timing_margin": ("--timing-margin", "timing_margin"), "reconfig_step_mhz": ("--reconfig-step", "reconfig_step")}
+
+
 def check_flags_apply(args: argparse.Namespace) -> None:
-    """A flag that would do nothing next to the others is refused (one line), never silently ignored.
+    """A flag that would do nothing next to the others is refused (one line), never silently ignored:
+    the same table as the training flags (config/flag_table.py), with this command's flag names.
 
     Reads only the flags the command has (getattr): 'plan', 'frontier' and 'schedule' share it.
-    Flags with no default (None) count only when the user gave them.
+    Flags with no default (None) count only when the user gave them; 'frontier' plans optimal plans.
     """
-    budget = getattr(args, "max_inflight", None)
-    # With a deadline from 1F1B an interleaved plan's activations are checked against the budget.
-    checked = args.scheduling == Scheduling.INTERLEAVED and getattr(args, "deadline_from", None) is not None
-    if budget is not None and args.scheduling != Scheduling.OURS and not checked:
-        raise CliError(f"--max-inflight {show_budget(budget)} budgets the extra warm-up of --scheduling ours, and "
-                       f"--scheduling {args.scheduling} has none, so it would be ignored: add --scheduling ours or drop it")
-    plan_type = getattr(args, "type", None)
-    if plan_type == PlanType.BASELINE:
-        for flag in ("--switch-cost-j", "--max-clock-changes", "--timing-margin"):
-            value = getattr(args, flag[2:].replace("-", "_"))
-            if value is not None:
-                raise CliError(f"{flag} {value:g} does nothing with --type baseline, which runs every unit at the "
-                               "maximum clock (no clock to slow, merge or change): drop it or choose another --type")
-    step = getattr(args, "reconfig_step", None)
-    if step is not None and (plan_type == PlanType.OPTIMAL or args.reconfig == ReconfigPolicy.DEFAULT):
-        why = ("--type optimal plans without reconfiguration" if plan_type == PlanType.OPTIMAL
-               else "--reconfig default turns reconfiguration off")
-        raise CliError(f"--reconfig-step {step} sets the step of offline reconfiguration, and {why}, so it would "
-                       "be ignored: drop it (or use --type envelope/uniform with --reconfig balanced or greedy)")
+    values = {name: getattr(args, attr) for name, (_, attr) in _TWINS.items() if getattr(args, attr, None) is not None}
+    facts = Facts(plan_type=getattr(args, "type", None) or PlanType.OPTIMAL, scheduling=args.scheduling,
+                  reconfig=getattr(args, "reconfig", None) or ReconfigPolicy.DEFAULT,
+                  deadline_from=getattr(args, "deadline_from", None), offline=True)
+    refuse_inert(values, values, facts, CLI_NAMES, {name: flag for name, (flag, _) in _TWINS.items()}, CliError)
 
 
 def plan_from_file(path: str) -> tuple[dict[str, Any], FrequencyPlan]:

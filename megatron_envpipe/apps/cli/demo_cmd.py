@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from megatron_envpipe.apps.cli.common import CliError
-from megatron_envpipe.apps.demo import DemoError, run_demo
+from megatron_envpipe.apps.demo import run_demo
+from megatron_envpipe.apps.demo_errors import DemoError
 from megatron_envpipe.core.atomic import check_writable
 
 

@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from megatron_envpipe.core.gpu_specs import load_gpu_table
-from megatron_envpipe.gpu.base import GpuError, GpuPermissionError
-from megatron_envpipe.gpu.repair import reset_all_gpus, reset_clocks_from_state
-from megatron_envpipe.gpu.safety import REPAIR_HINT
-from megatron_envpipe.gpu.state_store import StateStoreError
+from megatron_envpipe.gpu.control.repair import reset_all_gpus, reset_clocks_from_state
+from megatron_envpipe.gpu.control.safety import REPAIR_HINT
+from megatron_envpipe.gpu.control.state_store import StateStoreError
+from megatron_envpipe.gpu.devices.base import GpuError, GpuPermissionError
 
 EXIT_GPU_ERROR = 2
 EXIT_NO_PERMISSION = 3

@@ -8,10 +8,12 @@ from typing import Any
 
 from megatron_envpipe.apps.cli.common import CliError, check_stages, gpu_for, load_profile, planner_config
 from megatron_envpipe.apps.cli.outputs import check_outputs, json_text, write_outputs
+from megatron_envpipe.apps.cli.plausibility import check_profile_on_gpu
 from megatron_envpipe.apps.cli.render import print_json
 from megatron_envpipe.apps.menu_table import menu_dict, print_menu
+from megatron_envpipe.core.kinds import scheduling_kind
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy, Scheduling
+from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult
 from megatron_envpipe.planning.deadline import (
     DeadlineFrom,
@@ -30,6 +32,7 @@ def cmd_menu(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
     check_stages(args, profile)
     gpu = gpu_for(args)
+    check_profile_on_gpu(profile, gpu)
     # What every row shares, as 'envpipe plan --type optimal' builds it from the same flags.
     config = planner_config(args, gpu, PlanType.OPTIMAL, ReconfigPolicy.DEFAULT, switch_cost_j=args.switch_cost_j,
                             max_clock_changes=args.max_clock_changes, virtual_stages=1)
@@ -80,7 +83,7 @@ def deadline_text(result: PlanResult, deadline: DeadlineFrom) -> str:
 def deadline_for(args: argparse.Namespace, profile: Profile, config: PlannerConfig) -> DeadlineFrom:
     """--deadline-from 1f1b: the config planned to 1F1B's f_max time; an interleaved run checked against
     --max-inflight (its order is Megatron's, so its activations are known before planning)."""
-    if args.scheduling == Scheduling.INTERLEAVED and args.max_inflight is not None:
+    if scheduling_kind(args.scheduling).model_chunks and args.max_inflight is not None:
         problem = interleaved_budget_problem(profile.num_stages, args.microbatches, config.virtual_stages,
                                              args.max_inflight)
         if problem:

@@ -19,12 +19,11 @@ from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, 
 from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
 from megatron_envpipe.apps.cli.rows import ROW_LIMIT_CHARS, ROWS_CHOICES
 from megatron_envpipe.apps.gpu_check.cli import add_gpu_check_args, cmd_gpu_check
+from megatron_envpipe.core.kinds import plan_type_names, scheduling_names
 from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.vocabulary import (
     COMM_NAMES,
-    PLAN_TYPE_NAMES,
     RECONFIG_NAMES,
-    SCHEDULING_NAMES,
     CommModel,
     PlanType,
     ReconfigPolicy,
@@ -95,7 +94,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True,
                    help="micro-batches per iteration")
     p.add_argument("--stages", type=ranged("stages"), help="pipeline stages (checked against the profile)")
-    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.OURS.value, action=Given,
+    p.add_argument("--scheduling", choices=scheduling_names(), default=Scheduling.OURS.value, action=Given,
                    help="unit order (default ours; 1f1b with --compat perseus); interleaved: Megatron's virtual pipeline, with --virtual-stages")
     _add_virtual_stages(p)
     p.add_argument("--max-inflight", type=budget_arg, metavar="N|b0,b1,...|none",
@@ -118,7 +117,7 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     """The sizes and unit order of 'schedule' and 'programs'."""
     p.add_argument("--stages", type=ranged("stages"), required=True)
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True)
-    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, default=Scheduling.ONE_F_ONE_B.value)
+    p.add_argument("--scheduling", choices=scheduling_names(), default=Scheduling.ONE_F_ONE_B.value)
     _add_virtual_stages(p)
     p.add_argument("--extra-warmup", type=warmup_list, help="r_s for ours, one per stage, e.g. 4,3,1,0 (clamped)")
 
@@ -135,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan per-unit SM clocks from a profile and compare with the baseline")
     add_profile_args(p)
     add_pipeline_args(p)
-    p.add_argument("--type", choices=PLAN_TYPE_NAMES, default=PlanType.ENVELOPE.value, action=Given,
+    p.add_argument("--type", choices=plan_type_names(), default=PlanType.ENVELOPE.value, action=Given,
                    help="initial plan (default envelope)")
     p.add_argument("--reconfig", choices=RECONFIG_NAMES, default=ReconfigPolicy.BALANCED.value, action=Given,
                    help="policy (default balanced)")
@@ -187,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="PLAN.json", help="a plan from 'envpipe plan --out'")
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), help="micro-batches (without --plan)")
     # No default: given with --plan it would be ignored, which is reported instead (see cmd_simulate).
-    p.add_argument("--scheduling", choices=SCHEDULING_NAMES, help="unit order (without --plan; default 1f1b)")
+    p.add_argument("--scheduling", choices=scheduling_names(), help="unit order (without --plan; default 1f1b)")
     _add_virtual_stages(p)
     p.add_argument("--extra-warmup", type=warmup_list, help="r_s for --scheduling ours, one per stage, e.g. 4,3,1,0")
     p.add_argument("--freq", type=ranged("clock_mhz"),
@@ -228,4 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gpus", help="list the GPU clock table")
     p.set_defaults(func=cmd_gpus)
+
+    # `envpipe torchrun ...` is dispatched before this parser runs (its arguments are torchrun's own);
+    # listed here for --help.
+    sub.add_parser("torchrun", add_help=False,
+                   help="torchrun, after checking once per node what EnvPipe's Megatron-LM entry needs "
+                        "(one line and exit 2 on a node that cannot run it; torchrun's own arguments)")
     return parser

@@ -16,13 +16,16 @@ from megatron_envpipe.apps.cli.common import (
     plan_from_file,
 )
 from megatron_envpipe.apps.cli.outputs import check_outputs, write_outputs
+from megatron_envpipe.apps.cli.plausibility import check_profile_on_gpu
 from megatron_envpipe.apps.cli.render import critical_path, print_json, recv_wait_ms, score_dict
 from megatron_envpipe.apps.cli.rows import plan_rows
 from megatron_envpipe.apps.plot import image_format, timelines_image
-from megatron_envpipe.core.instructions import DeadlockError, build_programs, check_deadlock
+from megatron_envpipe.core.deadlock import check_deadlock
+from megatron_envpipe.core.instructions import DeadlockError, build_programs
+from megatron_envpipe.core.kinds import scheduling_kind
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import ProfileError
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup_explained
 from megatron_envpipe.core.sizes import MAX_SIMULATED_SIZE, check_schedule_size
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import Scheduling
@@ -49,6 +52,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plan = plan_from_file(args.plan)[1] if args.plan is not None else None
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
     gpu = gpu_for(args)
+    check_profile_on_gpu(profile, gpu, args.freq)
     p2p = p2p_power(args, gpu)
     if plan is not None:
         schedule = plan.schedule
@@ -60,14 +64,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         p = profile.num_stages
         scheduling = args.scheduling or Scheduling.ONE_F_ONE_B.value
         check_extra_warmup_flag(args, p, scheduling)
-        r = None
-        if scheduling == Scheduling.OURS:
+        clamp = None
+        if scheduling_kind(scheduling).extra_warmup:
             if not args.extra_warmup:
                 raise CliError("--scheduling ours needs --extra-warmup r0,r1,...")
-            r = clamp_extra_warmup(p, args.microbatches, args.extra_warmup)
+            clamp = clamp_extra_warmup_explained(p, args.microbatches, args.extra_warmup)
         check_schedule_size(p, args.microbatches, args.virtual_stages or 1, MAX_SIMULATED_SIZE, "a simulation")
-        schedule = _build(scheduling, p, args.microbatches, r, args.virtual_stages)
-        note_warmup_clamp(args, p, args.microbatches)
+        schedule = _build(scheduling, p, args.microbatches, clamp and clamp.clamped, args.virtual_stages)
+        note_warmup_clamp(args, p, args.microbatches, clamp=clamp)
         profile = _chunk_profile(profile, schedule.num_chunks)
         freq = args.freq or profile.max_frequency()
         plan = FrequencyPlan.constant(schedule, [freq] * p)
@@ -108,18 +112,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _schedule_from_flags(args: argparse.Namespace, max_inflight: Any = None) -> Schedule:
     """The validated schedule 'schedule' and 'programs' print: --scheduling, --extra-warmup (clamped)."""
     check_extra_warmup_flag(args, args.stages)
-    r = None
-    if args.scheduling == Scheduling.OURS:
-        r = clamp_extra_warmup(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages, max_inflight)
-    schedule = _build(args.scheduling, args.stages, args.microbatches, r, args.virtual_stages).validate()
-    note_warmup_clamp(args, args.stages, args.microbatches, max_inflight)  # once the schedule is sure to run
+    clamp = None
+    if scheduling_kind(args.scheduling).extra_warmup:
+        clamp = clamp_extra_warmup_explained(args.stages, args.microbatches, args.extra_warmup or [0] * args.stages,
+                                             max_inflight)
+    schedule = _build(args.scheduling, args.stages, args.microbatches, clamp and clamp.clamped,
+                      args.virtual_stages).validate()
+    note_warmup_clamp(args, args.stages, args.microbatches, clamp=clamp)  # once the schedule is sure to run
     return schedule
 
 
 def _build(scheduling: str, num_stages: int, num_microbatches: int, r, virtual_stages: int | None) -> Schedule:
     """The schedule of the flags; --virtual-stages V (>= 2) only with --scheduling interleaved, which needs it."""
     v = virtual_stages or 1
-    if (scheduling == Scheduling.INTERLEAVED) != (v > 1):
+    if scheduling_kind(scheduling).model_chunks != (v > 1):
         raise CliError("--scheduling interleaved needs --virtual-stages V >= 2" if v == 1 else
                        f"--virtual-stages {v} needs --scheduling interleaved (1f1b and ours run one chunk per rank)")
     try:

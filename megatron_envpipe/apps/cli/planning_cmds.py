@@ -21,6 +21,7 @@ from megatron_envpipe.apps.cli.common import (
 )
 from megatron_envpipe.apps.cli.menu_cmd import check_deadline_flags, deadline_entry, deadline_for, deadline_text
 from megatron_envpipe.apps.cli.outputs import check_outputs, json_text, write_outputs
+from megatron_envpipe.apps.cli.plausibility import check_profile_on_gpu
 from megatron_envpipe.apps.cli.render import print_json, print_result, result_to_dict
 from megatron_envpipe.apps.cli.rows import plan_rows
 from megatron_envpipe.apps.plot import frontier_image, image_format, timelines_image
@@ -100,6 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
     check_extra_warmup_flag(args, check_stages(args, profile))
     gpu = gpu_for(args)
+    check_profile_on_gpu(profile, gpu)
     extra: dict[str, Any] = {}
     deadline: DeadlineFrom | None = None
     if args.compat == "perseus":
@@ -207,6 +209,7 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile, args.time_scale, args.energy_scale)
     check_extra_warmup_flag(args, check_stages(args, profile))
     gpu = gpu_for(args)
+    check_profile_on_gpu(profile, gpu)
     # Switch cost as 'envpipe plan --type optimal' (None: the derived default), so its points are worth the same.
     config = planner_config(args, gpu, PlanType.OPTIMAL, ReconfigPolicy.DEFAULT, switch_cost_j=args.switch_cost_j,
                             max_clock_changes=args.max_clock_changes)

@@ -8,10 +8,10 @@ from typing import Any, TextIO
 
 from megatron_envpipe.apps.cli.common import CliError
 from megatron_envpipe.apps.cli.rows import plan_rows
+from megatron_envpipe.core.kinds import scheduling_kind
 from megatron_envpipe.core.memory import show_budget
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.timeline import PlanScore, Timeline
-from megatron_envpipe.core.vocabulary import Scheduling
 from megatron_envpipe.planning.basis import PlanResult
 
 
@@ -166,7 +166,7 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
         f"clocks      f_max {result.f_max_mhz} MHz; energy valley per stage {list(result.valley_mhz)} MHz",
         file=out,
     )
-    if cfg.scheduling == Scheduling.OURS:
+    if scheduling_kind(cfg.scheduling).extra_warmup:
         print(
             f"warm-up     extra forwards per stage {list(result.schedule.extra_warmup)}; peak in-flight "
             f"activations {list(result.schedule.peak_inflight())} (1F1B: "

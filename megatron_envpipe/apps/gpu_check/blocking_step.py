@@ -2,10 +2,10 @@
 
 A pipeline stage waiting for its neighbour spins in NCCL's P2P kernel at the clock locked for
 the wait; the planner prices that wait at the *blocking power*. Here one kernel spins on a device
-flag (:class:`~megatron_envpipe.gpu.spin_wait.FlagSpin`: Triton if importable, else
+flag (:class:`~megatron_envpipe.apps.gpu_check.spin_wait.FlagSpin`: Triton if importable, else
 ``torch.cuda._sleep``; ``spin_kind`` says which) at max, ~75 %, ~50 % and min of the supported
 clocks, locked through the ClockGuard, one energy window each with edges on counter updates
-(:func:`~megatron_envpipe.gpu.energy_window.measure_window`), then once idle with clocks unlocked.
+(:func:`~megatron_envpipe.apps.gpu_check.energy_window.measure_window`), then once idle with clocks unlocked.
 
 The window length comes from step 2's ``counter_period_s`` and ``read_cost_s`` via
 ``window_length_s`` for a 0.5 % tolerance, stretched to what the budget allows (at most
@@ -26,17 +26,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from megatron_envpipe.apps.gpu_check.device import open_check_device
+from megatron_envpipe.apps.gpu_check.energy_window import window_length_s
+from megatron_envpipe.apps.gpu_check.spin_wait import FlagSpin, measure_blocking_power, spin_clocks_mhz
 from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
 from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.errors import EnvPipeError
-from megatron_envpipe.gpu.energy_window import window_length_s
-from megatron_envpipe.gpu.safety import ClockGuard
-from megatron_envpipe.gpu.spin_wait import FlagSpin, measure_blocking_power, spin_clocks_mhz
+from megatron_envpipe.gpu.control.safety import ClockGuard
 
 __all__ = ["DEFAULT_COUNTER_PERIOD_S", "run", "window_plan_s"]
 
 MARGIN_S = 5.0                  # clock reset, the child's exit
-STARTUP_S = 6.0                 # torch, CUDA context and the Triton compile before the first window (GPU only)
 TOLERANCE = 0.005               # relative power error of one window from its edges
 MAX_WINDOW_S = 5.0              # readings settle over seconds (ml.energy): longer says no more here
 DEFAULT_COUNTER_PERIOD_S = 0.1  # when step 2 gave none (A100's ~100 ms)
@@ -69,7 +68,7 @@ def run(ctx: StepContext) -> StepResult:
     guard = ClockGuard(ctx.state_dir)
     spin_kind, fallback = "simulated", ""
     try:
-        if opened.simulated:
+        if opened.modelled:
             spinning: Any = _idle_between_units
             left = 60.0  # virtual time: as if a whole budget were left
             left_fn = None
@@ -83,7 +82,7 @@ def run(ctx: StepContext) -> StepResult:
         clocks = spin_clocks_mhz(device.supported_clocks_mhz())
         result = measure_blocking_power(device, guard, clocks, spinning, counter_period_s=float(period),
                                         window_s=window_s, clock=opened.clock, sleep=opened.sleep, left_s=left_fn)
-        early_ends = 0 if opened.simulated else spin.early_ends
+        early_ends = 0 if opened.modelled else spin.early_ends
     except EnvPipeError as exc:
         return StepResult("failed", reason=_line(exc))
     finally:
@@ -92,7 +91,7 @@ def run(ctx: StepContext) -> StepResult:
     if not result.blocking_power_w_by_clock and result.idle_power_w is None:
         return StepResult("failed", reason="no window fitted in the time left")
     figures: dict[str, Any] = {
-        "gpu": device.info().label(), "simulated": opened.simulated,
+        "gpu": device.info().label(), "simulated": opened.modelled,
         "idle_power_w": _round(result.idle_power_w),
         "blocking_power_w_by_clock": {k: _round(v) for k, v in result.blocking_power_w_by_clock.items()},
         "blocking_power_w": _round(result.blocking_power_w),

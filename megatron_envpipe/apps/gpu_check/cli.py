@@ -16,6 +16,7 @@ from megatron_envpipe.errors import EnvPipeError, UsageError
 __all__ = ["add_gpu_check_args", "cmd_gpu_check", "main"]
 
 EXIT_USAGE = 2
+_MAX_DEVICE_INDEX = 255  # far above any node's GPU count; keeps a 10**30 typo out of NVML and CUDA calls
 
 
 def _index(text: str) -> int:
@@ -23,8 +24,9 @@ def _index(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a CUDA device index (0, 1, ...), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a CUDA device index is >= 0, got {text}")
+    if not 0 <= value <= _MAX_DEVICE_INDEX:
+        raise argparse.ArgumentTypeError(f"a CUDA device index is 0-{_MAX_DEVICE_INDEX} (one of this node's GPUs), "
+                                         f"got {text}")
     return value
 
 

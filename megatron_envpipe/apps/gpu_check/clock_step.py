@@ -4,7 +4,7 @@ For raises and lowerings between several clock pairs (max <-> ~60 %, ~60 % <-> ~
 max <-> min, from step 1's supported clocks), each several times while the budget
 lasts: (a) the NVML lock call, (b) until NVML reports the new clock, (c) until the SMs
 run at it, from a GPU-side timer trace of 0.1 ms spin kernels
-(:mod:`megatron_envpipe.gpu.clock_change_probe`, :mod:`megatron_envpipe.core.clock_trace`).
+(:mod:`megatron_envpipe.apps.gpu_check.clock_change_probe`, :mod:`megatron_envpipe.core.clock_trace`).
 Figures: ``nvml_call_s``, ``nvml_report_s``, ``sm_settle_s`` (medians over every change;
 ``sm_settle_s`` is request -> SMs, the simulated GPU's ``clock_latency_s``), per
 direction, and ``pairs``; ``clock-trace.csv`` holds the kernels around each change.
@@ -20,16 +20,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megatron_envpipe.apps.gpu_check.device import SIMULATED_PROFILE, open_check_device
-from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
-from megatron_envpipe.core.clock_trace import clock_step, pick_clock_pairs, trace_csv
-from megatron_envpipe.core.device_dynamics import load_dynamics
-from megatron_envpipe.core.resources import configs_dir
-from megatron_envpipe.core.virtual_clock import VirtualClock
-from megatron_envpipe.errors import EnvPipeError
-from megatron_envpipe.gpu import open_gpu
-from megatron_envpipe.gpu.base import GpuDevice, GpuError
-from megatron_envpipe.gpu.clock_change_probe import (
+from megatron_envpipe.apps.gpu_check.clock_change_probe import (
     CudaKernelTrain,
     KernelTrain,
     ProbeTiming,
@@ -40,8 +31,17 @@ from megatron_envpipe.gpu.clock_change_probe import (
     VirtualRequester,
     run_clock_changes,
 )
-from megatron_envpipe.gpu.safety import ClockGuard
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.apps.gpu_check.device import SIMULATED_PROFILE, open_check_device
+from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
+from megatron_envpipe.core.clock_trace import clock_step, pick_clock_pairs, trace_csv
+from megatron_envpipe.core.device_dynamics import load_dynamics
+from megatron_envpipe.core.resources import configs_dir
+from megatron_envpipe.core.virtual_clock import VirtualClock
+from megatron_envpipe.errors import EnvPipeError
+from megatron_envpipe.gpu import open_gpu
+from megatron_envpipe.gpu.control.safety import ClockGuard
+from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 __all__ = ["run"]
 

@@ -2,7 +2,7 @@
 
 Reads ``nvmlDeviceGetTotalEnergyConsumption`` every ~1 ms (and the power reading every 50 ms),
 first with the GPU idle, then under a steady bf16 matmul load on a side stream
-(:mod:`megatron_envpipe.gpu.counter_probe`), and derives
+(:mod:`megatron_envpipe.apps.gpu_check.counter_probe`), and derives
 (:mod:`megatron_envpipe.core.counter_analysis`): the update period (fitted to the change
 brackets; ``counter_period_s`` under load, ``counter_period_idle_s``) and its spread, the energy
 per update, the read cost (mean and p99), and counter power against power readings (NVML power
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_envpipe.apps.gpu_check.counter_probe import MatmulLoad, SimulatedUnitLoad, poll_counter
 from megatron_envpipe.apps.gpu_check.device import open_check_device
 from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
 from megatron_envpipe.core.counter_analysis import CounterAnalysisError, CounterFigures, analyze_counter, counter_csv
 from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.errors import EnvPipeError
-from megatron_envpipe.gpu.counter_probe import MatmulLoad, SimulatedUnitLoad, poll_counter
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 __all__ = ["SIMULATED_DYNAMICS", "run"]
 
@@ -46,7 +46,7 @@ def run(ctx: StepContext) -> StepResult:
     device, clock, sleep = opened.device, opened.clock, opened.sleep
     load: Any = None
     try:
-        if opened.simulated:
+        if opened.modelled:
             assert isinstance(device, SimulatedGpu)
             load = SimulatedUnitLoad(device)
             total_s = SIMULATED_POLL_S
@@ -70,11 +70,11 @@ def run(ctx: StepContext) -> StepResult:
     csv = counter_csv([("idle", idle_reads, idle_powers), ("load", load_reads, load_powers)])
     if loaded is None and idle is None:
         return StepResult("failed", reason=f"{load_why}; {idle_why}", files={"counter.csv": csv})
-    figures = _figures(idle, loaded, opened.simulated, device.info().label())
+    figures = _figures(idle, loaded, opened.modelled, device.info().label())
     notes = [why for why in (idle_why, load_why) if why]
     if notes:
         figures["notes"] = notes
-    return StepResult("ok", figures=figures, lines=_lines(idle, loaded, opened.simulated),
+    return StepResult("ok", figures=figures, lines=_lines(idle, loaded, opened.modelled),
                       files={"counter.csv": csv})
 
 

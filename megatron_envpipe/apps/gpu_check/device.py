@@ -16,8 +16,8 @@ from megatron_envpipe.apps.gpu_check.step_api import StepContext
 from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu import open_gpu
-from megatron_envpipe.gpu.base import GpuDevice
-from megatron_envpipe.gpu.nvml import NvmlGpu
+from megatron_envpipe.gpu.devices.base import GpuDevice
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu
 
 __all__ = ["CheckDevice", "SIMULATED_PROFILE", "open_check_device"]
 
@@ -29,7 +29,7 @@ class CheckDevice:
     device: GpuDevice
     clock: Callable[[], float]
     sleep: Callable[[float], None]
-    simulated: bool
+    modelled: bool  # a model of a GPU (its capabilities say so): figures labelled simulated
 
 
 def open_check_device(ctx: StepContext, dynamics: DeviceDynamics = EXACT) -> CheckDevice:

@@ -2,7 +2,7 @@
 
 NVML facts (name, driver, UUID, PCI bus id, persistence mode, supported SM clocks at the highest
 memory clock, memory clocks, clock-event reasons) and one trial lock through
-:func:`~megatron_envpipe.gpu.clock_proof.prove_clock_control` (lock through the ClockGuard, read the
+:func:`~megatron_envpipe.gpu.control.clock_proof.prove_clock_control` (lock through the ClockGuard, read the
 SM clock back while a CUDA spin kernel keeps the GPU busy, reset). A refused lock, or one the SMs do
 not reach, is reported here within seconds, and the runner skips every step that locks clocks with
 this step's words. Also says whether torch has CUDA, which the runner's gating needs (it never loads
@@ -17,10 +17,11 @@ from typing import Any
 from megatron_envpipe.apps.gpu_check.device import open_check_device
 from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
 from megatron_envpipe.core.clock_trace import clock_step
-from megatron_envpipe.gpu.base import GpuDevice, GpuError
-from megatron_envpipe.gpu.clock_proof import cuda_spin_load, prove_clock_control
-from megatron_envpipe.gpu.nvml import NvmlGpu, nvml_module
-from megatron_envpipe.gpu.safety import ClockGuard
+from megatron_envpipe.gpu.control.clock_proof import cuda_spin_load, prove_clock_control
+from megatron_envpipe.gpu.control.safety import ClockGuard
+from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu
+from megatron_envpipe.gpu.devices.nvml_library import nvml_module
 
 __all__ = ["cuda_status", "nvml_extras", "run"]
 
@@ -67,7 +68,7 @@ def run(ctx: StepContext) -> StepResult:
         clocks = device.supported_clocks_mhz()
         figures: dict[str, Any] = {
             "gpu_name": info.name, "driver": info.driver_version, "uuid": info.uuid, "pci_bus_id": info.pci_bus_id,
-            "simulated": bool(info.simulated), **nvml_extras(device),
+            "simulated": opened.modelled, **nvml_extras(device),
             "supported_sm_clocks_mhz": list(clocks), "max_sm_clock_mhz": clocks[0], "min_sm_clock_mhz": clocks[-1],
             "clock_step_mhz": clock_step(clocks, default=None), "cuda_available": cuda_ok, "cuda_detail": cuda_detail,
             "can_set_clocks": device.can_set_clocks(), "permission": device.permission_reason(),

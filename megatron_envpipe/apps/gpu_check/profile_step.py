@@ -2,7 +2,7 @@
 
 The stage (``stage_bench.GPU_SPEC``: 4 GPT layers, bf16) is measured at clocks spread from the
 maximum (always first) down to half of it, as many as fit the step's time, by
-:func:`megatron_envpipe.gpu.stage_profile.measure_stage_profile`: counter-aligned energy windows
+:func:`megatron_envpipe.apps.gpu_check.stage_profile.measure_stage_profile`: counter-aligned energy windows
 sized from step 2's counter period, repeated for an uncertainty, the clock actually reached per
 row. A clock not reached is left out of profile.csv and named in the figures; the maximum not
 reached fails the step (the clocks are not under control). See docs/gpu-probe.md.
@@ -20,9 +20,9 @@ from megatron_envpipe.apps.gpu_check.stage_bench import (
     open_bench,
     window_s,
 )
+from megatron_envpipe.apps.gpu_check.stage_profile import StageProfile, measure_stage_profile, pick_clocks
 from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.gpu.stage_profile import StageProfile, measure_stage_profile, pick_clocks
 from megatron_envpipe.megatron.stage_model import open_stage, parameter_count
 
 __all__ = ["MAX_CLOCKS", "MIN_CLOCKS", "REPEATS", "run"]
@@ -94,7 +94,7 @@ def run(ctx: StepContext) -> StepResult:
     extra = {"counter_period_s": period_s, "counter_period_from": period_from, "parameters": params,
              "stage": {"hidden_size": spec.hidden_size, "num_heads": spec.num_heads, "num_layers": spec.num_layers,
                        "seq_length": spec.seq_length, "micro_batch_size": spec.micro_batch_size},
-             "simulated": bench.device.simulated}
+             "simulated": bench.device.capabilities().modelled}
     figures = figures_of(result, extra)
     f_max = clocks[0]
     lines.append(f"{len(rows)} of {len(clocks)} clocks profiled ({clocks[-1]}..{f_max} MHz), windows {win_s:.2f} s "

@@ -2,7 +2,7 @@
 
 Plans envelope/optimal x 1f1b/ours at P = 4 identical stages (stage 0 of profile.csv, M = 8
 micro-batches) and their baselines (1F1B at the maximum clock) are replayed stage by stage by
-:func:`megatron_envpipe.gpu.replay.replay_plan`: real kernels at the planned clocks, waits spinning
+:func:`megatron_envpipe.apps.gpu_check.replay.replay_plan`: real kernels at the planned clocks, waits spinning
 on a flag (``FlagSpin``, as on NCCL) at the locked clock, counter-aligned energy windows. The
 prediction charges each wait the blocking power AT ITS CLOCK (step 4's figures interpolated; step
 5's idle power per clock when step 4 did not run), the same table the comparison is read against.
@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from megatron_envpipe.apps.gpu_check.replay import PlanReplay, ReplaySetup, interpolated_power, replay_plan
+from megatron_envpipe.apps.gpu_check.spin_wait import FlagSpin
 from megatron_envpipe.apps.gpu_check.stage_bench import (
     CPU_SPEC,
     GPU_SPEC,
@@ -30,12 +32,10 @@ from megatron_envpipe.apps.gpu_check.stage_bench import (
     open_bench,
     window_s,
 )
+from megatron_envpipe.apps.gpu_check.stage_profile import identical_stages
 from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
 from megatron_envpipe.core.profile import Profile, ProfileError
 from megatron_envpipe.gpu.hooks import GpuHooks
-from megatron_envpipe.gpu.replay import PlanReplay, ReplaySetup, interpolated_power, replay_plan
-from megatron_envpipe.gpu.spin_wait import FlagSpin
-from megatron_envpipe.gpu.stage_profile import identical_stages
 from megatron_envpipe.megatron.stage_model import open_stage
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
@@ -174,7 +174,7 @@ def run(ctx: StepContext, *, replay_clocks: str = "planned") -> StepResult:
     figures = {"plans": summaries, "stages": STAGES, "microbatches": MICROBATCHES, "wait": wait_kind,
                "blocking_power_from": blocking_from, "counter_period_s": period_s,
                "counter_period_from": period_from, "window_s": win_s, "profile_energy_rel_unc": profile_unc,
-               "simulated": bench.device.simulated, "replay_clocks": replay_clocks}
+               "simulated": bench.device.capabilities().modelled, "replay_clocks": replay_clocks}
     control = [s for s in summaries if s["replay_clocks"] == "max" and replay_clocks == "planned"]
     figures["control_mismatch_detected"] = (not control[0]["ok"]) if control else None
     planned = [s for s in summaries if s["replay_clocks"] == replay_clocks]

@@ -6,7 +6,7 @@ after every step, all atomically, so a run stopped at any moment leaves a true r
 runs in ``python -m megatron_envpipe.apps.gpu_check.child`` with a hard limit (SIGTERM to its
 process group, 5 s grace, SIGKILL); a step that fails or is stopped is a result and the next step
 runs. After every step, at exit and on SIGTERM/SIGINT the GPU's locked clocks are reset through NVML
-(state files a killed child left are repaired through ``gpu/repair.py`` first).
+(state files a killed child left are repaired through ``gpu/control/repair.py`` first).
 
 Exit status: 0 when the check ran to the end (failed steps are results), 2 on bad input,
 128 + signal when interrupted.
@@ -44,9 +44,9 @@ from megatron_envpipe.apps.gpu_check.summary import (
 from megatron_envpipe.core.atomic import check_writable, write_all_atomic
 from megatron_envpipe.core.file_numbers import one_line
 from megatron_envpipe.errors import EnvPipeError, UsageError
-from megatron_envpipe.gpu.base import GpuDevice, GpuPermissionError
-from megatron_envpipe.gpu.nvml import NvmlGpu
-from megatron_envpipe.gpu.repair import reset_clocks_from_state
+from megatron_envpipe.gpu.control.repair import reset_clocks_from_state
+from megatron_envpipe.gpu.devices.base import GpuDevice, GpuPermissionError
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu
 
 __all__ = ["CheckOptions", "GpuCheckError", "DEFAULT_OUT", "GRACE_S", "parse_steps", "run_check"]
 
@@ -136,14 +136,14 @@ class _Interrupted(BaseException):
 class _Clocks:
     """The GPU whose clocks the runner resets (an NVML device in the runner process), and how."""
 
-    def __init__(self, device: GpuDevice | None, state_dir: str | None, simulated: bool) -> None:
+    def __init__(self, device: GpuDevice | None, state_dir: str | None, modelled: bool) -> None:
         self.device = device
         self.state_dir = state_dir
-        self.simulated = simulated
+        self.modelled = modelled
 
     def reset(self) -> str:
         """Reset now; one phrase for the record (never raises: a failed reset is recorded, not fatal)."""
-        if self.simulated:
+        if self.modelled:
             return "simulated GPU: nothing to reset"
         if self.device is None:
             return "no GPU: nothing to reset"

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_envpipe.apps.gpu_check.energy_window import window_length_s
+from megatron_envpipe.apps.gpu_check.replay import interpolated_power
 from megatron_envpipe.apps.gpu_check.step_api import StepContext
 from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.core.gpu_specs import spec_for_profile_source
@@ -27,12 +29,10 @@ from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.errors import EnvPipeError
-from megatron_envpipe.gpu.base import GpuDevice
-from megatron_envpipe.gpu.energy_window import window_length_s
-from megatron_envpipe.gpu.nvml import NvmlGpu
-from megatron_envpipe.gpu.replay import interpolated_power
-from megatron_envpipe.gpu.safety import ClockGuard
-from megatron_envpipe.gpu.simulated import SimulatedGpu
+from megatron_envpipe.gpu.control.safety import ClockGuard
+from megatron_envpipe.gpu.devices.base import GpuDevice
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu
+from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.megatron.stage_model import StageSpec
 
 __all__ = ["Bench", "CPU_SPEC", "DEFAULTS", "GPU_SPEC", "SIM_SOURCE", "StageBenchError", "blocking_by_clock",

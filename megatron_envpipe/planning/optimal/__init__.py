@@ -65,7 +65,7 @@ only in :mod:`.lp` and :mod:`.model`, only when an optimal plan is asked for).
 
 Modules: :mod:`.options` (step 1), :mod:`.lp` and :mod:`.rows` (the LP's
 backends (also the MILP's solver) and constraint rows; the MILP oracle builds its own),
-:mod:`.model` (the problem and step 2), :mod:`.search` (steps 3-5),
+:mod:`.model` (the problem and step 2), :mod:`.search` (steps 3-5; :mod:`.moves`: the exchange moves it checks),
 :mod:`.entry` (candidate schedules and :func:`plan_optimal`),
 :mod:`.deadline` (what meeting a deadline means).
 """

@@ -24,6 +24,15 @@ from megatron_envpipe.planning.basis import (
 )
 from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL, InfeasibleDeadline
 from megatron_envpipe.planning.optimal.model import TimeEnergyModel
+from megatron_envpipe.planning.optimal.search import DEFAULT_SEARCH_WORK
+from megatron_envpipe.planning.switching import reduce_clock_changes_remembered
+
+# Local-search work (unit visits, planning/optimal/search.py) when clock changes are charged and the problem
+# is large (more than RUNNER_UP_MAX_UNITS units): the minimum. The searches lower switch-free energy, then the
+# merge pass and the segment DP re-plan the clocks; on bench/switch_costs.py's cells the searches took about a
+# quarter of the planning time for ~0.01 points of counted saving per cell. Small problems keep the full search
+# (cheap there, and worth up to 0.1 points on P = 4, M = 8: bench/switch_costs_exact.py).
+COUNTED_SEARCH_WORK = 0
 
 # Small problems (at most this many units) also round the runner-up schedule when its LP bound
 # is within this of the best one's: rounding, not the bound, decides between close candidates.
@@ -37,6 +46,7 @@ def extra_warmup_candidates(
     f_max: int,
     valley_mhz: Sequence[int],
     max_inflight: int | tuple[int | None, ...] | None = None,
+    counts_changes: bool = False,
 ) -> list[tuple[str, tuple[int, ...]]]:
     """Clamped extra warm-up vectors worth trying for ``ours``, deduplicated, in a fixed order.
 
@@ -44,6 +54,11 @@ def extra_warmup_candidates(
     forwards at the maximum clock; ``valley``: EnvPipe's own r_s (forwards at
     the energy-valley clock); ``1.5x``: half as many again (long pipelines,
     many micro-batches). All are clamped by the activation budget.
+
+    ``counts_changes`` (a switch cost is charged, small problems: :func:`small_problem`): also ``f_max@2x``, ``f_max`` held to twice 1F1B's
+    in-flight activations per stage (``2 (P - s)``). Switch-free it ties ``f_max`` on the LP bound on the
+    shipped profiles; counting changes it can be worth less (A40 GPT-3, M = 12: 18.17 % vs 18.09 %), and
+    without it an unbounded budget planned less than that bounded one (issue 34).
     """
     p = profile.num_stages
     tb = [profile.time_s(s, "backward", f_max) for s in range(p)]
@@ -54,14 +69,25 @@ def extra_warmup_candidates(
         ("valley", raw_valley),
         ("1.5x", [int(math.ceil(1.5 * r)) for r in raw_fmax]),
     ]
+    budgets: list[int | tuple[int | None, ...] | None] = [max_inflight] * len(raws)
+    if counts_changes:
+        given = max_inflight if isinstance(max_inflight, tuple) else (max_inflight,) * p
+        raws.append(("f_max@2x", raw_fmax))
+        budgets.append(tuple(2 * (p - s) if b is None else min(b, 2 * (p - s)) for s, b in enumerate(given)))
     out: list[tuple[str, tuple[int, ...]]] = []
     seen: set[tuple[int, ...]] = set()
-    for label, raw in raws:
-        r = clamp_extra_warmup(p, num_microbatches, raw, max_inflight)
+    for (label, raw), budget in zip(raws, budgets):
+        r = clamp_extra_warmup(p, num_microbatches, raw, budget)
         if r not in seen:
             seen.add(r)
             out.append((label, r))
     return out
+
+
+def small_problem(num_stages: int, num_microbatches: int) -> bool:
+    """Whether an ``ours`` schedule has at most :data:`RUNNER_UP_MAX_UNITS` units: plan_optimal then rounds every
+    candidate whose LP bound ties the best one's (by their clock changes, where changes are charged)."""
+    return 2 * num_stages * num_microbatches <= RUNNER_UP_MAX_UNITS
 
 
 @dataclass
@@ -92,7 +118,8 @@ def optimal_setup(
                                                         config.max_inflight))]
             else:
                 warmups = extra_warmup_candidates(profile, num_microbatches, basis.f_max_mhz, basis.valley_mhz,
-                                                  config.max_inflight)
+                                                  config.max_inflight,
+                                                  config.effective_switch_cost_j > 0 and small_problem(p, num_microbatches))
         except ScheduleError as exc:
             raise PlannerError(str(exc)) from None
         schedules = [(label, build_schedule("ours", p, num_microbatches, r)) for label, r in warmups]
@@ -219,17 +246,29 @@ def plan_optimal(
     # Large problems round the first candidate while the others' LPs run (the same plan, sooner).
     speculated: dict[int, Any] = {}
     units = sum(len(order) for order in setup.baseline_plan.schedule.orders)
+    # Where clock changes are charged, the merge pass and the segment DP re-plan the clocks after this: on large
+    # problems the switch-free local searches are cut to their minimum (COUNTED_SEARCH_WORK).
+    counted_large = config.effective_switch_cost_j > 0 and units > RUNNER_UP_MAX_UNITS
+    work = COUNTED_SEARCH_WORK if counted_large else DEFAULT_SEARCH_WORK
     large = len(setup.schedules) > 1 and units > RUNNER_UP_MAX_UNITS
     ranked = rank_schedules(setup, profile, config, deadline, padded, cut_off,
-                            (lambda model: model.solve(deadline, padded=padded)) if large else None, speculated)
+                            (lambda model: model.solve(deadline, padded=padded, search_work=work)) if large else None,
+                            speculated)
     best_bound = ranked[0].lp_bound_j
     best = None
+    small = ranked[0].model.n <= RUNNER_UP_MAX_UNITS
+    # Small problems whose clock changes are charged compare every candidate within 0.2 % of the best bound by
+    # what it is worth with its changes counted (the bound counts none: near-ties are decided by the changes).
+    switch_cost = config.effective_switch_cost_j if small else 0.0
     # Round the best-ranked schedule, and (small problems) a runner-up whose bound is within 0.2 %.
-    for bound, _, label, schedule, model in ranked[: 2 if ranked[0].model.n <= RUNNER_UP_MAX_UNITS else 1]:
+    for bound, _, label, schedule, model in ranked[: len(ranked) if switch_cost > 0 else 2 if small else 1]:
         if best is not None and bound > best_bound * (1 + RUNNER_UP_RTOL):
             break
-        sol = speculated.get(id(model)) or model.solve(deadline, padded=padded)
+        sol = speculated.get(id(model)) or model.solve(deadline, padded=padded, search_work=work)
         energy = sol.score.energy_j + (p2p * p * (deadline - sol.score.iteration_time_s) if padded else 0.0)
+        if switch_cost > 0:
+            energy += counted_extra_j(FrequencyPlan.from_flat(schedule, sol.freqs_mhz), model,
+                                      deadline if padded else None, switch_cost)
         if best is None or energy < best[0] - 1e-9 * abs(energy):
             best = (energy, label, schedule, model, sol)
     assert best is not None
@@ -275,6 +314,15 @@ def plan_optimal(
         )
     result.planner_seconds = time.perf_counter() - t0
     return result
+
+
+def counted_extra_j(plan: FrequencyPlan, model: TimeEnergyModel, deadline_s: float | None,
+                    switch_cost_j: float) -> float:
+    """What ``plan`` is worth beyond its simulated energy once the planner's merge pass
+    (planning/switching.py) has priced its clock changes at ``switch_cost_j``: energy the merges give up plus
+    the changes kept x the cost."""
+    sw = reduce_clock_changes_remembered(plan, model.evaluator, deadline_s, switch_cost_j)
+    return sw.energy_given_up_j + switch_cost_j * sum(sw.charged_after)
 
 
 # What the LP lower bound (``lower_bound_j``) is a bound on, as --json and the stop reason say it.

@@ -5,10 +5,11 @@ slowed and a neighbour sped up) and asks what a simulation, or a slack pass,
 would make of the whole plan. At scale a change moves a handful of units'
 times, yet a full pass visits all of them: here the units are re-timed in
 (reverse) topological order starting from the changed ones, and only while a
-time actually moves. Every unit that is visited is computed with the same
-sums in the same order as :mod:`megatron_envpipe.core.graph` does, and every
-unit that is not keeps its old value, so the answers are bit-identical to
-full passes; plans do not change, only the work.
+time actually moves. Every unit that is visited is computed by the relaxations
+of :mod:`megatron_envpipe.core.graph` (``ready_s``/``due_s``, reading the times
+moved so far through an ``Overlay`` of the reference pass), and every unit that
+is not keeps its old value, so the answers are bit-identical to full passes;
+plans do not change, only the work.
 
 Pure Python, like :mod:`megatron_envpipe.core.graph`.
 """
@@ -21,7 +22,18 @@ from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from typing import Any
 
-from megatron_envpipe.core.graph import Edges, Step, earliest_times, flat_steps, latest_times
+from megatron_envpipe.core.graph import (
+    Edges,
+    Overlay,
+    Step,
+    due_pair_s,
+    due_s,
+    earliest_times,
+    flat_steps,
+    latest_times,
+    ready_pair_s,
+    ready_s,
+)
 from megatron_envpipe.errors import EnvPipeError
 
 
@@ -91,13 +103,7 @@ class Retimer:
         out = [0] * n
         end = [0.0] * (n + 1)  # slot n: the absent edge of the flat steps (0 s: never wins)
         for v, a, lat_a, b, lat_b in self._flat[False]:
-            t = 0.0
-            ready = end[a] + lat_a
-            if ready > t:
-                t = ready
-            ready = end[b] + lat_b
-            if ready > t:
-                t = ready
+            t = ready_pair_s(end, a, lat_a, b, lat_b)
             ts = option_times[v]
             k = bisect_right(ts, lf[v] - t + eps) - 1
             if k < 0:
@@ -107,11 +113,7 @@ class Retimer:
         if self._wide[False]:
             preds = self.preds
             for v in self._wide[False]:  # some unit has more than two edges: every unit, in order
-                t = 0.0
-                for u, lat in preds[v]:
-                    ready = end[u] + lat
-                    if ready > t:
-                        t = ready
+                t = ready_s(preds[v], end)
                 ts = option_times[v]
                 k = bisect_right(ts, lf[v] - t + eps) - 1
                 if k < 0:
@@ -129,13 +131,7 @@ class Retimer:
         out = [0] * n
         latest_start = [deadline] * (n + 1)  # slot n: the absent edge (the deadline: never wins)
         for v, a, lat_a, b, lat_b in self._flat[True]:
-            t = deadline
-            by = latest_start[a] - lat_a
-            if by < t:
-                t = by
-            by = latest_start[b] - lat_b
-            if by < t:
-                t = by
+            t = due_pair_s(latest_start, deadline, a, lat_a, b, lat_b)
             ts = option_times[v]
             k = bisect_right(ts, t - es[v] + eps) - 1
             if k < 0:
@@ -145,11 +141,7 @@ class Retimer:
         if self._wide[True]:
             succs = self.succs
             for v in self._wide[True]:
-                t = deadline
-                for w, lat in succs[v]:
-                    by = latest_start[w] - lat
-                    if by < t:
-                        t = by
+                t = due_s(succs[v], latest_start, deadline)
                 ts = option_times[v]
                 k = bisect_right(ts, t - es[v] + eps) - 1
                 if k < 0:
@@ -207,19 +199,13 @@ class Retimer:
         heapify(heap)
         queued = set(d_new)
         lf: dict[int, float] = {}
-        ls: dict[int, float] = {}
-        get = ls.get
+        ls = Overlay(ls_ref)  # the latest starts that moved, read through to the reference's
         while heap:
             v = heappop(heap)[1]
             self.visits += 1
             if self.visits > self._cap:
                 raise _TooWide
-            t = deadline
-            for w, lat in succs[v]:
-                x = get(w)
-                by = (ls_ref[w] if x is None else x) - lat
-                if by < t:
-                    t = by
+            t = due_s(succs[v], ls, deadline)
             if t != lf_ref[v]:
                 lf[v] = t
             s = t - (d_new[v] if v in d_new else d_ref[v])
@@ -239,19 +225,13 @@ class Retimer:
         heapify(heap)
         queued = set(d_new)
         es: dict[int, float] = {}
-        ee: dict[int, float] = {}
-        get = ee.get
+        ee = Overlay(ee_ref)
         while heap:
             v = heappop(heap)[1]
             self.visits += 1
             if self.visits > self._cap:
                 raise _TooWide
-            t = 0.0
-            for u, lat in preds[v]:
-                x = get(u)
-                ready = (ee_ref[u] if x is None else x) + lat
-                if ready > t:
-                    t = ready
+            t = ready_s(preds[v], ee)
             if t != es_ref[v]:
                 es[v] = t
             e = t + (d_new[v] if v in d_new else d_ref[v])
@@ -272,20 +252,14 @@ class Retimer:
         heap = [(pos[v], v) for v in lf]
         heapify(heap)
         queued = set(lf)
-        end: dict[int, float] = {}
-        get = end.get
+        end = Overlay(end_ref)
         out: dict[int, int] = {}
         while heap:
             v = heappop(heap)[1]
             self.visits += 1
             if self.visits > self._cap:
                 raise _TooWide
-            t = 0.0
-            for u, lat in preds[v]:
-                x = get(u)
-                ready = (end_ref[u] if x is None else x) + lat
-                if ready > t:
-                    t = ready
+            t = ready_s(preds[v], end)
             ts = times[v]
             k = bisect_right(ts, (lf[v] if v in lf else lf_ref[v]) - t + eps) - 1
             if k < 0:
@@ -309,20 +283,14 @@ class Retimer:
         heap = [(-pos[v], v) for v in es]
         heapify(heap)
         queued = set(es)
-        ls: dict[int, float] = {}
-        get = ls.get
+        ls = Overlay(ls_ref)
         out: dict[int, int] = {}
         while heap:
             v = heappop(heap)[1]
             self.visits += 1
             if self.visits > self._cap:
                 raise _TooWide
-            t = deadline
-            for w, lat in succs[v]:
-                x = get(w)
-                by = (ls_ref[w] if x is None else x) - lat
-                if by < t:
-                    t = by
+            t = due_s(succs[v], ls, deadline)
             ts = times[v]
             k = bisect_right(ts, t - (es[v] if v in es else es_ref[v]) + eps) - 1
             if k < 0:
@@ -372,8 +340,7 @@ class Retimer:
         heap = [(pos[v], v) for v in changed]
         heapify(heap)
         queued = set(changed)
-        new_end: dict[int, float] = {}
-        get = new_end.get
+        new_end = Overlay(end)
         budget = 2 * self.n // self.wide_part
         while heap:
             v = heappop(heap)[1]
@@ -381,13 +348,7 @@ class Retimer:
             budget -= 1
             if budget < 0:
                 return _WIDE
-            t = 0.0
-            for u, lat in preds[v]:
-                e = get(u)
-                ready = (end[u] if e is None else e) + lat
-                if ready > t:
-                    t = ready
-            e = t + (changed[v] if v in changed else d[v])
+            e = ready_s(preds[v], new_end) + (changed[v] if v in changed else d[v])
             if e == end[v]:
                 continue
             if e > limit:

@@ -11,13 +11,14 @@ answers of whole passes and whole simulations, bit for bit.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from megatron_envpipe.core.graph import earliest_times, latest_times, successors
 from megatron_envpipe.core.timeline import PipelineGraph
 from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL, InfeasibleDeadline
+from megatron_envpipe.planning.optimal.moves import Move, exchange_moves, pair_moves
 from megatron_envpipe.planning.optimal.retiming import Retimer, SlackPass
 
 # Local search: about this many unit visits in total (a settle visits every unit ~4 times,
@@ -31,8 +32,6 @@ SEARCH_SKIP_GAP = 3e-4
 MAX_SEARCH_ROUNDS = 6  # exchange searches: candidate lists rebuilt at most this often
 MAX_FAILED_CHECKS = 150  # ... and a round ends after this many infeasible candidates in a row (best first)
 
-# A move: (energy gain, unit w, w's new option, ((unit u, steps faster), ...)).
-Move = tuple[float, int, int, tuple[tuple[int, int], ...]]
 
 
 class ClockModel(Protocol):
@@ -320,25 +319,7 @@ class ClockSearch:
         return self._search(idx, deadline, max_checks, window, self._pair_moves)
 
     def _pair_moves(self, cur: list[int], slack: list[float], nbrs: list[list[int]], eps: float) -> list[Move]:
-        times, costs = self.times, self.costs
-        cands: list[Move] = []
-        for u in range(self.n):
-            ku = cur[u]
-            tu, cu = times[u], costs[u]
-            for k in range(1, min(3, ku) + 1):
-                freed = tu[ku] - tu[ku - k]
-                extra = cu[ku - k] - cu[ku]
-                for w in nbrs[u]:
-                    kw, tw = cur[w], times[w]
-                    if kw + 1 >= len(tw):
-                        continue
-                    room = freed + slack[w]
-                    j = bisect_right(tw, tw[kw] + room + eps) - 1
-                    if j > kw:
-                        gain = extra + costs[w][j] - costs[w][kw]
-                        if gain < -1e-9:
-                            cands.append((gain, w, j, ((u, k),)))
-        return cands
+        return pair_moves(self.times, self.costs, cur, slack, nbrs, eps)
 
     def _apply_moves(self, cur: list[int], cands: list[Move], limit: float, max_checks: int,
                      d: list[float], end: list[float]) -> tuple[list[int], int, int, bool]:
@@ -394,66 +375,7 @@ class ClockSearch:
         return self._search(idx, deadline, max_checks, window, self._exchange_moves)
 
     def _exchange_moves(self, cur: list[int], slack: list[float], nbrs: list[list[int]], eps: float) -> list[Move]:
-        times, costs = self.times, self.costs
-        cands: list[Move] = []
-        for w in range(self.n):
-            kw, tw, cw = cur[w], times[w], costs[w]
-            if kw + 1 >= len(tw):
-                continue
-            slack_w = slack[w]
-            # Speed-up offers of the neighbours: (energy per second, unit, steps, seconds, energy).
-            offers = []
-            for u in nbrs[w]:
-                ku = cur[u]
-                for k in range(1, min(3, ku) + 1):
-                    freed = times[u][ku] - times[u][ku - k]
-                    if freed > 0:
-                        extra = costs[u][ku - k] - costs[u][ku]
-                        offers.append((extra / freed, u, k, freed, extra))
-            if not offers:
-                continue
-            # One neighbour covering it all: by seconds freed, with the cheapest from there on.
-            by_freed = sorted(offers, key=lambda o: (o[3], o[4]))
-            freed_keys = [o[3] for o in by_freed]
-            suffix: list[Any] = [None] * len(by_freed)  # (energy, unit, steps): cheapest from i on
-            best = None
-            for i in range(len(by_freed) - 1, -1, -1):
-                o = by_freed[i]
-                if best is None or o[4] < best[0]:
-                    best = (o[4], o[1], o[2])
-                suffix[i] = best
-            # Up to three neighbours, cheapest energy per second first (prefix sums).
-            offers.sort()
-            chosen: list[tuple[int, int]] = []
-            got_prefix: list[float] = []
-            spent_prefix: list[float] = []
-            got = spent = 0.0
-            for _, u, k, freed, extra in offers:
-                if any(u == c for c, _ in chosen):
-                    continue
-                chosen.append((u, k))
-                got += freed
-                spent += extra
-                got_prefix.append(got)
-                spent_prefix.append(spent)
-                if len(chosen) == 3:
-                    break
-            most = max(got_prefix[-1], freed_keys[-1])
-            for j in range(kw + 1, len(tw)):
-                need = tw[j] - tw[kw] - slack_w
-                if need > most + eps:
-                    break
-                if need <= eps:
-                    continue  # a plain slow-down: the settle passes take those
-                saving = cw[kw] - cw[j]
-                i = bisect_left(freed_keys, need - eps)
-                if i < len(by_freed) and suffix[i][0] < saving - 1e-9:
-                    extra, u, k = suffix[i]
-                    cands.append((extra - saving, w, j, ((u, k),)))
-                i = bisect_left(got_prefix, need - eps)
-                if 0 < i < len(got_prefix) and spent_prefix[i] < saving - 1e-9:
-                    cands.append((spent_prefix[i] - saving, w, j, tuple(sorted(chosen[: i + 1]))))
-        return cands
+        return exchange_moves(self.times, self.costs, cur, slack, nbrs, eps)
 
     # -- repair ------------------------------------------------------------------------
     def repair(self, idx: list[int], deadline: float) -> tuple[list[int], int]:

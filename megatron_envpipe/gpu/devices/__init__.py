@@ -1,0 +1,1 @@
+"""GPU devices: the GpuDevice interface, the backends (nvml, simulated, none) and their registry."""

@@ -1,0 +1,87 @@
+"""core/kinds.py: plan types and schedulings as registries of capabilities. A new plan type is one
+registration in its own module: here a "fixed clock per stage" plan type (docs/design.md's example),
+registered in the test, planned by the planner, accepted by both flag surfaces, and held to the
+capabilities it declares by the flag table (config/flag_table.py)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import pytest
+
+from megatron_envpipe.apps.cli import build_parser
+from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
+from megatron_envpipe.core import kind_registry
+from megatron_envpipe.core.kinds import (
+    KindError,
+    PlanTypeKind,
+    plan_kind,
+    register_plan_type,
+    scheduling_kind,
+)
+from megatron_envpipe.core.plan import FrequencyPlan
+from megatron_envpipe.core.profile import Profile
+from megatron_envpipe.core.resources import shipped_profile
+from megatron_envpipe.core.schedule import Schedule, build_schedule
+from megatron_envpipe.flag_types import EnvPipeConfigError
+from megatron_envpipe.planning.basis import PlannerConfig
+from megatron_envpipe.planning.planner import plan_envpipe
+
+FIXED_MHZ = (1200, 1110, 1020, 930)
+
+
+def fixed_per_stage(schedule: Schedule, f_max: int, inner_mhz: Sequence[int]) -> FrequencyPlan:
+    """Every unit of stage s at FIXED_MHZ[s] (never above the GPU's maximum)."""
+    return FrequencyPlan.constant(schedule, [min(f_max, FIXED_MHZ[s]) for s in range(schedule.num_stages)])
+
+
+FIXED = PlanTypeKind("fixed", "each stage at its own fixed clock", fixed_per_stage)
+
+
+@pytest.fixture
+def fixed(monkeypatch):
+    """The registration, undone after the test (the registry is process-wide)."""
+    monkeypatch.setattr(kind_registry, "_PLAN_TYPES", dict(kind_registry._PLAN_TYPES))
+    return register_plan_type(FIXED)
+
+
+def test_builtin_capabilities_replace_name_comparisons():
+    assert not plan_kind("baseline").sets_clocks and plan_kind("envelope").sets_clocks
+    assert plan_kind("optimal").has_deadline and plan_kind("optimal").optimized
+    assert plan_kind("optimal").per_iteration_plans and plan_kind("optimal").follows_stragglers
+    assert not any(plan_kind(t).has_deadline for t in ("baseline", "uniform", "envelope"))
+    assert scheduling_kind("ours").extra_warmup and not scheduling_kind("1f1b").extra_warmup
+    assert scheduling_kind("interleaved").model_chunks
+    assert scheduling_kind("interleaved").replaces == "forward_backward_pipelining_with_interleaving"
+    assert scheduling_kind("1f1b").replaces == "forward_backward_pipelining_without_interleaving"
+
+
+@pytest.mark.parametrize("name, r, chunks", [("1f1b", None, 1), ("ours", (2, 1, 1, 0), 1), ("interleaved", None, 2)])
+def test_a_scheduling_builds_what_build_schedule_builds(name, r, chunks):
+    assert scheduling_kind(name).build(4, 8, r, chunks, None) == build_schedule(name, 4, 8, r, chunks)
+
+
+def test_unknown_names_and_conflicting_registrations_are_refused(fixed):
+    with pytest.raises(KindError, match="unknown plan type 'fastest'"):
+        plan_kind("fastest")
+    register_plan_type(FIXED)  # the same kind again: idempotent
+    with pytest.raises(KindError, match="registered already"):
+        register_plan_type(PlanTypeKind("fixed", "other", fixed_per_stage, has_deadline=True))
+
+
+def test_a_registered_plan_type_is_planned_from_its_initial_plan(fixed):
+    profile = Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(4)
+    result = plan_envpipe(profile, 8, PlannerConfig(plan_type="fixed", scheduling="1f1b", reconfig="default"))
+    assert [set(row) for row in result.plan.freqs_mhz] == [{f} for f in FIXED_MHZ]
+    assert result.energy_j < result.baseline.energy_j  # slower clocks than f_max: less energy
+
+
+def test_both_flag_surfaces_accept_it_and_read_its_capabilities(fixed):
+    parser = add_envpipe_args(argparse.ArgumentParser(prog="train"))
+    config = EnvPipeConfig.from_args(parser.parse_args(["--envpipe-type", "fixed", "--envpipe-timing-margin", "0.02"]))
+    assert config.plan_type == "fixed"  # sets clocks: the timing margin acts
+    with pytest.raises(EnvPipeConfigError, match="deadlines need --envpipe-type optimal"):
+        EnvPipeConfig.from_args(parser.parse_args(["--envpipe-type", "fixed", "--envpipe-max-slowdown", "0.05"]))
+    args = build_parser().parse_args(["plan", "--profile", "a40/gpt3-175b", "-m", "8", "--type", "fixed"])
+    assert args.type == "fixed"

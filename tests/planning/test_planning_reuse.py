@@ -1,0 +1,87 @@
+"""Work the planner reuses instead of redoing (issue 34's planning time): each shortcut gives exactly what the
+long way gives: the reconfiguration loop's resumed simulation and node-index raises (planning/envpipe.py,
+planning/reconfig.py), the merge pass's memo (planning/switching.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.plan import FrequencyPlan
+from megatron_envpipe.core.schedule import build_schedule, clamp_extra_warmup, one_f_one_b
+from megatron_envpipe.core.timeline import PipelineGraph, PlanEvaluator
+from megatron_envpipe.planning.basis import PlannerConfig, planning_basis
+from megatron_envpipe.planning.envpipe import initial_plan, plan_reconfigured
+from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
+from megatron_envpipe.planning.resimulation import Resimulator
+from megatron_envpipe.planning.switching import reduce_clock_changes, reduce_clock_changes_remembered
+
+A40 = get_gpu_spec("a40")
+
+
+@pytest.mark.parametrize("scheduling", ["1f1b", "ours"])
+def test_resumed_simulation_is_the_full_one_to_the_bit(gpt3_profile, scheduling):
+    p = gpt3_profile.num_stages
+    schedule = (build_schedule("ours", p, 8, clamp_extra_warmup(p, 8, [1] * p, None)) if scheduling == "ours"
+                else one_f_one_b(p, 8))
+    evaluator = PlanEvaluator(schedule, gpt3_profile, A40.p2p_power_w)
+    clocks = sorted(gpt3_profile.common_frequencies())
+    rng = random.Random(7)
+    freqs = [rng.choice(clocks) for _ in range(len(evaluator.graph.nodes))]
+    timeline = evaluator.simulate(freqs)
+    resim = Resimulator(evaluator.graph)
+    assert resim.steps is not None  # the flat walk: otherwise the test would only check the fallback
+    for _ in range(30):
+        changed = rng.sample(range(len(freqs)), rng.randint(1, 3))
+        for v in changed:
+            freqs[v] = rng.choice(clocks)
+        durations = evaluator.durations(freqs)
+        fast = resim.simulate(timeline, durations, changed)
+        full = evaluator.simulate(freqs)
+        assert fast.start_s == full.start_s and fast.end_s == full.end_s
+        timeline = fast
+
+
+def reconfigured_the_long_way(profile, m, config):
+    """plan_reconfigured's loop as it was: units looked up by (stage, Unit), every iteration simulated in full."""
+    basis = planning_basis(profile, m, config)
+    schedule = one_f_one_b(basis.num_stages, m)
+    evaluator = PlanEvaluator(schedule, profile, basis.p2p_power_w)
+    reconf = Reconfigurer(initial_plan(schedule, config.plan_type, basis.f_max_mhz, basis.valley_mhz),
+                          config.reconfig, ClockLadder(basis.candidates_mhz, config.effective_reconfig_step_mhz))
+    timeline, iterations = evaluator.simulate(reconf.freqs_flat()), 0
+    while not reconf.on_envelope(timeline.critical_units()) and iterations < config.max_iterations:
+        if not reconf.apply(timeline.critical_units()):
+            break
+        iterations += 1
+        timeline = evaluator.simulate(reconf.freqs_flat())
+    return reconf.plan, iterations, timeline
+
+
+@pytest.mark.parametrize("policy", ["balanced", "greedy"])
+def test_reconfiguration_loop_matches_the_long_way(bloom_profile, policy):
+    config = PlannerConfig("envelope", "1f1b", policy, gpu=A40)
+    plan, iterations, timeline = reconfigured_the_long_way(bloom_profile, 16, config)
+    result = plan_reconfigured(bloom_profile, 16, config)
+    assert iterations > 5  # the loop did run
+    assert result.plan.freqs_mhz == plan.freqs_mhz and result.iterations == iterations
+    assert result.timeline.end_s == timeline.end_s
+
+
+def test_merge_pass_memo_gives_the_pass_result(gpt3_profile):
+    result = plan_reconfigured(gpt3_profile, 12, PlannerConfig("envelope", "1f1b", "balanced", gpu=A40))
+    evaluator = PlanEvaluator(result.schedule, gpt3_profile, A40.p2p_power_w, graph=result.timeline.graph)
+    first = reduce_clock_changes_remembered(result.plan, evaluator, None, 0.7)
+    again = reduce_clock_changes_remembered(FrequencyPlan(result.schedule, result.plan.freqs_mhz), evaluator, None, 0.7)
+    assert again is first  # same inputs: the memo's
+    fresh = reduce_clock_changes(result.plan, evaluator, None, 0.7)  # the pass itself, done afresh: the same plan
+    assert fresh is not first and fresh.plan.freqs_mhz == first.plan.freqs_mhz and fresh.merges == first.merges > 0
+    assert fresh.score == first.score
+    cheaper = reduce_clock_changes_remembered(result.plan, evaluator, None, 0.35)  # another cost: not the memo's
+    assert cheaper is not first and cheaper.switch_cost_j == 0.35
+    later = reduce_clock_changes_remembered(result.plan, evaluator, first.deadline_s * 1.01, 0.7)  # another deadline
+    assert later is not first and later.deadline_s > first.deadline_s
+    own = PlanEvaluator(result.schedule, gpt3_profile, A40.p2p_power_w, graph=PipelineGraph(result.schedule))
+    assert reduce_clock_changes_remembered(result.plan, own, None, 0.7) is not first  # another graph: not the memo's
