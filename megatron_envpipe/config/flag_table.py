@@ -7,8 +7,9 @@ launch's shape, ``validate_with_megatron_args``) and the ``envpipe`` command's t
 (plan type, schedule, GPU kind, time mode, data-parallel/pipeline sizes, iteration counts), with
 the words that say why and what to add; facts that are not known yet (the launch's shape while the
 flags alone are checked) pass and are checked again at start-up. A field with no condition says why
-in ``always``. Flags that only turn off what is already off stay accepted (``Needs.only_for``: the values a
-condition is about, e.g. ``--envpipe-clock-lead off``, ``--envpipe-per-iteration-plans`` but not its ``--no-``).
+in ``always``. ``Needs.only_for`` names the values a condition is about: ``--no-envpipe-follow-stragglers``
+and ``--envpipe-profile-cache off`` only turn off what is off and stay accepted; ``--envpipe-clock-lead off``
+is refused where no clock changes (issue 39 lists it: it reads as a setting the run would honour).
 Pure Python.
 """
 
@@ -429,7 +430,9 @@ def _shown(name: str, value: Any) -> str:
         return show_list(value)
     if isinstance(value, str):
         return value
-    return show(value)
+    if isinstance(value, bool | int | float):
+        return show(value)
+    return str(value)  # a parsed flag value (SimStraggler, MemoryModel) prints as it was typed
 
 
 def _words(text: str, facts: Facts, names: dict[str, str], flag: str, value: Any = None) -> str:

@@ -201,7 +201,8 @@ class EnvPipeConfig:
     def _given(self) -> frozenset[str]:
         """The fields whose value differs from the default (what a Python caller evidently set)."""
         default = EnvPipeConfig()
-        return frozenset(f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name))
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)
+                         and not (f.name == "gpu" and self.gpu == "auto"))  # None means auto: the default typed
 
     def _values(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -34,7 +34,6 @@ Edges = Sequence[Sequence[tuple[int, float]]]  # per node: (neighbour, latency_s
 Step = tuple[int, int, float, int, float]  # (v, a, latency_a, b, latency_b): one node of a flat walk (EdgeLists)
 
 
-
 class _Times(Protocol):
     """What the kernel reads node times from: a list, or an overlay of changes over one (:class:`Overlay`)."""
 

@@ -137,6 +137,10 @@ class MemoryModel:
             raise InvalidValueError(f"{text!r}: {problem}")
         return model
 
+    def __str__(self) -> str:
+        """As the flag is typed: ``2,256``."""
+        return f"{self.free_gib:g},{self.mib_per_microbatch:g}"
+
     def problem(self) -> str | None:
         # Bounded above too: 1e300 GiB overflows to inf bytes, and int(inf) would kill every rank.
         for what, value, key in (("free memory", self.free_gib, "sim_free_gib"),

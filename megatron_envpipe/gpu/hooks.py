@@ -74,16 +74,6 @@ def unmeasured_reason(exc: BaseException) -> str:
     return exc.reason if isinstance(exc, EnergyMonitorError) else READ_FAILED
 
 
-def expected_clock_lead(device: GpuDevice, enabled: bool = True, margin_s: float = 0.0) -> ClockLead | None:
-    """The clock lead for ``device`` (``--envpipe-clock-lead on|off``): the simulated GPU's own
-    latency (its dynamics), a real GPU's the default request-to-clock figure; None (changes
-    at the boundary, as without a lead) when the device has no latency to lead."""
-    latency_s = device.capabilities().clock_latency_s
-    if latency_s <= 0.0:
-        return None
-    return ClockLead(latency_s=latency_s, enabled=enabled, margin_s=margin_s)
-
-
 @dataclass(frozen=True)
 class _StagePlan:
     """This iteration's units of the stage, their clocks and predicted times (clock_plan)."""

@@ -50,7 +50,9 @@ def node_error(args: Any, env: Mapping[str, str], local_world_size: Any) -> str 
         ranks = int(local_world_size(args.nproc_per_node))
     except ValueError:  # e.g. --nproc-per-node gpu without CUDA: one rank's view of the node still says why
         ranks = 1
-    rank_env = {**env, "LOCAL_WORLD_SIZE": str(ranks), "LOCAL_RANK": "0"}
+    nodes = str(args.nnodes)
+    world = str(int(nodes) * ranks) if nodes.isdigit() else ""  # "1:4": elastic, the world is not known yet
+    rank_env = {**env, "LOCAL_WORLD_SIZE": str(ranks), "LOCAL_RANK": "0", "WORLD_SIZE": world}
     return node_startup_error(list(args.training_script_args), rank_env)
 
 

@@ -191,6 +191,10 @@ def node_startup_error(argv: Sequence[str], env: Mapping[str, str]) -> str | Non
     once per node by ``envpipe torchrun``; None when the ranks can start.
     """
     pre, _ = _envpipe_parser().parse_known_args(list(argv))
+    # The world the launcher will start (0: not known, e.g. an elastic node range), never a WORLD_SIZE the
+    # launching shell happens to export.
+    world = env.get("WORLD_SIZE", "")
+    pre.world_size = int(world) if world.isdigit() else 0
     try:
         EnvPipeConfig.from_args(pre).validate_with_megatron_args(pre)
         find_pretrain_gpt(pre.megatron_lm or env.get("MEGATRON_LM"))

@@ -171,7 +171,6 @@ class StageIteration:
                                f"the model {self.num_chunks}")
         return plan
 
-
     def run(self) -> list[Any]:
         """One iteration of this stage (module docstring)."""
         self._set_up_once()

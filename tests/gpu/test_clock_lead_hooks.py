@@ -18,7 +18,8 @@ from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu.control.clocks import DelayedEvent
 from megatron_envpipe.gpu.devices.nvml import NvmlGpu
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
-from megatron_envpipe.gpu.hooks import GpuHooks, expected_clock_lead
+from megatron_envpipe.gpu.hooks import GpuHooks
+from megatron_envpipe.megatron.device_session import ClockTiming
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -130,11 +131,14 @@ def test_rule_off_is_what_the_hooks_did_before():
 
 
 def test_expected_lead_is_the_devices_latency():
+    def lead(device, enabled=True):  # as the run's device session hands it to the hooks
+        return ClockTiming.of(device.capabilities()).clock_lead(enabled)
+
     exact = SimulatedGpu(_profile(), 0)
-    assert expected_clock_lead(exact) is None  # nothing to lead: changes at the boundary, as before
+    assert lead(exact) is None  # nothing to lead: changes at the boundary, as before
     slow = SimulatedGpu(_profile(), 0, dynamics=DeviceDynamics(clock_latency_s=0.03, source="test"))
-    assert expected_clock_lead(slow) == ClockLead(0.03)
-    assert expected_clock_lead(slow, enabled=False) == ClockLead(0.03, enabled=False)
+    assert lead(slow) == ClockLead(0.03)
+    assert lead(slow, enabled=False) == ClockLead(0.03, enabled=False)
 
 
 # -- a real GPU (CUDA events, NVML): the worker waits for the unit's begin, then the offset ----------

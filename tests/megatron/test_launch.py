@@ -98,3 +98,17 @@ def test_a_torchrun_usage_error_is_one_line(started, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and started == [] and len(err.splitlines()) == 1, err
     assert err.startswith("envpipe torchrun: error: "), err
+
+
+def test_the_data_parallel_size_is_torchruns_world_not_the_shells(started, monkeypatch, capsys):
+    """A straggler replica is checked against nnodes x nproc / PP, whatever WORLD_SIZE the shell exports."""
+    gpus(monkeypatch, lambda env: None)
+    monkeypatch.setenv("WORLD_SIZE", "64")  # stale, from the job script: 16 replicas if it were read
+    straggler = ["--envpipe-type", "optimal", "--envpipe-gpu", "simulated:a40/gpt3-175b",
+                 "--envpipe-sim-straggler", "3:1.15"]
+    argv = ["--nnodes", "1", "--nproc-per-node", "8", *ENTRY, *FLAGS[:-4], *straggler]
+    assert launch.main(argv) == 2 and started == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "replica" in err and "2" in err, err
+    argv = ["--nnodes", "2", "--nproc-per-node", "8", *ENTRY, *FLAGS[:-4], *straggler]
+    assert launch.main(argv) == 0 and started == [argv]  # 16 ranks / PP 4: replicas 0-3

@@ -1,6 +1,6 @@
 """The MILP oracle against brute force: every clock assignment of tiny pipelines, scored by PlanEvaluator.
 
-planning/milp.py is what the LP planner is checked against (test_optimal.py), so it
+testing/milp.py is what the LP planner is checked against (test_optimal.py), so it
 must be right on its own: here its optimum must equal the minimum energy over all
 clock assignments that meet the deadline, for both schedules, several deadlines,
 P2P latency and extra (paired-hold) dependencies, at the plan's makespan and padded.

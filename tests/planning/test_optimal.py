@@ -165,7 +165,7 @@ def test_within_half_a_percent_of_the_milp_optimum(case, gpt3_profile, bloom_pro
     deadline = base.iteration_time_s * (1 + slowdown)
     model = TimeEnergyModel(sched, prof, prof.common_frequencies(), P2P)
     ours = model.solve(deadline)
-    # The MILP builds its own options and rows (planning/milp.py): no code shared with `model`'s LP.
+    # The MILP builds its own options and rows (testing/milp.py): no code shared with `model`'s LP.
     exact = solve_milp(model, deadline, time_limit_s=120, candidates_mhz=prof.common_frequencies())
     assert exact.optimal, exact.status  # these instances are chosen small enough to be proven optimal
     assert exact.energy_j == pytest.approx(exact.objective_j, rel=1e-6)  # the MILP's arithmetic is the evaluator's
