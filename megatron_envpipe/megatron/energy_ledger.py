@@ -59,7 +59,6 @@ class Local:
     last_rank: bool = False  # this process prints the lines (and the summary)
     summarized: bool = False
     told_dp_wait: bool = False  # said once that the extra time is the wait for a data-parallel straggler
-    follow_atexit: bool = False  # the straggler ledger's summary is registered for exit
     replica: int = 0  # this pipeline's data-parallel replica
 
 

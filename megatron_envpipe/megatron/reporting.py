@@ -155,9 +155,7 @@ def _note_follow_window(run: RunView, groups: StageGroups, report: EnergyReport 
     if report is None or follow is None or not groups.last or groups.replicas is None:
         return None
     told = follow.note_window(groups, report, groups.replicas.rank())
-    local = run.energy.local
-    if follow.ledger.following.iterations and not follow.ledger.summarized and not local.follow_atexit:
-        local.follow_atexit = True
+    if follow.ledger.claim_exit_summary():
         atexit.register(summarize_following, follow, run.phases.device.modelled, groups.replicas.rank())
     label = " (simulated)" if report.simulated else ""
     return f"EnvPipe stragglers{label} | {told}" if told else None
@@ -268,7 +266,7 @@ def summarize(run: RunView | None) -> str | None:
     if run is None:
         return None
     ledger, local = run.energy, run.energy.local
-    if local.follow_atexit:  # a pipeline that followed a straggler: its own summary
+    if run.stragglers is not None and run.stragglers.ledger.at_exit:  # it followed a straggler: its summary
         summarize_following(run.stragglers, run.phases.device.modelled, local.replica)
     if local.summarized or not local.last_rank:
         return None

@@ -135,6 +135,15 @@ class FollowLedger:
     whom: int | None = None  # the replica followed
     told: bool = False  # the first comparison was logged
     summarized: bool = False
+    at_exit: bool = False  # the run's exit summarises it (claim_exit_summary)
+
+    def claim_exit_summary(self) -> bool:
+        """True once, when following has run and nothing is summarised yet: the caller registers the summary
+        for the run's exit."""
+        if self.at_exit or self.summarized or not self.following.iterations:
+            return False
+        self.at_exit = True
+        return True
 
     def summary(self, simulated: bool, replica: int) -> str | None:
         """The comparison for the run's summary, once (None: already given, or none to make)."""
