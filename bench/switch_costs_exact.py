@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 
+from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
@@ -105,10 +104,7 @@ def main() -> int:
               f"{share(exact, old) if old and exact is not None else '—'} | "
               f"{'—' if seconds is None else f'{seconds:.0f}'} |", flush=True)
     if args.json:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.json)) or ".", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1, sort_keys=True)
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, out, sort_keys=True)
     return 0
 
 
