@@ -283,11 +283,11 @@ def main() -> None:
     layout = megatron_layout(p, dp)
     extra = megatron_extra_groups(p, dp)
     rows = [  # (when, label, backend, device_id bound, creation)
-        ("before", "NCCL, no device_id", "nccl", False, channels.per_pair_groups),
-        ("before", "NCCL, device_id", "nccl", True, channels.per_pair_groups),
-        ("after", "gloo (CPU tests)", "gloo", False, channels.create_channel_groups),
-        ("after", "NCCL, no device_id", "nccl", False, channels.create_channel_groups),
-        ("after", "NCCL, device_id", "nccl", True, channels.create_channel_groups),
+        ("before", "NCCL, no device_id", "nccl", False, channels._per_pair_groups),
+        ("before", "NCCL, device_id", "nccl", True, channels._per_pair_groups),
+        ("after", "gloo (CPU tests)", "gloo", False, channels._create_channel_groups),
+        ("after", "NCCL, no device_id", "nccl", False, channels._create_channel_groups),
+        ("after", "NCCL, device_id", "nccl", True, channels._create_channel_groups),
     ]
     print(f"{p * dp} ranks = {dp} pipelines x {p} stages (TP = 1); fake torch.distributed, nothing runs\n")
     head = ("", "world", "strategy", "world-wide", "of which", "smaller", "warm-up", "groups", "name")

@@ -24,7 +24,7 @@ import argparse
 import math
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
-from megatron_envpipe.core.memory import one_f_one_b_need
+from megatron_envpipe.core.memory import _one_f_one_b_need
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.planning.basis import PlannerConfig
@@ -55,7 +55,7 @@ def main() -> None:
         profile = Profile.from_csv(path)
         for plan_type in args.types.split(","):
             for m in [int(x) for x in args.microbatches.split(",")]:
-                need = one_f_one_b_need(profile.num_stages, m)
+                need = _one_f_one_b_need(profile.num_stages, m)
                 cells, peaks = [], []
                 for factor in FACTORS:
                     cfg = PlannerConfig(plan_type, "ours", "balanced", gpu=gpu, max_inflight=budget(need, factor),
@@ -64,7 +64,7 @@ def main() -> None:
                     cells.append(f"{100 * result.energy_saving:.2f} %")
                     peaks = list(result.schedule.peak_inflight())
                 print(f"| {name} | {plan_type} | {m} | " + " | ".join(cells) + f" | {peaks} |")
-    need = one_f_one_b_need(8, 12)  # the same for every M >= P = 8
+    need = _one_f_one_b_need(8, 12)  # the same for every M >= P = 8
     print("\nBudgets per stage (P = 8, M >= 8): " + "; ".join(
         f"{header} {list(budget(need, factor))}" for header, factor in zip(HEADERS[:-1], FACTORS[:-1], strict=True))
         + ". Savings vs 1F1B at f_max, zero slowdown, " + switch_note(args.switch_cost_j, gpu) + ".")

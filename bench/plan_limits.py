@@ -33,7 +33,7 @@ from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profiles
-from megatron_envpipe.core.schedule import build_schedule
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.frontier import compute_frontier

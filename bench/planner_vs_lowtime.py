@@ -55,7 +55,7 @@ from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.schedule import B, F, one_f_one_b
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig
-from megatron_envpipe.planning.compat_perseus import PERSEUS_EMULATION_ENERGY_SCALE, plan_envpipe_perseus_emulation
+from megatron_envpipe.planning.compat_perseus import _PERSEUS_EMULATION_ENERGY_SCALE, _plan_envpipe_perseus_emulation
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.switching import steady_clock_changes, switch_energy_j
 
@@ -194,9 +194,9 @@ def main() -> None:
     for name in args.profiles.split(","):
         prof = Profile.from_csv(shipped_profiles()[name])
         for m in [int(x) for x in args.microbatches.split(",")]:
-            env = plan_envpipe_perseus_emulation(prof, m).result
+            env = _plan_envpipe_perseus_emulation(prof, m).result
             # EnvPipe's plan, its changes charged in the emulation's (energy-scaled) joules.
-            env_saving = 1 - ((env.score.energy_j + switch_energy_j(env.plan, cost * PERSEUS_EMULATION_ENERGY_SCALE))
+            env_saving = 1 - ((env.score.energy_j + switch_energy_j(env.plan, cost * _PERSEUS_EMULATION_ENERGY_SCALE))
                               / env.baseline.energy_j)
             o1 = plan_envpipe(prof, m, PlannerConfig("optimal", "1f1b", "default", gpu=gpu, switch_cost_j=cost))
             oo = plan_envpipe(prof, m, PlannerConfig("optimal", "ours", "default", gpu=gpu, switch_cost_j=cost))

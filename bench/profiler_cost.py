@@ -40,7 +40,7 @@ from megatron_envpipe.core.device_dynamics import load_dynamics
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import configs_dir, shipped_profile
-from megatron_envpipe.gpu.profiler.sweep import COST_SHARE_OF_ENVPIPE, ClockSweep, startup_sweep, sweep_candidates
+from megatron_envpipe.gpu.profiler.sweep import _COST_SHARE_OF_ENVPIPE, ClockSweep, startup_sweep, sweep_candidates
 from megatron_envpipe.testing.profiler_runs import (
     a40_three_stages,
     low_valley_profile,
@@ -107,7 +107,7 @@ def main() -> int:
                   f"{sweep.p2p_power_w():>8.2f}{wall:>8.1f}")
         new = sweep
         print(f"current: {new.summary()}")
-        if new.cost_share() > COST_SHARE_OF_ENVPIPE + 1e-9:
+        if new.cost_share() > _COST_SHARE_OF_ENVPIPE + 1e-9:
             ok = False
             print(f"GOAL MISSED: {new.iterations_used} iterations > 1/3 of EnvPipe's {new.envpipe_iterations()}")
         print(f"{'plan':<10}{'M':>4}{'from truth':>12}{'previous':>10}{'current':>10}{'gap prev':>10}"
@@ -152,7 +152,7 @@ def dynamics_case(truth, spec: str, gpu, args) -> bool:
              else "")
           + f"\n   attribution uncertainty: up to {100 * rel_se:.3f} % of a row (1 SE); rows within 3 SE: "
           f"{100 * covered:.0f} %")
-    good = err <= 0.01 and sweep.cost_share() <= COST_SHARE_OF_ENVPIPE + 1e-9
+    good = err <= 0.01 and sweep.cost_share() <= _COST_SHARE_OF_ENVPIPE + 1e-9
     if not good:
         print("   GOAL MISSED: energy within 1 % at no more than 1/3 of EnvPipe's iterations")
     return good

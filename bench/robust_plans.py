@@ -2,7 +2,7 @@
 """Do plans hold under unit-time jitter? Measured saving vs planned, EnvPipe's online rule vs ours.
 
 Offline (seconds): 50-iteration noisy runs on the planner's simulator
-(``megatron_envpipe.planning.noisy_run``): every unit's time and energy times a seeded
+(``megatron_envpipe.testing.noisy_run``): every unit's time and energy times a seeded
 normal factor (sd = the jitter), the baseline (1F1B at f_max) under the same noise, each
 iteration fed to the online reconfigurer exactly as training feeds it. Figures are medians
 of the last 20 iterations; worst case over ``--seeds`` seeds. Two ways to run a plan:
@@ -37,8 +37,8 @@ from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import configs_dir, shipped_profile
 from megatron_envpipe.planning.basis import PlannerConfig
-from megatron_envpipe.planning.noisy_run import run_noisy
 from megatron_envpipe.planning.planner import plan_envpipe
+from megatron_envpipe.testing.noisy_run import run_noisy
 
 A40 = get_gpu_spec("a40")
 CASES = [("a40/gpt3-175b", 4, 8), ("a40/bloom-176b", 4, 8), ("a40/gpt3-175b", 8, 16), ("a40/bloom-176b", 8, 16)]

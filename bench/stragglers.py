@@ -17,7 +17,7 @@ Replica 0 (the fast one):
 Every energy is scored by the timeline simulation (:class:`~megatron_envpipe.core.timeline.PlanEvaluator`,
 the planner's own model) plus the clock changes each plan keeps, stretched to the straggler's iteration
 time. The follower aims 0.5 % below the straggler's pace (``FollowSettings.headroom``). ``replan`` is the
-direct re-plan for that target (:func:`~megatron_envpipe.planning.straggler.replan_for_pace`, as
+direct re-plan for that target (``megatron_envpipe.planning.straggler._replan_for_pace``, as
 ``--envpipe-target-time``), which the 20-point frontier approximates up to its last point (the energy
 valley); ``front/rep`` = frontier plan's energy / re-plan's. Simulated figures, not measurements.
 
@@ -44,8 +44,8 @@ from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.straggler import (
     FollowSettings,
     StragglerFollower,
-    compute_frontier_plans,
-    replan_for_pace,
+    _compute_frontier_plans,
+    _replan_for_pace,
 )
 from megatron_envpipe.planning.switching import steady_clock_changes
 
@@ -79,7 +79,7 @@ def energy_table(factors: list[float], microbatches: list[int], scheduling: str,
             own = plan_envpipe(prof, m, config)
             own_t, own_e = scored(own.plan, prof, p2p, cost)
             t0 = time.process_time()  # CPU seconds: this shared machine's load does not count
-            plans = compute_frontier_plans(prof, m, config, points=points)
+            plans = _compute_frontier_plans(prof, m, config, points=points)
             frontier_s = time.process_time() - t0
             t0 = time.process_time()
             for _ in range(20):
@@ -95,7 +95,7 @@ def energy_table(factors: list[float], microbatches: list[int], scheduling: str,
                 fol_t, fol_e = scored(follow.plan, prof, p2p, cost)
                 follow_e = stretched(fol_t, fol_e, strag_t, p2p, PP)
                 t1 = time.process_time()
-                replan = replan_for_pace(prof, m, own_t * ratio, config)
+                replan = _replan_for_pace(prof, m, own_t * ratio, config)
                 replan_s = time.process_time() - t1
                 rep_t, rep_e = scored(replan.plan, prof, p2p, cost)
                 assert rep_t <= strag_t and abs(rep_e + p2p * PP * (own_t * ratio - rep_t) - replan.predicted_energy_j) \

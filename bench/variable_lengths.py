@@ -2,7 +2,7 @@
 """Variable-length micro-batches (issue 25): what clock plans per iteration add over one plan, simulated.
 
 On the shipped A40 profiles (gpt3-175b, bloom-176b; P = 8) with the documented default length model
-(:func:`megatron_envpipe.core.length_costs.default_length_model`: flop counts, an assumption, not
+(:func:`megatron_envpipe.core.length_costs.default_length_model_for`: flop counts, an assumption, not
 measured), each iteration's M micro-batches are drawn from a realistic length distribution:
 documents of log-normal length (median ``--doc-median`` tokens, ``--doc-sigma``; longer than the maximum
 sequence length: truncated to it) packed in order into micro-batches of one ``--max-seq-length`` sequence
@@ -38,7 +38,8 @@ from megatron_envpipe.core.length_costs import MicrobatchSize, default_length_mo
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.planning.basis import PlannerConfig
-from megatron_envpipe.planning.per_iteration import IterationPlanner, average_size
+from megatron_envpipe.planning.per_iteration import IterationPlanner
+from megatron_envpipe.testing.microbatch_sizes import average_size
 
 PROFILES = ("a40/gpt3-175b", "a40/bloom-176b")
 AVERAGE_SAMPLE = 4096  # micro-batches drawn (another seed) to find the average micro-batch

@@ -40,7 +40,7 @@ def fraction(text: str) -> float:
     return value
 
 
-def check_no_empty_entry(text: str) -> None:
+def _check_no_empty_entry(text: str) -> None:
     """A list flag's entries: ``4,4,,4`` is refused naming the empty entry (it was once silently dropped,
     shifting every later stage's value onto the stage before). Only blank text (or only commas) passes,
     for the caller to report as empty."""
@@ -53,7 +53,7 @@ def check_no_empty_entry(text: str) -> None:
 
 def int_list(text: str) -> list[int]:
     """argparse type: ``4,3,1,0`` -> ``[4, 3, 1, 0]``; blank text or only commas -> ``[]``."""
-    check_no_empty_entry(text)
+    _check_no_empty_entry(text)
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
@@ -62,7 +62,7 @@ def int_list(text: str) -> list[int]:
 
 def max_inflight_arg(text: str) -> MaxInflight:
     """argparse type of the activation-budget flags: ``auto``, ``none``/``unlimited``, ``8``, ``4,3,2,2``."""
-    check_no_empty_entry(text)
+    _check_no_empty_entry(text)
     try:
         return parse_max_inflight(text)
     except ValueError as exc:
@@ -71,7 +71,7 @@ def max_inflight_arg(text: str) -> MaxInflight:
 
 def memory_model_arg(text: str) -> MemoryModel:
     """argparse type of ``--envpipe-sim-memory``: ``GIB_FREE,MIB_PER_MICROBATCH`` (each bounded, core.flag_ranges)."""
-    check_no_empty_entry(text)
+    _check_no_empty_entry(text)
     try:
         return MemoryModel.parse(text)
     except ValueError as exc:
@@ -80,7 +80,7 @@ def memory_model_arg(text: str) -> MemoryModel:
 
 
 # The simulated straggler's slowdown: 1 (none) to 4 (a GPU throttled to a quarter of its speed); core.flag_ranges.
-STRAGGLER_FACTOR_RANGE = (RANGES["straggler_factor"].low, RANGES["straggler_factor"].high)
+_STRAGGLER_FACTOR_RANGE = (RANGES["straggler_factor"].low, RANGES["straggler_factor"].high)
 _STRAGGLER_EXAMPLE = "give REPLICA:FACTOR[@ITER], e.g. 1:1.15 or 1:1.2@10"
 
 
@@ -95,7 +95,7 @@ class SimStraggler:
 
     def problem(self) -> str | None:
         """What is wrong with it alone (the replica's range needs the data-parallel size), or None."""
-        low, high = STRAGGLER_FACTOR_RANGE
+        low, high = _STRAGGLER_FACTOR_RANGE
         if not is_whole(self.replica) or self.replica < 0:
             return f"replica {show(self.replica)} must be a whole number >= 0 (a data-parallel rank)"
         if RANGES["straggler_factor"].problem(self.factor):

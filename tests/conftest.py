@@ -8,11 +8,20 @@ and carry no tier marker, and add ``--fast``.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from tiering import pytest_addoption, pytest_collection_modifyitems, pytest_configure  # noqa: F401  (hooks)
 
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
+
+# One intra-op thread for torch (OpenMP, BLAS) in pytest and every process it starts, as the harness's and
+# torchrun's ranks already run: on a small shared machine a second thread for tiny models costs CPU and wall
+# time (spin-waits, contention; tests/megatron/test_gpu_check_profile_replay.py: 19 -> 7 CPU-s, 20 -> 9 s),
+# and in-process results no longer depend on the core count. Set before any test module imports torch
+# (nothing above does); an explicit OMP_NUM_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

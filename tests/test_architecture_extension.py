@@ -4,8 +4,19 @@
   (no ``startswith("simulated")``, no ``.simulated`` of a device);
 * deliberate errors are ``EnvPipeError``s: no bare ``raise ValueError/RuntimeError/TypeError``
   on a package path, but for the internal invariants listed here with the reason;
-* no public name that nothing but its own module uses, but for the debt listed in
-  ``architecture_public_names.txt`` (which may only shrink) and the entry points below.
+* no public name that nothing but its own module uses, but for the entry points below. "Uses" is
+  read off identifiers: another module names it (a name, an attribute, an import), or it is part of
+  the interface of a function or class that another module uses: a parameter or return annotation of
+  that function, of the class's ``__init__`` or of a method another module names, or the annotation of
+  one of the class's public attributes (a dataclass field), or an exception class that function raises.
+  A result type is public with its function even when no caller spells it; nothing else is exempt (see
+  ``_lonely_public_names``). Tests and benches do not count as uses: a tunable, helper or error class only
+  its module uses is private (``_name``) even when a test reaches it. The package itself may not use
+  another module's private names (tests/test_architecture.py checks that), but a test or bench may reach
+  the private names of the module it tests or measures. Code only tests and benches call lives in
+  ``megatron_envpipe/testing/``;
+* plan types and schedulings are asked as registry capabilities (core/kinds.py), never compared by name
+  outside the registry modules, but for the comparisons listed with the reason.
 
 Every allow-list is checked for stale entries too, so it cannot outlive what it excuses.
 """
@@ -13,6 +24,7 @@ Every allow-list is checked for stale entries too, so it cannot outlive what it 
 from __future__ import annotations
 
 import ast
+import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -74,6 +86,82 @@ def test_no_simulated_attribute_outside_the_device_layer():
     assert not stale, f"allow-list entries that no longer occur (remove them): {stale}"
 
 
+# -- plan types and schedulings --------------------------------------------------------------------
+
+# Where kinds are named and registered: their capabilities are written there.
+KIND_REGISTRY = ("core/kinds.py", "core/kind_registry.py", "core/vocabulary.py")
+BUILTIN_KINDS = {"baseline", "uniform", "envelope", "optimal", "1f1b", "ours", "interleaved"}
+# (module, the comparison as ast.unparse writes it) -> why it stays a comparison of names.
+ALLOWED_KIND_COMPARISONS = {
+    ("config/settings.py", "self.plan_type == PlanType.BASELINE"):
+        "is_stock: Megatron's own defaults by name (a new kind without capabilities is not stock)",
+    ("config/settings.py", "self.scheduling == Scheduling.ONE_F_ONE_B"): "is_stock, as above",
+    ("core/sizes.py", "str(plan_type) == 'optimal'"):
+        "below the registry in the import order (core/kinds imports core/interleaved, which imports core/sizes)",
+    ("core/sizes.py", "str(plan_type) != 'baseline'"): "the same size check, as above",
+}
+
+
+def _names_a_kind(node: ast.expr, strings: bool) -> bool:
+    """``PlanType.X`` / ``Scheduling.X`` (or a tuple of them), or (``strings``) a built-in kind's name."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("PlanType", "Scheduling"):
+        return True
+    if strings and isinstance(node, ast.Constant) and node.value in BUILTIN_KINDS:
+        return True
+    return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(_names_a_kind(e, strings) for e in node.elts)
+
+
+def _is_kind_value(node: ast.expr) -> bool:
+    """A plan type or scheduling value by its name: ``x.plan_type``, ``scheduling``, ``args.type``, ``str(...)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "str" and node.args:
+        return _is_kind_value(node.args[0])
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return name in ("plan_type", "scheduling", "type")
+
+
+def _kind_comparisons(tree: ast.Module) -> list[tuple[int, str]]:
+    """``== / != / is / is not / in / not in`` against a vocabulary member, and ``== / !=`` between a plan
+    type or scheduling value and a built-in kind's name as a string."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        members = any(_names_a_kind(e, strings=False) for e in sides) and any(
+            isinstance(op, ast.Eq | ast.NotEq | ast.Is | ast.IsNot | ast.In | ast.NotIn) for op in node.ops)
+        strings = any(isinstance(op, ast.Eq | ast.NotEq) for op in node.ops) and any(
+            _names_a_kind(e, strings=True) for e in sides) and any(_is_kind_value(e) for e in sides)
+        if members or strings:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_plan_types_and_schedulings_are_asked_for_capabilities():
+    found = {(rel, text): line for rel, tree in _outside(KIND_REGISTRY).items()
+             for line, text in _kind_comparisons(tree)}
+    new = sorted(f"{rel}:{line} {text}" for (rel, text), line in found.items() if (rel, text) not in ALLOWED_KIND_COMPARISONS)
+    assert not new, ("ask core.kinds (plan_kind(t).has_deadline / .optimized / .sets_clocks / .per_iteration_plans / "
+                     ".follows_stragglers, scheduling_kind(s).extra_warmup / .model_chunks / .own_baseline; add a "
+                     "capability to kind_registry's entry if one is missing) instead of comparing names:\n"
+                     + "\n".join(new))
+    stale = sorted(set(ALLOWED_KIND_COMPARISONS) - set(found))
+    assert not stale, f"allow-list entries that no longer occur (remove them): {stale}"
+
+
+def test_the_kind_comparison_scan_sees_each_spelling():
+    source = textwrap.dedent("""
+        if config.plan_type == PlanType.OPTIMAL: ...
+        if cfg.scheduling in (Scheduling.OURS, Scheduling.ONE_F_ONE_B): ...
+        if schedule.name is not Scheduling.INTERLEAVED: ...
+        if str(plan_type) != "baseline": ...
+        if args.type == "optimal": ...
+        if "baseline" in data: ...        # a dictionary key, not a kind
+        if kept == "envelope": ...        # a detail's value, not a plan type's
+        if plan_kind(config.plan_type).has_deadline: ...
+    """)
+    assert [line for line, _ in _kind_comparisons(ast.parse(source))] == [2, 3, 4, 5, 6]
+
+
 # -- deliberate errors -------------------------------------------------------------------------
 
 BARE = ("ValueError", "RuntimeError", "TypeError")
@@ -94,7 +182,6 @@ ALLOWED_BARE_RAISES = {
     ("gpu/profiler/sweep_lengths.py", ""): "invariant: sizes come with the executor's own unit windows",
     ("gpu/profiler/attribution.py", "windows overlap"): "invariant: a stage's units never overlap",
     ("gpu/profiler/profile_cache.py", "profile cache key is not plain"): "invariant: the key is built from plain data",
-    ("gpu/energy/iteration_energy.py", ""): "invariant: one part per stage of one iteration, by construction",
     ("gpu/hooks.py", ""): "invariant: the plan and windows the executor hands its own hooks agree",
     ("gpu/control/clocks.py", "a clock request's delay"): "invariant: delays are computed, never given",
     ("gpu/profiler/sweep.py", "recorded an iteration at"): "invariant: the executor records what the sweep asked",
@@ -153,7 +240,6 @@ def test_deliberate_errors_are_envpipe_errors():
 
 # -- public names ------------------------------------------------------------------------------
 
-DEBT_FILE = HERE / "architecture_public_names.txt"
 # Public although nothing else in the package names them, and why.
 ENTRY_POINTS = {
     "apps/cli/__init__.py": "the envpipe command's entry point (pyproject)",
@@ -188,35 +274,132 @@ def _identifiers(tree: ast.Module) -> set[str]:
     return out
 
 
-def _lonely_public_names() -> set[str]:
-    idents = {rel: _identifiers(tree) for rel, tree in TREES.items()}
+def _annotation_names(annotations: list[ast.expr | None]) -> set[str]:
+    """The names an annotation spells (a quoted one is parsed): ``list["Row"] | None`` -> list, Row, None."""
+    out: set[str] = set()
+    for ann in annotations:
+        if ann is None:
+            continue
+        if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+            ann = ast.parse(ann.value, mode="eval").body
+        for node in ast.walk(ann):
+            if isinstance(node, ast.Name):
+                out.add(node.id)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                out |= _annotation_names([node])
+    return out
+
+
+def _signature_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """Its parameter and return annotations, and the exception classes its own body raises by name
+    (``raise XError(...)``: what a caller catches is part of the interface as much as what it gets back)."""
+    args = fn.args
+    params = args.posonlyargs + args.args + args.kwonlyargs + [a for a in (args.vararg, args.kwarg) if a]
+    raised = {(n.exc.func if isinstance(n.exc, ast.Call) else n.exc).id for n in ast.walk(fn)
+              if isinstance(n, ast.Raise) and isinstance(n.exc.func if isinstance(n.exc, ast.Call) else n.exc, ast.Name)}
+    return _annotation_names([a.annotation for a in params] + [fn.returns]) | raised
+
+
+def _interfaces(tree: ast.Module, used_elsewhere: set[str]) -> dict[str, set[str]]:
+    """A module's public functions and classes -> the names their interface declares.
+
+    A function's interface is its parameter and return annotations and the exceptions it raises (see
+    ``_signature_names``). A class's is its public annotated
+    attributes (a dataclass's fields are its constructor's parameters), its ``__init__``'s signature,
+    and the signatures of those of its public methods (properties too) whose name another module uses.
+    """
+    out: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+            out[node.name] = _signature_names(node)
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            names: set[str] = set()
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
+                        and not item.target.id.startswith("_"):
+                    names |= _annotation_names([item.annotation])
+                elif isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and (
+                        item.name == "__init__" or (not item.name.startswith("_") and item.name in used_elsewhere)):
+                    names |= _signature_names(item)
+            out[node.name] = names
+    return out
+
+
+def _lonely_public_names(trees: dict[str, ast.Module] | None = None) -> set[str]:
+    """``module:name`` for each public top-level name no other module uses.
+
+    Another module uses a name when (1) one of its identifiers (a name, an attribute, an import) is that
+    name, or (2) the name is part of the interface (see ``_interfaces``) of a function or class of its own
+    module that another module uses, by (1) or (2): a result or parameter type is public with the function
+    that declares it, even when no caller spells it. Entry points and testing/ are not checked.
+    """
+    trees = TREES if trees is None else trees
+    idents = {rel: _identifiers(tree) for rel, tree in trees.items()}
     everyone: dict[str, int] = {}
     for ids in idents.values():
         for name in ids:
             everyone[name] = everyone.get(name, 0) + 1
     lonely = set()
-    for rel, tree in TREES.items():
+    for rel, tree in trees.items():
         if rel.startswith(tuple(ENTRY_POINTS)):
             continue
-        for name in _public_names(tree):
-            # used by another module: some other module's identifiers include it
-            if everyone.get(name, 0) - (name in idents[rel]) == 0:
-                lonely.add(f"{rel}:{name}")
+        elsewhere = {name for name, n in everyone.items() if n - (name in idents[rel]) > 0}
+        public = _public_names(tree)
+        interfaces = _interfaces(tree, elsewhere)
+        used = {name for name in public if name in elsewhere}
+        grown = True
+        while grown:  # (2), until no interface adds a name
+            more = {name for owner in used for name in interfaces.get(owner, ()) if name in public} - used
+            used |= more
+            grown = bool(more)
+        lonely |= {f"{rel}:{name}" for name in public if name not in used}
     return lonely
 
 
-def _debt() -> set[str]:
-    return {line.split("#")[0].strip() for line in DEBT_FILE.read_text().splitlines()} - {""}
+def test_no_public_name_that_only_its_module_uses():
+    # The scan itself, on the real tree: alone, a module's public names are all lonely.
+    assert _lonely_public_names({"core/graph.py": TREES["core/graph.py"]}), "the public-name scan is broken"
+    lonely = sorted(_lonely_public_names())
+    assert not lonely, ("public names nothing but their own module uses: make them private (_name; a test may "
+                        "still reach them), delete them if dead, or move test-only code to "
+                        "megatron_envpipe/testing/:\n" + "\n".join(lonely))
 
 
-def test_no_new_public_name_that_only_its_module_uses():
-    lonely, debt = _lonely_public_names(), _debt()
-    assert lonely, "found no lonely name at all: the scan is broken"
-    new = sorted(lonely - debt)
-    assert not new, ("public names nothing but their own module uses: make them private (_name), delete them "
-                     "if dead, or move test-only code to megatron_envpipe/testing/:\n" + "\n".join(new))
-    paid = sorted(debt - lonely)
-    assert not paid, f"now used elsewhere, private or gone: remove from {DEBT_FILE.name}: {paid}"
+def _lonely_in(sources: dict[str, str]) -> set[str]:
+    return _lonely_public_names({rel: ast.parse(textwrap.dedent(src)) for rel, src in sources.items()})
+
+
+def test_a_result_or_parameter_type_is_public_with_the_function_that_declares_it():
+    lib = """
+        from dataclasses import dataclass
+        @dataclass(frozen=True)
+        class Row:
+            cell: "Cell"
+        class Cell: ...
+        class Knob: ...
+        class Part: ...
+        class Sizer:
+            def __init__(self, part: Part) -> None: ...
+            def size(self, knob: Knob) -> int: ...
+            def unused(self, lone: Lone) -> int: ...
+        class Lone: ...
+        class Helper: ...
+        class RowsError(Exception): ...
+        class QuietError(Exception): ...
+        def rows(n: int) -> list[Row]:
+            if n < 0:
+                raise RowsError("n < 0")
+            return [Row(Cell()) for _ in range(n)] + [Helper()]
+        def unused(knob: Knob) -> Helper:
+            raise QuietError
+    """
+    user = "from lib import rows, Sizer\nrows(2)\nSizer(None).size(None)\n"
+    assert _lonely_in({"lib.py": lib, "user.py": user}) == {"lib.py:Lone", "lib.py:Helper", "lib.py:unused",
+                                                                  "lib.py:QuietError"}
+    # nobody calls rows(): its result type is nobody's interface either
+    assert "lib.py:Row" in _lonely_in({"lib.py": lib, "user.py": "from lib import Sizer\n"})
+    # a name only its own module's bodies use stays lonely however it is spelled there
+    assert _lonely_in({"lib.py": "def f():\n    return g()\ndef g(): ...\n", "user.py": "f()\n"}) == {"lib.py:g"}
 
 
 def test_modules_stay_below_500_lines_in_the_split_layers():
@@ -310,5 +493,5 @@ def test_the_longest_path_relaxation_is_written_once():
 
 
 
-if __name__ == "__main__":  # the current lonely names, one a line (to pay debt down: diff against the file)
+if __name__ == "__main__":  # the current lonely names, one a line
     print("\n".join(sorted(_lonely_public_names())))

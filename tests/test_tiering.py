@@ -136,6 +136,76 @@ def test_a_fixture_that_launches_marks_the_tests_that_use_it(module_path: str, t
     assert tiering.inferred_tiers(module_path, ["test_through_a_fixture_named_at_run_time"],
                                   [(module_path, "ranks")]) == {"dist", "cli"}
 
+MCORE_SAMPLE = '''
+import subprocess, sys
+import pytest
+from megatron_envpipe.apps.cli import main
+from megatron_envpipe.megatron.executor import envpipe_forward_backward
+from megatron_envpipe.testing import run_pipeline
+
+ENTRY = "megatron_envpipe.megatron.pretrain_gpt"
+
+
+def test_plan_in_process():
+    assert main(["plan", "--profile", "a40/gpt3-175b"]) == 0
+
+
+def test_cli_in_a_fresh_interpreter():
+    assert subprocess.run([sys.executable, "-m", "megatron_envpipe.apps.cli", "plan"]).returncode == 0
+
+
+def test_a_dry_run_prints_the_command_it_would_run():
+    assert subprocess.run(["bash", "examples/torchrun_single_node.sh"], env={"ENVPIPE_DRY_RUN": "1"})
+
+
+def test_uses_the_executor():
+    assert envpipe_forward_backward
+
+
+def test_imports_megatron_core_itself():
+    assert pytest.importorskip("megatron.core")
+
+
+def test_imports_megatron_core_in_the_test():
+    from megatron.core import parallel_state
+    assert parallel_state
+
+
+def test_trains_the_tiny_gpt():
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/train_tiny_gpt.py"])
+
+
+def test_harness():
+    assert run_pipeline(2)
+
+
+def test_the_entry_in_a_fresh_interpreter():
+    assert subprocess.run([sys.executable, "-m", ENTRY, "--help"]).returncode == 0
+'''
+RUNS_MCORE = {"test_uses_the_executor", "test_imports_megatron_core_itself", "test_imports_megatron_core_in_the_test",
+              "test_trains_the_tiny_gpt", "test_harness", "test_the_entry_in_a_fresh_interpreter"}
+
+
+def test_mcore_marks_the_tests_whose_code_runs_megatron_core(tmp_path: Path):
+    """``mcore`` (CI's megatron-core 0.19 phase): in process or in what the test launches; a planner
+    command, a fresh CLI, a dry run of a launch script run none of it."""
+    path = tmp_path / "test_mcore_sample.py"
+    path.write_text(MCORE_SAMPLE)
+    names = [line.split("(")[0][4:] for line in MCORE_SAMPLE.splitlines() if line.startswith("def test_")]
+    marked = {name for name in names if tiering.depends_on_mcore(
+        str(path), [name], [], str(REPO), tiering.inferred_tiers(str(path), [name], []))}
+    assert marked == RUNS_MCORE
+
+
+def test_the_package_modules_that_run_megatron_core():
+    """Loading the CLI loads modules that import megatron-core lazily, but runs none of it: not ``mcore``."""
+    found = tiering.mcore_modules(str(REPO))
+    assert {"megatron_envpipe.megatron.executor", "megatron_envpipe.megatron.compat",
+            "megatron_envpipe.apps.train_tiny_gpt", "megatron_envpipe.testing.harness"} <= found
+    assert not found & {"megatron_envpipe.apps.cli", "megatron_envpipe.apps.cli.parser", "megatron_envpipe.core.schedule",
+                        "megatron_envpipe.planning.planner", "megatron_envpipe.megatron.launch"}
+
+
 def test_slow_entries_name_tests_or_fixtures():
     for entry in tiering.SLOW:
         path, name = entry.split("::")
@@ -145,7 +215,7 @@ def test_slow_entries_name_tests_or_fixtures():
 def test_the_tiers_are_registered_and_the_fast_tier_leaves_each_out():
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     registered = {line.split(":")[0] for line in config["markers"]}
-    assert set(tiering.TIERS) | {tiering.KEEP_FAST} <= registered
+    assert set(tiering.TIERS) | {tiering.KEEP_FAST, tiering.MCORE} <= registered
     assert "--strict-markers" in config["addopts"]  # a misspelt tier marker is an error, not a fast test
     assert tiering.FAST_EXPRESSION.split(" and ") == [f"not {tier}" for tier in tiering.TIERS]
 

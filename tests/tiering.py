@@ -14,6 +14,11 @@ of the project's own files it asks for, and marks it after the launch calls it f
 runs ``subprocess.run([sys.executable, ...])`` or torchrun is thus out of the fast tier without anyone
 remembering to mark it. It reads code only (no launch is intercepted), so a launch hidden inside package
 code it does not read needs a marker in the test file: ``LAUNCHERS`` names the package's launchers.
+
+Beside the tiers, ``mcore`` marks a test whose result can depend on the megatron-core version (CI runs
+those again against megatron-core 0.19 on Python 3.12): its code imports megatron.core or
+megatron.training, or a module of the package that does (``mcore_modules``), or it launches ranks that do
+(the tiny GPT, ``pretrain_gpt``, the demo, the spawned-rank harness). Read from the code as the tiers are.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ from pathlib import Path
 import pytest
 
 TIERS = ("dist", "e2e", "cli", "slurm", "slow")
+# Not a tier: "its result can depend on the megatron-core version" (.ci/run's second phase selects it).
+MCORE = "mcore"
+MEGATRON = ("megatron.core", "megatron.training")  # what megatron-core (and Megatron-LM's training) installs
+PACKAGE = "megatron_envpipe"
+# Launchers whose processes import megatron-core whatever the test gives them.
+MCORE_LAUNCHERS = {"run_pipeline", "run_demo"}  # the spawned-rank harness, the demo
 FAST_EXPRESSION = "not " + " and not ".join(TIERS)
 # Explicit marker: "its code names a launcher, but it starts nothing or only something cheap; keep it fast".
 KEEP_FAST = "fast"
@@ -41,7 +52,8 @@ LAUNCHERS: dict[str, tuple[str, ...]] = {
                      "create_subprocess_shell"), ("cli",)),
     # ranks that talk to each other
     **dict.fromkeys(("mp.spawn", "multiprocessing.spawn", "start_processes", "mp.Process", "multiprocessing.Process",
-                     "run_pipeline", "follow_run", "torchrun"), ("dist",)),  # torchrun: tests/launching.py
+                     "run_pipeline", "start_ranks", "follow_run", "torchrun"), ("dist",)),
+    # torchrun: tests/launching.py; start_ranks: the harness's forkserver ranks (megatron_envpipe/testing/harness.py)
     # the package's own launchers
     "run_check": ("cli",),  # envpipe gpu-check: a child process per step
     "_Running.start": ("cli",),  # gpu-check step 7's run of one command
@@ -125,7 +137,7 @@ class ModuleIndex:
 
     def __init__(self, path: Path) -> None:
         self.source = path.read_text(encoding="utf-8")
-        tree = ast.parse(self.source)
+        self.tree = tree = ast.parse(self.source)
         self.defs: dict[str, ast.AST] = {}
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -209,6 +221,144 @@ def inferred_tiers(module_path: str, roots: Iterable[str], fixture_sites: Iterab
     return found
 
 
+# megatron-core dependence: the package's modules that run it, and the tests that reach them.
+# In launched code (a script in a constant, a command line): an import or ``-m`` of a module, or a
+# string that is a module's name (``ENTRY = "megatron_envpipe.megatron.pretrain_gpt"``, run as ``-m ENTRY``).
+LAUNCHED_IMPORT = re.compile(r"(?:\bimport|\bfrom|-m)[\s\"',]+((?:megatron|megatron_envpipe)\.[\w.]+)"
+                             r"|[\"'](megatron_envpipe\.[\w.]+)[\"']")
+
+
+def is_megatron(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in MEGATRON)
+
+
+@cache
+def module_names(root: str) -> frozenset[str]:
+    """The package's modules (``a.b`` for ``a/b/__init__.py``)."""
+    return frozenset(".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+                     for path in (Path(root) / PACKAGE).rglob("*.py"))
+
+
+def bound_by_import(node: ast.AST, root: str) -> list[tuple[str, str]]:
+    """(name bound, module it comes from) of an import statement: ``from a.b import c`` binds c from
+    ``a.b.c`` when that is one of the package's modules, else from ``a.b``."""
+    if isinstance(node, ast.Import):
+        return [((alias.asname or alias.name).split(".")[0], alias.name) for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return [(alias.asname or alias.name, f"{node.module}.{alias.name}"
+                 if f"{node.module}.{alias.name}" in module_names(root) else node.module) for alias in node.names]
+    return []
+
+
+def loaded_by_import(node: ast.AST, root: str) -> list[str]:
+    """The modules an import statement loads, each with its parent packages (their ``__init__`` runs too)."""
+    return [".".join(module.split(".")[:i]) for _, module in bound_by_import(node, root)
+            for i in range(1, module.count(".") + 2)]
+
+
+def top_level(tree: ast.AST):
+    """The statements that run when a module loads: outside functions and ``if TYPE_CHECKING:`` blocks."""
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        yield node
+        todo += ast.iter_child_nodes(node)
+
+
+@cache
+def mcore_modules(root: str) -> frozenset[str]:
+    """The package's modules that run megatron-core code: those whose own code imports megatron.core or
+    megatron.training (when they load or in a function), and those that load megatron-core when they load.
+    (A module that only loads one of the first kind, lazily importing ones, runs none by loading it: the
+    CLI loads such modules, and ``envpipe plan`` never touches megatron-core.)"""
+    direct, loads = set(), {}
+    for name in module_names(root):
+        path = Path(root, *name.split("."))
+        tree = ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text("utf-8"))
+        if any(is_megatron(m) for node in ast.walk(tree) for m in [
+                *loaded_by_import(node, root), imported_by_call(node) if isinstance(node, ast.Call) else ""]):
+            direct.add(name)
+        loads[name] = {m for node in top_level(tree) for m in loaded_by_import(node, root)}
+    found = {name for name, loaded in loads.items() if any(is_megatron(m) for m in loaded)}
+    while grown := {name for name, loaded in loads.items() if loaded & found} - found:
+        found |= grown
+    return frozenset(direct | found)
+
+
+def runs_mcore(module: str, root: str) -> bool:
+    return is_megatron(module) or module in mcore_modules(root)
+
+
+def imported_by_call(call: ast.Call) -> str:
+    """The module of ``pytest.importorskip("x")`` or ``importlib.import_module("x")``, else ''."""
+    if dotted(call.func).split(".")[-1] in ("importorskip", "import_module") and call.args \
+            and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str):
+        return call.args[0].value
+    return ""
+
+
+@cache
+def mcore_names(path: str, root: str) -> frozenset[str]:
+    """A test module's names bound when it loads to something of a module that runs megatron-core."""
+    index = module_index(path)
+    names = set()
+    for node in top_level(index.tree) if index else ():
+        names |= {name for name, module in bound_by_import(node, root) if runs_mcore(module, root)}
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
+                and runs_mcore(imported_by_call(node.value) or "-", root):
+            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+    return frozenset(names)
+
+
+def mcore_in(nodes: list[ast.AST], path: str, root: str, launches: bool) -> bool:
+    """Whether the code of ``nodes`` (of the test module at ``path``) runs megatron-core: in process (an
+    import, an ``importorskip``, a name bound to such a module's) or, when the test ``launches`` something,
+    in a command or script naming such a module (whole trainings, e2e, count without reading)."""
+    bound = mcore_names(path, root)
+    for node in nodes:
+        for sub in walk(node):
+            if isinstance(sub, ast.Name):
+                if sub.id in bound:
+                    return True
+            elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+                if any(runs_mcore(m, root) for m in loaded_by_import(sub, root)):
+                    return True
+            elif isinstance(sub, ast.Call) and (runs_mcore(imported_by_call(sub) or "-", root)
+                                                or dotted(sub.func).split(".")[-1] in MCORE_LAUNCHERS):
+                return True
+    if not launches:
+        return False
+    source = module_index(path).source
+    text = "\n".join(ast.get_source_segment(source, node) or "" for node in nodes)
+    return any(runs_mcore(m, root) for pair in LAUNCHED_IMPORT.findall(text) for m in pair if m)
+
+
+def depends_on_mcore(module_path: str, roots: Iterable[str], fixture_sites: Iterable[tuple[str, str]],
+                     root: str, tiers: Iterable[str] = ()) -> bool:
+    """Whether a test (as in ``inferred_tiers``; ``tiers``: its tier markers) runs megatron-core, in
+    process or in what it launches."""
+    tiers = set(tiers)
+    if "e2e" in tiers:  # a whole training: the tiny GPT, pretrain_gpt, the demo (its command may be read at run time)
+        return True
+    sites: dict[str, list[str]] = {module_path: list(roots)}
+    for path, name in fixture_sites:
+        sites.setdefault(path, []).append(name)
+    launches = bool(tiers & {"dist", "cli", "slurm"})
+    return any(mcore_at(path, tuple(sorted(names)), root, launches) for path, names in sites.items())
+
+
+@cache
+def mcore_at(path: str, names: tuple[str, ...], root: str, launches: bool) -> bool:
+    """``mcore_in`` for what ``names`` reach in one module (once per test function, not per parameter)."""
+    index = module_index(path)
+    return index is not None and mcore_in(reach(index, names), path, root, launches)
+
+
 # pytest hooks (tests/conftest.py imports them).
 
 
@@ -246,9 +396,12 @@ def fixture_sites(item: pytest.Function, root: Path) -> list[tuple[str, str]]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks the tests that carry no tier marker after what their code launches, and those in ``SLOW``
-    (runs before -m selects). Warns of a ``SLOW`` entry whose file was collected but has no such test."""
+    (runs before -m selects), and ``mcore`` on those that run megatron-core. Warns of a ``SLOW`` entry
+    whose file was collected but has no such test."""
     explicit = set(TIERS) | {KEEP_FAST}
     root = config.rootpath.resolve()
+    # mcore is read only when -m names it (CI's second phase): the other runs need not pay for it.
+    reads_mcore = MCORE in (config.option.markexpr or "")
     slow_found: set[str] = set()
     files = set()
     for item in items:
@@ -259,13 +412,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         sites = fixture_sites(item, root)
         slow = slow_ids(function_id, sites, root)
         slow_found |= slow
-        if any(m.name in explicit for m in item.iter_markers()):
-            continue
-        name = item.originalname
-        roots = [f"{item.cls.__name__}.{name}"] if item.cls is not None else [name]
-        tiers = inferred_tiers(str(item.path), roots, sites) | ({"slow"} if slow else set())
-        for tier in sorted(tiers):
-            item.add_marker(tier)
+        roots = [f"{item.cls.__name__}.{item.originalname}"] if item.cls is not None else [item.originalname]
+        if not any(m.name in explicit for m in item.iter_markers()):
+            for tier in sorted(inferred_tiers(str(item.path), roots, sites) | ({"slow"} if slow else set())):
+                item.add_marker(tier)
+        if reads_mcore and item.get_closest_marker(MCORE) is None and depends_on_mcore(
+                str(item.path), roots, sites, str(root), {m.name for m in item.iter_markers()} & set(TIERS)):
+            item.add_marker(MCORE)
     for gone in sorted(set(SLOW) - slow_found):
         if gone.split("::")[0] in files:
             warnings.warn(pytest.PytestConfigWarning(f"tests/tiering.py SLOW names {gone}: no such test any more"),

@@ -41,6 +41,7 @@ from megatron_envpipe.core.device_backends import backend_traits, model_profile
 from megatron_envpipe.core.file_numbers import loads_toml
 from megatron_envpipe.core.gpu_specs import GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.jitter import MAX_JITTER
+from megatron_envpipe.core.kinds import scheduling_kind
 from megatron_envpipe.core.plan import format_envpipe
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import configs_dir, shipped_profile, shipped_profiles
@@ -75,7 +76,7 @@ _ABOVE_LOW: frozenset[str] = frozenset()  # keys that must exceed their low boun
 _INERT_KEYS = {"sim_time_scale": "the demo's simulated GPUs run in virtual time (host speed takes no GPU time), "
                                  "where a wall-time scale does nothing: drop the key"}
 # Steady-state figures: the median of at most this many iterations at the end of each run.
-STEADY_ITERATIONS = 20
+_STEADY_ITERATIONS = 20
 _NAMES = {"plan_type": PLAN_TYPES, "scheduling": SCHEDULINGS, "reconfig": RECONFIG_POLICIES}
 # The training flag each [demo] key becomes: a message of the training's own checks is shown with
 # the key, since the demo has no such flag.
@@ -90,7 +91,7 @@ _NUM_LAYERS = 8
 
 
 @dataclass(frozen=True)
-class DemoConfig:
+class _DemoConfig:
     """``configs/demo.toml``: the embedded default the demo runs."""
 
     stages: int = 4
@@ -106,7 +107,7 @@ class DemoConfig:
     reconfig: str = ReconfigPolicy.BALANCED.value
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "DemoConfig":
+    def load(cls, path: str | Path | None = None) -> "_DemoConfig":
         if not path:
             try:
                 path = configs_dir() / "demo.toml"
@@ -143,7 +144,7 @@ class DemoConfig:
             raise DemoError(f"{path}: [demo] needs microbatches >= stages, got {cfg.microbatches} < {cfg.stages}")
         cfg._check_profile(path)
         # As the demo's two training runs will see them (on the simulated GPUs of the config's profile).
-        check_training_flags(cfg, path, training_runs(cfg, f"simulated:{cfg.profile}", Path("out")), cfg.stages)
+        _check_training_flags(cfg, path, _training_runs(cfg, f"simulated:{cfg.profile}", Path("out")), cfg.stages)
         return cfg
 
     def _check_profile(self, path: Path) -> None:
@@ -176,9 +177,9 @@ def _value_problem(key: str, value: Any) -> str | None:
             return f"needs {key} {'>' if above else '>='} {low:g} and <= {high:g}"
     if key in _NAMES and value not in _NAMES[key]:
         return f"choose one of {', '.join(_NAMES[key])}"
-    if key == "scheduling" and value == Scheduling.INTERLEAVED:
+    if key == "scheduling" and scheduling_kind(value).model_chunks:
         return ("the demo trains one model chunk per stage (no virtual pipeline): choose "
-                f"{', '.join(s for s in SCHEDULINGS if s != Scheduling.INTERLEAVED)}")
+                f"{', '.join(s for s in SCHEDULINGS if not scheduling_kind(s).model_chunks)}")
     if key == "profile" and not value:
         return "give a shipped profile name, e.g. a40/gpt3-175b"
     return None
@@ -191,7 +192,7 @@ class _FlagParser(argparse.ArgumentParser):
         raise DemoError(message)
 
 
-def training_runs(cfg: DemoConfig, gpu: str, out: Path) -> list[tuple[str, list[str], int]]:
+def _training_runs(cfg: _DemoConfig, gpu: str, out: Path) -> list[tuple[str, list[str], int]]:
     """``(name, --envpipe-* flags, iterations)`` of the demo's two training runs: baseline, then EnvPipe.
 
     The baseline is EnvPipe's executor in 1F1B order at f_max: EnvPipe measures its energy. Its
@@ -219,7 +220,7 @@ def training_runs(cfg: DemoConfig, gpu: str, out: Path) -> list[tuple[str, list[
     ]
 
 
-def check_training_flags(cfg: DemoConfig, where: str | Path, runs: list[tuple[str, list[str], int]],
+def _check_training_flags(cfg: _DemoConfig, where: str | Path, runs: list[tuple[str, list[str], int]],
                          nproc: int) -> None:
     """Each run's --envpipe-* flags pass the training's own parser and its start-up checks
     (``EnvPipeConfig.from_args(...).validate_with_megatron_args``) on the demo's pipeline, so a config
@@ -241,7 +242,7 @@ def check_training_flags(cfg: DemoConfig, where: str | Path, runs: list[tuple[st
                             f"{message}") from None
 
 
-def _check_gpu(gpu: str | None, cfg: DemoConfig) -> None:
+def _check_gpu(gpu: str | None, cfg: _DemoConfig) -> None:
     """--gpu names a device backend the demo can measure energy with (before anything is created);
     ``simulated:<profile>`` is opened for every stage, as the training's ranks will open it."""
     if gpu is None or gpu in ("auto", "nvml"):
@@ -276,7 +277,7 @@ def _gpus() -> int:
         return 0
 
 
-def _train(cfg: DemoConfig, out: Path, name: str, envpipe: list[str], iters: int, device: str,
+def _train(cfg: _DemoConfig, out: Path, name: str, envpipe: list[str], iters: int, device: str,
            nproc: int) -> dict[str, Any]:
     """One torchrun of the tiny GPT; returns its --losses-out summary. Each rank's output also goes to
     ``<out>/<name>-ranks/.../<rank>/`` (torchrun's --log-dir/--tee), where a failure's cause is found."""
@@ -320,11 +321,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _steady(run: dict[str, Any], after: int = 0) -> tuple[float, float, int, int]:
-    """Median (time_s, energy_j) per iteration over the last STEADY_ITERATIONS after the plan took over
+    """Median (time_s, energy_j) per iteration over the last _STEADY_ITERATIONS after the plan took over
     (skipping its first) and after iteration ``after``; also the first iteration counted."""
     env = run.get("envpipe_run", {})
     first = max((env.get("planned_at_iteration") or 0) + 1, after)
-    reports = [e for e in env.get("energy", []) if e["iteration"] > first][-STEADY_ITERATIONS:]
+    reports = [e for e in env.get("energy", []) if e["iteration"] > first][-_STEADY_ITERATIONS:]
     if not reports:
         raise DemoError(f"no energy was measured after iteration {first} (log {run['log']})")
     return (statistics.median(e["time_s"] for e in reports),
@@ -343,16 +344,16 @@ def _stock_losses(run: dict[str, Any]) -> list[float]:
 
 
 # What the training processes import (module, package to install); the planning core needs none of them.
-TRAINING_MODULES = (("torch", "torch"), ("megatron.core", "megatron-core"), ("sentencepiece", "sentencepiece"))
+_TRAINING_MODULES = (("torch", "torch"), ("megatron.core", "megatron-core"), ("sentencepiece", "sentencepiece"))
 
 
-def missing_training_packages(find_spec: Any = None) -> list[str]:
+def _missing_training_packages(find_spec: Any = None) -> list[str]:
     """The packages the tiny GPT's training needs that are not installed (found without importing them)."""
     import importlib.util
 
     find_spec = find_spec or importlib.util.find_spec
     missing = []
-    for module, package in TRAINING_MODULES:
+    for module, package in _TRAINING_MODULES:
         try:
             found = find_spec(module) is not None
         except (ImportError, ValueError):  # a parent package absent (megatron), or a broken one
@@ -362,9 +363,9 @@ def missing_training_packages(find_spec: Any = None) -> list[str]:
     return missing
 
 
-def check_training_packages() -> None:
+def _check_training_packages() -> None:
     """A planning-core-only install (``pip install .``) cannot train: say which packages, in one line."""
-    missing = missing_training_packages()
+    missing = _missing_training_packages()
     if missing:
         raise DemoError(f"envpipe demo trains a tiny GPT, which needs {', '.join(missing)}, not installed in this "
                         f"Python ({sys.executable}): run bash install.sh, or pip install -e '.[megatron]'; "
@@ -373,8 +374,8 @@ def check_training_packages() -> None:
 
 def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu: str | None = None) -> int:
     # Everything the user gave is checked before anything is created or started.
-    check_training_packages()
-    cfg = DemoConfig.load(config)
+    _check_training_packages()
+    cfg = _DemoConfig.load(config)
     _check_gpu(gpu, cfg)
     out = check_writable(out, "demo output directory", directory=True)
     gpus = _gpus()
@@ -383,8 +384,8 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     simulated = backend_traits(gpu).modelled
     device = "cpu" if simulated or gpus < 2 else "cuda"
     nproc = cfg.stages if device == "cpu" else min(cfg.stages, gpus)
-    runs = training_runs(cfg, gpu, out)
-    check_training_flags(cfg, config or "the demo config", runs, nproc)  # on this machine's GPUs and --gpu
+    runs = _training_runs(cfg, gpu, out)
+    _check_training_flags(cfg, config or "the demo config", runs, nproc)  # on this machine's GPUs and --gpu
     label = "simulated A40 GPUs (CPU, gloo)" if simulated else f"{nproc} GPUs ({gpu}, NCCL)"
     print(f"EnvPipe demo: a tiny GPT as a {nproc}-stage Megatron-core pipeline x {cfg.microbatches} "
           f"micro-batches on {label}.\n")
@@ -414,7 +415,7 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
     except PlotUnavailableError as exc:  # matplotlib missing: the rest still runs
         print(f"(no timeline picture: {exc})\n")
 
-    # 2. Train twice, measure (see training_runs).
+    # 2. Train twice, measure (see _training_runs).
     (_, base_flags, base_iters), (_, env_flags, env_iters) = runs
     print("training in Megatron's 1F1B order at the maximum clock (after a stock-Megatron reference) ...",
           flush=True)
@@ -450,11 +451,11 @@ def run_demo(out: str | Path = "out/demo", config: str | Path | None = None, gpu
                "planned_saving_full_profile": plan.energy_saving, "sim_jitter": cfg.sim_jitter}
     write_json_atomic(out / "summary.json", summary)
     print(f"summary: {out / 'summary.json'}")
-    print_demo_menu(profile, cfg.microbatches, gpu_key)
+    _print_demo_menu(profile, cfg.microbatches, gpu_key)
     return 0 if same else 1
 
 
-def print_demo_menu(profile: Profile, num_microbatches: int, gpu_key: str) -> None:
+def _print_demo_menu(profile: Profile, num_microbatches: int, gpu_key: str) -> None:
     """What each schedule would buy on this pipeline: `envpipe menu` on the demo's profile (planned, not trained)."""
     menu = build_menu(profile, num_microbatches, PlannerConfig(gpu=get_gpu_spec(gpu_key), switch_cost_j=None))
     print("\nA menu of time and energy for this pipeline (planned from the profile, not trained; envpipe menu, "

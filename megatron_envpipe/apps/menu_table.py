@@ -8,7 +8,7 @@ from typing import Any, TextIO
 from megatron_envpipe.planning.menu import AT_1F1B, Menu, MenuRow
 
 
-def row_dict(row: MenuRow) -> dict[str, Any]:
+def _row_dict(row: MenuRow) -> dict[str, Any]:
     return {"schedule": row.schedule, "deadline": row.deadline, "iteration_time_s": row.iteration_time_s,
             "energy_j": row.energy_j, "saving_vs_1f1b_at_f_max": row.saving,
             "peak_inflight_activations": list(row.peak_inflight), "peak_vs_1f1b": row.peak_ratio,
@@ -22,7 +22,7 @@ def menu_dict(menu: Menu, budget: Any) -> dict[str, Any]:
             "max_inflight": budget if not isinstance(budget, tuple) else list(budget),
             "reference": {"name": "1F1B at f_max", "iteration_time_s": ref.iteration_time_s, "energy_j": ref.energy_j,
                           "peak_inflight_activations": list(ref.peak_inflight)},
-            "rows": [row_dict(r) for r in menu.rows], "notes": list(menu.notes)}
+            "rows": [_row_dict(r) for r in menu.rows], "notes": list(menu.notes)}
 
 
 def print_menu(menu: Menu, out: TextIO | None = None) -> None:

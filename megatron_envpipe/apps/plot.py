@@ -32,15 +32,15 @@ class ImageFormatError(UsageError, ValueError):
 
 # What matplotlib's Agg backend writes by itself, by file suffix (fixed here so a bad name is
 # caught before matplotlib is imported); pgf needs LaTeX, gif/avif need optional Pillow codecs.
-IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+_IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
 
 
 def image_format(path: str | Path) -> str:
     """The format of a picture named ``path``, from its suffix; ImageFormatError for none or an unknown one."""
     suffix = Path(path).suffix.lower().lstrip(".")
-    if suffix not in IMAGE_FORMATS:
+    if suffix not in _IMAGE_FORMATS:
         got = f"unknown image format '.{suffix}'" if suffix else "no image format suffix"
-        raise ImageFormatError(f"{path}: {got}: end the name with one of .{', .'.join(IMAGE_FORMATS)}")
+        raise ImageFormatError(f"{path}: {got}: end the name with one of .{', .'.join(_IMAGE_FORMATS)}")
     return suffix
 
 
@@ -128,16 +128,6 @@ def timelines_image(
         matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), label="SM clock (MHz)", pad=0.01
     )
     return _image_bytes(plt, fig, fmt, dpi=130, bbox_inches="tight")
-
-
-def draw_frontier(
-    frontier: Frontier,
-    path: str | Path,
-    target_time_s: float | None = None,
-    others: Sequence[tuple[str, float, float]] = (),
-) -> Path:
-    """:func:`frontier_image` written to ``path`` (atomically; the format from its suffix)."""
-    return write_atomic(path, frontier_image(frontier, image_format(path), target_time_s, others))
 
 
 def frontier_image(

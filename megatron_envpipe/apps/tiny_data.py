@@ -48,9 +48,9 @@ from megatron_envpipe.core.resources import data_dir
 from megatron_envpipe.core.textfile import read_bytes, read_text
 from megatron_envpipe.errors import InvalidValueError
 
-__all__ = ["CORPUS_FILE", "DEFAULT_VOCAB_SIZE", "Batch", "TinyLMDataset", "TinyTokenizer", "corpus_path", "default_cache_dir", "ensure_tokenizer", "load_tokenizer", "read_documents", "tokenize_documents", "tokenizer_path", "causal_attention_mask"]
+__all__ = ["DEFAULT_VOCAB_SIZE", "Batch", "TinyLMDataset", "TinyTokenizer", "corpus_path", "ensure_tokenizer", "load_tokenizer", "read_documents", "tokenize_documents", "causal_attention_mask"]
 
-CORPUS_FILE = "stdlib_docstrings.txt"
+_CORPUS_FILE = "stdlib_docstrings.txt"
 DEFAULT_VOCAB_SIZE = 512
 
 Batch = dict[str, torch.Tensor]
@@ -76,7 +76,7 @@ _TRAINER_OPTIONS: dict[str, Any] = {
 
 def corpus_path() -> Path:
     """The shipped corpus, in a source checkout (``data/``) or an installed package."""
-    path = data_dir() / "corpus" / CORPUS_FILE
+    path = data_dir() / "corpus" / _CORPUS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"shipped corpus {path} is missing; reinstall megatron-envpipe")
     return path
@@ -104,7 +104,7 @@ def _training_sentences(path: Path) -> list[str]:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def default_cache_dir() -> Path:
+def _default_cache_dir() -> Path:
     """``$MEGATRON_ENVPIPE_CACHE``, else ``$XDG_CACHE_HOME/megatron-envpipe``, else ``~/.cache/...``."""
     explicit = os.environ.get("MEGATRON_ENVPIPE_CACHE")
     if explicit:
@@ -120,7 +120,7 @@ def _settings_digest(vocab_size: int) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def tokenizer_path(
+def _tokenizer_path(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     corpus: str | Path | None = None,
     cache_dir: str | Path | None = None,
@@ -128,7 +128,7 @@ def tokenizer_path(
     """Where the tokenizer for this corpus and vocabulary size is (or will be) cached."""
     corpus = Path(corpus or corpus_path())
     corpus_digest = hashlib.sha256(read_bytes(corpus, "corpus", ValueError)).hexdigest()[:16]
-    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    directory = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     name = f"spm-{_TRAINER_OPTIONS['model_type']}-v{vocab_size}-{corpus_digest}-{_settings_digest(vocab_size)}.model"
     return directory / name
 
@@ -180,7 +180,7 @@ def ensure_tokenizer(
     if vocab_size < 16:
         raise InvalidValueError(f"vocab_size must be >= 16, got {vocab_size}")
     corpus = Path(corpus or corpus_path())
-    target = tokenizer_path(vocab_size, corpus, cache_dir)
+    target = _tokenizer_path(vocab_size, corpus, cache_dir)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from megatron_envpipe.core.device_backends import backend_traits
 from megatron_envpipe.megatron.localhost import free_port
 
-__all__ = ["average_over_replicas", "init_distributed", "shared_gpu_problem", "sum_over_replicas"]
+__all__ = ["average_over_replicas", "init_distributed", "sum_over_replicas"]
 
 
-def shared_gpu_problem(args: argparse.Namespace, local_ranks: int, device_count: int) -> str | None:
+def _shared_gpu_problem(args: argparse.Namespace, local_ranks: int, device_count: int) -> str | None:
     """Why this run cannot go ahead with ``local_ranks`` ranks on ``device_count`` GPUs, or None.
 
     Stages sharing a GPU share its clock: no stage can lock it for its own plan,
@@ -63,7 +63,7 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
             raise SystemExit("--device cuda: no CUDA device visible (use --device cpu)")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         count = torch.cuda.device_count()
-        problem = shared_gpu_problem(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), count)
+        problem = _shared_gpu_problem(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), count)
         if problem is not None:
             raise SystemExit(f"{Path(sys.argv[0]).name}: error: {problem}")
         device = torch.device("cuda", local_rank % count)

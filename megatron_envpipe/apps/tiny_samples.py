@@ -28,7 +28,7 @@ from megatron_envpipe.apps.tiny_data import (
 from megatron_envpipe.errors import InvalidValueError
 
 __all__ = [
-    "DEFAULT_LENGTH_SIGMA", "LENGTH_SEED_OFFSET", "LengthDistribution", "VariableLengthDataset", "build_dataset",
+    "DEFAULT_LENGTH_SIGMA", "LengthDistribution", "VariableLengthDataset", "build_dataset",
 ]
 
 
@@ -36,7 +36,7 @@ DEFAULT_LENGTH_SIGMA = 0.8
 
 
 # Sample lengths are drawn from their own generator, seeded apart from the epoch orders (seed + epoch).
-LENGTH_SEED_OFFSET = 2**32
+_LENGTH_SEED_OFFSET = 2**32
 
 
 _LENGTH_BLOCK = 4096  # lengths drawn per generator call: the draw does not depend on it
@@ -87,7 +87,7 @@ class VariableLengthDataset(SeededOrder):
     """Next-token samples of log-normal lengths from a token stream; micro-batches padded to their longest.
 
     The stream is cut once, front to back, into consecutive pieces whose lengths are drawn from
-    ``lengths`` with ``torch.Generator().manual_seed(seed + LENGTH_SEED_OFFSET)`` (a piece of length
+    ``lengths`` with ``torch.Generator().manual_seed(seed + _LENGTH_SEED_OFFSET)`` (a piece of length
     ``L`` is ``L`` inputs and ``L`` next-token labels, so it reads ``L + 1`` tokens; the tail that
     does not fit is dropped). Each piece is one sample; the epoch order is the seeded permutation of
     :class:`SeededOrder`. A micro-batch stacks ``micro_batch_size`` samples **padded** (not packed)
@@ -116,7 +116,7 @@ class VariableLengthDataset(SeededOrder):
         self.eod = eod
         self.eod_mask_loss = eod_mask_loss and eod is not None
         self.pad = 0 if eod is None else eod
-        generator = torch.Generator().manual_seed(seed + LENGTH_SEED_OFFSET)
+        generator = torch.Generator().manual_seed(seed + _LENGTH_SEED_OFFSET)
         starts: list[int] = []
         sample_lengths: list[int] = []
         offset, room = 0, len(self.tokens) - 1  # the last token is only ever a label

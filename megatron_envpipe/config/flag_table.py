@@ -39,7 +39,7 @@ from megatron_envpipe.flag_types import (
 from megatron_envpipe.planning.deadline import DEADLINE_FROM_NAMES
 from megatron_envpipe.planning.switching import DEFAULT_SWITCH_LATENCY_S
 
-__all__ = ["CLI_NAMES", "FIELDS", "TRAINING_NAMES", "Facts", "Needs", "SettingField", "inert_problem",
+__all__ = ["CLI_NAMES", "FIELDS", "Facts", "Needs", "SettingField", "inert_problem",
            "refuse_inert"]
 
 
@@ -93,7 +93,7 @@ class Facts:
 
 
 # The flags a condition's words name, per surface: {type}, {scheduling}, ... in Needs.why / fix.
-TRAINING_NAMES = {"type": "--envpipe-type", "scheduling": "--envpipe-scheduling", "reconfig": "--envpipe-reconfig",
+_TRAINING_NAMES = {"type": "--envpipe-type", "scheduling": "--envpipe-scheduling", "reconfig": "--envpipe-reconfig",
                   "gpu": "--envpipe-gpu", "sim_time": "--envpipe-sim-time", "profile": "--envpipe-profile",
                   "max_inflight": "--envpipe-max-inflight", "follow": "--envpipe-follow-stragglers"}
 CLI_NAMES = {"type": "--type", "scheduling": "--scheduling", "reconfig": "--reconfig", "gpu": "--gpu",
@@ -128,7 +128,8 @@ class SettingField:
     always: str = ""  # why no condition: it acts in every pipelined run
     cli_flag: str | None = None  # the envpipe command's twin
     # The argparse spec of the flag (dest: envpipe_<name>; default: EnvPipeConfig's, or None with unset_default).
-    help: str = ""
+    help: str = ""  # the meaning, both surfaces' (apps/cli/twins.py maps the flag names it cites)
+    default_help: str = ""  # the training flag's default clause, after help (the twin says its own)
     parse: Callable[[str], Any] | None = None  # argparse type
     choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None  # a callable: asked at parser build
     metavar: str | None = None
@@ -138,8 +139,8 @@ class SettingField:
     def argparse_kwargs(self) -> dict[str, Any]:
         """``add_argument``'s keywords but the default (config/flags.py adds EnvPipeConfig's)."""
         choices = self.choices() if callable(self.choices) else self.choices
-        spec = {"dest": f"envpipe_{self.name}", "help": self.help, "type": self.parse, "choices": choices,
-                "metavar": self.metavar, "action": self.action}
+        spec = {"dest": f"envpipe_{self.name}", "help": self.help + self.default_help, "type": self.parse,
+                "choices": choices, "metavar": self.metavar, "action": self.action}
         return {key: value for key, value in spec.items() if value is not None}
 
     @property
@@ -167,27 +168,27 @@ def _unknown_or(value: Any, test: Callable[[Any], bool]) -> bool | None:
 
 OURS = Needs(lambda f, v: f.order("extra_warmup"), "only applies to {scheduling} ours",
              "add {scheduling} ours or drop {flag}")
-BUDGETED = Needs(
+_BUDGETED = Needs(
     lambda f, v: f.order("extra_warmup") or (f.order("model_chunks") and f.deadline_from is not None),
     "budgets the extra warm-up of {scheduling} ours, and {scheduling} {scheduling_value} has none, so it would be "
     "ignored", "add {scheduling} ours or drop it")
-NOT_BASELINE = Needs(lambda f, v: f.plan("sets_clocks"),
+_NOT_BASELINE = Needs(lambda f, v: f.plan("sets_clocks"),
                      "does nothing with {type} baseline, which runs every unit at the maximum clock: no clock to "
                      "slow, merge or change, so it would be ignored", "drop it or choose another {type}")
-RECONFIGURING = Needs(lambda f, v: f.reconfig != ReconfigPolicy.DEFAULT,
+_RECONFIGURING = Needs(lambda f, v: f.reconfig != ReconfigPolicy.DEFAULT,
                       "tunes online reconfiguration, and {reconfig} default turns reconfiguration off, so it "
                       "would be ignored",
                       "add {reconfig} balanced (or greedy) or drop it")
-OFFLINE_STEP = Needs(lambda f, v: not (f.offline and f.plan("optimized")),
+_OFFLINE_STEP = Needs(lambda f, v: not (f.offline and f.plan("optimized")),
                      "sets the step of offline reconfiguration, and {type} optimal plans without reconfiguration, "
                      "so it would be ignored", "drop it (or use {type} envelope/uniform with {reconfig} balanced "
                      "or greedy)")
-PROFILER = Needs(lambda f, v: f.profile is None,
+_PROFILER = Needs(lambda f, v: f.profile is None,
                  "tunes the start-up measurement, which {profile} {profile_value} replaces, so it would be ignored",
                  "drop one of them")
 # 'off' only turns off a cache that a given profile leaves unused: accepted (a script may always pass it).
-_PROFILE_CACHE = Needs(PROFILER.acts, PROFILER.why, PROFILER.fix, only_for=lambda v: str(v).strip().lower() != "off")
-DEADLINE = Needs(lambda f, v: f.plan("has_deadline"),
+_PROFILE_CACHE = Needs(_PROFILER.acts, _PROFILER.why, _PROFILER.fix, only_for=lambda v: str(v).strip().lower() != "off")
+_DEADLINE = Needs(lambda f, v: f.plan("has_deadline"),
                  "sets an optimal plan's deadline, and deadlines need {type} optimal (this run has {type} "
                  "{plan_type}), so it would be ignored", "add {type} optimal or drop {flag}")
 OPTIMAL = Needs(lambda f, v: f.plan("has_deadline"),
@@ -199,42 +200,42 @@ def _simulated(why: str) -> Needs:
     return Needs(lambda f, v: f.modelled_gpu, why, "add {gpu} simulated:<profile> or drop {flag}")
 
 
-SIM_GPU = _simulated("shapes the simulated GPU only")
-WALL_TIME = Needs(lambda f, v: f.sim_time == "wall",
+_SIM_GPU = _simulated("shapes the simulated GPU only")
+_WALL_TIME = Needs(lambda f, v: f.sim_time == "wall",
                   "scales wall time, and the simulated GPU runs in virtual time ({sim_time} virtual, the default: "
                   "host speed takes no GPU time), so it would do nothing", "add {sim_time} wall or drop {flag}")
-CLOCKS = Needs(lambda f, v: f.locks_clocks and f.sets_clocks,
+_CLOCKS = Needs(lambda f, v: f.locks_clocks and f.sets_clocks,
                "leads clock changes, and this run changes none ({gpu} {gpu_value}, {type} {plan_type}, "
                "{reconfig} {reconfig_value}), so it would do nothing",
                "give a GPU and a plan that changes clocks ({type} uniform, envelope or optimal) or drop {flag}",
                only_for=lambda v: v == "off")
-DEVICE = Needs(lambda f, v: f.locks_clocks, "decides what happens without permission to lock clocks, and "
+_DEVICE = Needs(lambda f, v: f.locks_clocks, "decides what happens without permission to lock clocks, and "
                "{gpu} none locks none, so it would do nothing", "give a GPU or drop {flag}")
-FOLLOWS = Needs(lambda f, v: f.plan("follows_stragglers") and f.locks_clocks,
+_FOLLOWS = Needs(lambda f, v: f.plan("follows_stragglers") and f.locks_clocks,
                 "tunes following a data-parallel straggler, which only {type} optimal on a GPU does (this run has "
                 "{type} {plan_type}, {gpu} {gpu_value}), so it would be ignored", "add {type} optimal or drop {flag}")
-FOLLOWING = Needs(lambda f, v: f.follow_stragglers,
+_FOLLOWING = Needs(lambda f, v: f.follow_stragglers,
                   "decides when to follow a straggler, and --no-envpipe-follow-stragglers never follows, so it "
                   "would be ignored", "drop one of them")
-REPLICAS = Needs(lambda f, v: _unknown_or(f.data_parallel_size, lambda dp: dp >= 2),
+_REPLICAS = Needs(lambda f, v: _unknown_or(f.data_parallel_size, lambda dp: dp >= 2),
                  "acts between data-parallel pipelines, and this run has {data_parallel_size} (no replica to "
                  "fall behind), so it would do nothing",
                  "run with data parallelism (world size = DP x PP x TP, DP >= 2) or drop {flag}")
-PER_ITERATION = Needs(lambda f, v: f.plan("per_iteration_plans"),
+_PER_ITERATION = Needs(lambda f, v: f.plan("per_iteration_plans"),
                       "plans clocks with {type} optimal's planner (this run has {type} {plan_type})",
                       "add {type} optimal or drop the flag", show_value=False, only_for=lambda v: v is True)
-VARIABLE = Needs(lambda f, v: _unknown_or(f.variable_seq_lengths, bool),
+_VARIABLE = Needs(lambda f, v: _unknown_or(f.variable_seq_lengths, bool),
                  "plans per iteration for micro-batches of varying lengths, and this run's are all alike",
                  "add --variable-seq-lengths or drop the flag", show_value=False, only_for=lambda v: v is True)
-SIM_MEMORY = Needs(lambda f, v: f.order("extra_warmup") and f.max_inflight == AUTO,
+_SIM_MEMORY = Needs(lambda f, v: f.order("extra_warmup") and f.max_inflight == AUTO,
                    "only applies to {max_inflight} auto with {scheduling} ours (this run has {max_inflight} "
                    "{max_inflight_value}, {scheduling} {scheduling_value})", "drop {flag} or use those",
                    show_value=False)
-BEFORE_END = Needs(lambda f, v: _unknown_or(f.train_iters, lambda iters: v < iters),
+_BEFORE_END = Needs(lambda f, v: _unknown_or(f.train_iters, lambda iters: v < iters),
                    "measures the baseline before the plan starts, and --train-iters {train_iters} ends first, so "
                    "the plan would never run", "give fewer than {train_iters} (0: the planner's predicted baseline) "
                    "or train longer")
-STARTS_IN_TIME = Needs(lambda f, v: _unknown_or(f.train_iters, lambda iters: v.start_iteration < iters),
+_STARTS_IN_TIME = Needs(lambda f, v: _unknown_or(f.train_iters, lambda iters: v.start_iteration < iters),
                        "starts at iteration {value.start_iteration}, and --train-iters {train_iters} ends before it, "
                        "so it would do nothing", "give a start below {train_iters} or drop it")
 
@@ -262,13 +263,13 @@ FIELDS: tuple[SettingField, ...] = (
                       "entry of configs/gpus.toml (NVML with that table's steps and P2P power)"),
     SettingField("profile", "--envpipe-profile", "profiler", always="plans from it, or predicts the baseline the energy lines compare with",
                  help="Perseus-format time/energy profile CSV; default: measure at start-up"),
-    SettingField("max_inflight", "--envpipe-max-inflight", "schedule", (BUDGETED,), cli_flag="--max-inflight",
+    SettingField("max_inflight", "--envpipe-max-inflight", "schedule", (_BUDGETED,), cli_flag="--max-inflight",
                  parse=max_inflight_arg,
                  help="activation-memory budget for 'ours', in micro-batch activations: auto (default: from the "
                       "activation memory and free memory measured in the first 1F1B iterations on CUDA, or "
                       "--envpipe-sim-memory; no limit where neither exists), none, N for every stage, or one per "
                       "stage, e.g. 4,3,2,2"),
-    SettingField("sim_memory", "--envpipe-sim-memory", "schedule", (SIM_MEMORY,),
+    SettingField("sim_memory", "--envpipe-sim-memory", "schedule", (_SIM_MEMORY,),
                  parse=memory_model_arg,
                  metavar="GIB_FREE,MIB_PER_MICROBATCH",
                  help="memory model for --envpipe-max-inflight auto in place of measuring the device (CPU, "
@@ -281,43 +282,44 @@ FIELDS: tuple[SettingField, ...] = (
     SettingField("p2p_power_w", "--envpipe-p2p-power", "plan", always="prices P2P waits in every plan and energy attribution", cli_flag="--p2p-power",
                  parse=float,
                  help="power of a GPU blocked in P2P, W (default: GPU table)"),
-    SettingField("reconfig_step_mhz", "--envpipe-reconfig-step", "plan", (RECONFIGURING, OFFLINE_STEP), cli_flag="--reconfig-step",
+    SettingField("reconfig_step_mhz", "--envpipe-reconfig-step", "plan", (_RECONFIGURING, _OFFLINE_STEP), cli_flag="--reconfig-step",
                  parse=int,
                  help="MHz per reconfiguration step (default: GPU table)"),
-    SettingField("finish_limit", "--envpipe-finish-limit", "plan", (RECONFIGURING,),
+    SettingField("finish_limit", "--envpipe-finish-limit", "plan", (_RECONFIGURING,),
                  parse=int,
                  help="stop reconfiguring after this many iterations without progress"),
-    SettingField("threshold_scale", "--envpipe-threshold-scale", "plan", (RECONFIGURING,),
+    SettingField("threshold_scale", "--envpipe-threshold-scale", "plan", (_RECONFIGURING,),
                  parse=float,
                  help="critical-path receive-wait threshold (x min last-stage wait)"),
     SettingField("prefetch", "--envpipe-prefetch", "transport", always="the executor posts receives in every run",
+                 cli_flag="--prefetch",
                  parse=int,
                  help="receives posted ahead of use per channel"),
     SettingField("comm_timeout_s", "--envpipe-comm-timeout", "transport", always="bounds every P2P transfer",
                  parse=float,
                  help="seconds before a stuck P2P transfer raises an error naming stage, instruction, peer"),
-    SettingField("measure_iterations", "--envpipe-measure-iterations", "profiler", (PROFILER,),
+    SettingField("measure_iterations", "--envpipe-measure-iterations", "profiler", (_PROFILER,),
                  parse=int,
                  help="iterations timed before planning when no profile is given"),
-    SettingField("on_no_permission", "--envpipe-on-no-permission", "device", (DEVICE,),
+    SettingField("on_no_permission", "--envpipe-on-no-permission", "device", (_DEVICE,),
                  choices=("fail", "monitor"),
                  help="without permission to lock clocks: fail at start-up (default) or only measure energy"),
-    SettingField("profile_step_mhz", "--envpipe-profile-step", "profiler", (PROFILER,),
+    SettingField("profile_step_mhz", "--envpipe-profile-step", "profiler", (_PROFILER,),
                  parse=int,
                  help="start-up profiler: MHz between profiled clocks (default: GPU table, 90)",
                  unset_default=True),
-    SettingField("profile_iterations", "--envpipe-profile-iterations", "profiler", (PROFILER,),
+    SettingField("profile_iterations", "--envpipe-profile-iterations", "profiler", (_PROFILER,),
                  parse=int,
                  help="start-up profiler: iterations per clock until two agree "
                       "(then one per clock, plus clocks near the valley); 1: one per clock, nothing more"),
     SettingField("profile_cache", "--envpipe-profile-cache", "profiler", (_PROFILE_CACHE,),
                  help="profile cache directory, or 'off' (default ~/.cache/megatron-envpipe/profiles)",
                  unset_default=True),
-    SettingField("sim_time", "--envpipe-sim-time", "simulated", (SIM_GPU,),
+    SettingField("sim_time", "--envpipe-sim-time", "simulated", (_SIM_GPU,),
                  choices=("virtual", "wall"),
                  help="simulated GPU: virtual (default: each GPU's own clock, kept consistent by timestamps over "
                       "the pipeline; host speed takes no GPU time) or wall (scaled wall time)"),
-    SettingField("sim_time_scale", "--envpipe-sim-time-scale", "simulated", (SIM_GPU, WALL_TIME),
+    SettingField("sim_time_scale", "--envpipe-sim-time-scale", "simulated", (_SIM_GPU, _WALL_TIME),
                  parse=float,
                  help="simulated GPU with --envpipe-sim-time wall: wall seconds per simulated second (default 0.02)"),
     SettingField("sim_jitter", "--envpipe-sim-jitter", "simulated", (_simulated("adds noise to the simulated GPU only"),),
@@ -328,32 +330,33 @@ FIELDS: tuple[SettingField, ...] = (
                  parse=float,
                  help="simulated GPU: every unit's time and energy times this, its power unchanged: a faster GPU "
                       "than the profile's, e.g. 0.25 for H100-class units from the A40 profiles (default 1)"),
-    SettingField("sim_dynamics", "--envpipe-sim-dynamics", "simulated", (SIM_GPU,),
+    SettingField("sim_dynamics", "--envpipe-sim-dynamics", "simulated", (_SIM_GPU,),
                  help="simulated GPU: exact (default: clocks change at once, exact energy counter, no heat), "
                       "realistic (configs/realistic-gpu.toml: published A100/H100-class figures) or a TOML file "
                       "with a [dynamics] table; see docs/simulated-gpu.md"),
-    SettingField("sim_clock_latency_ms", "--envpipe-sim-clock-latency-ms", "simulated", (SIM_GPU,),
+    SettingField("sim_clock_latency_ms", "--envpipe-sim-clock-latency-ms", "simulated", (_SIM_GPU,),
                  parse=float,
                  help="simulated GPU: ms from a clock-lock request until the SMs run at the new clock",
                  unset_default=True),
-    SettingField("sim_counter_period_ms", "--envpipe-sim-counter-period-ms", "simulated", (SIM_GPU,),
+    SettingField("sim_counter_period_ms", "--envpipe-sim-counter-period-ms", "simulated", (_SIM_GPU,),
                  parse=float,
                  help="simulated GPU: energy-counter update period, ms (0: exact at every read)",
                  unset_default=True),
-    SettingField("sim_thermal_drift", "--envpipe-sim-thermal-drift", "simulated", (SIM_GPU,),
+    SettingField("sim_thermal_drift", "--envpipe-sim-thermal-drift", "simulated", (_SIM_GPU,),
                  parse=fraction,
                  help="simulated GPU: a cold GPU draws this fraction less power than a hot one, e.g. 0.03",
                  unset_default=True),
-    SettingField("clock_lead", "--envpipe-clock-lead", "device", (CLOCKS,),
+    SettingField("clock_lead", "--envpipe-clock-lead", "device", (_CLOCKS,),
                  choices=("on", "off"),
                  help="request a clock raise ahead of the unit boundary by the clock-change latency, so the "
                       "next unit starts at its clock (default on; off: every change at the boundary)"),
-    SettingField("timing_margin", "--envpipe-timing-margin", "plan", (NOT_BASELINE,), cli_flag="--timing-margin",
+    SettingField("timing_margin", "--envpipe-timing-margin", "plan", (_NOT_BASELINE,), cli_flag="--timing-margin",
                  parse=fraction,
                  help="slack kept behind every unit planned below the maximum clock, as a fraction of its time, "
-                      "so unit-time jitter does not slow the iteration (default 0.01 = 1%%; 0: none)",
+                      "so unit-time jitter does not slow the iteration",
+                 default_help=" (default 0.01 = 1%%; 0: none)",
                  unset_default=True),
-    SettingField("reconfig_window", "--envpipe-reconfig-window", "plan", (RECONFIGURING,),
+    SettingField("reconfig_window", "--envpipe-reconfig-window", "plan", (_RECONFIGURING,),
                  parse=int,
                  help="online reconfiguration: iterations whose median decides each raise or lowering "
                       "(default 3; 1: EnvPipe's one-iteration rule)"),
@@ -361,7 +364,7 @@ FIELDS: tuple[SettingField, ...] = (
                  parse=int,
                  help="print the EnvPipe energy line (means over the window) every N iterations "
                       "(default: Megatron's --log-interval)"),
-    SettingField("baseline_iterations", "--envpipe-baseline-iterations", "reporting", (BEFORE_END,),
+    SettingField("baseline_iterations", "--envpipe-baseline-iterations", "reporting", (_BEFORE_END,),
                  parse=int,
                  help="1F1B iterations at the maximum clock measured before the plan, as the baseline the energy "
                       "lines compare with (those the profiler or memory measurement ran count; default 2; "
@@ -372,21 +375,21 @@ FIELDS: tuple[SettingField, ...] = (
     SettingField("verbose", "--envpipe-verbose", "reporting", always="prints the programs every run interprets",
                  action="store_true",
                  help="print each stage's instruction program"),
-    SettingField("max_slowdown", "--envpipe-max-slowdown", "plan", (DEADLINE,), cli_flag="--max-slowdown",
+    SettingField("max_slowdown", "--envpipe-max-slowdown", "plan", (_DEADLINE,), cli_flag="--max-slowdown",
                  parse=fraction,
                  help="--envpipe-type optimal: allowed iteration-time increase over 1F1B at f_max, "
                       "e.g. 0.05 or 5%%"),
-    SettingField("target_time_s", "--envpipe-target-time", "plan", (DEADLINE,), cli_flag="--target-time",
+    SettingField("target_time_s", "--envpipe-target-time", "plan", (_DEADLINE,), cli_flag="--target-time",
                  parse=float,
                  help="--envpipe-type optimal: plan for iterations lasting this many seconds anyway (e.g. a "
                       "straggler sets the pace); the GPUs block at P2P power until then",
                  unset_default=True),
-    SettingField("switch_cost_j", "--envpipe-switch-cost-j", "plan", (NOT_BASELINE,), cli_flag="--switch-cost-j",
+    SettingField("switch_cost_j", "--envpipe-switch-cost-j", "plan", (_NOT_BASELINE,), cli_flag="--switch-cost-j",
                  parse=float,
-                 help="joules a "
-                 f"clock change must save to be kept (default 0: off; envpipe plan's: {DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x P2P power)",
+                 help="joules a clock change must save to be kept",
+                 default_help=f" (default 0: off; envpipe plan's: {DEFAULT_SWITCH_LATENCY_S * 1000:g} ms x P2P power)",
                  unset_default=True),
-    SettingField("max_clock_changes", "--envpipe-max-clock-changes", "plan", (NOT_BASELINE,), cli_flag="--max-clock-changes",
+    SettingField("max_clock_changes", "--envpipe-max-clock-changes", "plan", (_NOT_BASELINE,), cli_flag="--max-clock-changes",
                  parse=int,
                  help="at most this many clock changes per stage per iteration, where the deadline allows",
                  unset_default=True),
@@ -394,22 +397,22 @@ FIELDS: tuple[SettingField, ...] = (
                  action=argparse.BooleanOptionalAction,
                  help="with data parallelism, a pipeline faster than the slowest one runs the plan for the "
                       "slowest one's pace instead of waiting for it at the gradient sync (default on)"),
-    SettingField("straggler_threshold", "--envpipe-straggler-threshold", "stragglers", (FOLLOWS, FOLLOWING, REPLICAS),
+    SettingField("straggler_threshold", "--envpipe-straggler-threshold", "stragglers", (_FOLLOWS, _FOLLOWING, _REPLICAS),
                  parse=fraction,
                  help="follow when the slowest pipeline is more than this fraction slower (default 0.02 = 2%%; "
                       "back to the own plan within half of it)"),
-    SettingField("straggler_window", "--envpipe-straggler-window", "stragglers", (FOLLOWS, REPLICAS),
+    SettingField("straggler_window", "--envpipe-straggler-window", "stragglers", (_FOLLOWS, _REPLICAS),
                  parse=int,
                  help="data-parallel pipelines agree on the slowest pace once every N iterations, over the "
                       "mean of those N (default 3)"),
-    SettingField("sim_straggler", "--envpipe-sim-straggler", "stragglers", (_simulated("slows the simulated GPU only"), REPLICAS, STARTS_IN_TIME),
+    SettingField("sim_straggler", "--envpipe-sim-straggler", "stragglers", (_simulated("slows the simulated GPU only"), _REPLICAS, _STARTS_IN_TIME),
                  parse=sim_straggler_arg,
                  action=_Once,
                  metavar="REPLICA:FACTOR[@ITER]",
                  help="simulated GPU: the GPUs of data-parallel replica REPLICA run every unit FACTOR times longer "
                       "(1..4, power unchanged) from iteration ITER on (default 0), e.g. 1:1.15",
                  unset_default=True),
-    SettingField("per_iteration_plans", "--envpipe-per-iteration-plans", "plan", (PER_ITERATION, VARIABLE),
+    SettingField("per_iteration_plans", "--envpipe-per-iteration-plans", "plan", (_PER_ITERATION, _VARIABLE),
                  action=argparse.BooleanOptionalAction,
                  help="with variable sequence lengths: plan every iteration's clocks for its micro-batches' "
                       "sizes in the background, read one iteration ahead (default: on with --envpipe-type optimal)"),
@@ -445,7 +448,7 @@ def _words(text: str, facts: Facts, names: dict[str, str], flag: str, value: Any
     return text.format(**words)
 
 
-def inert_problem(field: SettingField, value: Any, facts: Facts, names: dict[str, str] = TRAINING_NAMES,
+def inert_problem(field: SettingField, value: Any, facts: Facts, names: dict[str, str] = _TRAINING_NAMES,
                   flag: str | None = None) -> str | None:
     """Why ``field`` at ``value`` cannot act with ``facts`` (one line: what would make it act), or None."""
     flag = flag or field.flag
@@ -463,7 +466,7 @@ def inert_problem(field: SettingField, value: Any, facts: Facts, names: dict[str
 
 
 def refuse_inert(values: dict[str, Any], given: Iterable[str], facts: Facts,
-                 names: dict[str, str] = TRAINING_NAMES, flags: dict[str, str] | None = None,
+                 names: dict[str, str] = _TRAINING_NAMES, flags: dict[str, str] | None = None,
                  error: type[Exception] = EnvPipeConfigError) -> None:
     """Raise ``error`` naming the first given field (in the table's order) that cannot act.
 

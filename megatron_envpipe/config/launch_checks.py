@@ -21,7 +21,7 @@ from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.errors import UsageError
 from megatron_envpipe.flag_types import EnvPipeConfigError, data_parallel_size_of
 
-__all__ = ["check_launch", "check_output_files", "input_files"]
+__all__ = ["check_launch", "check_output_files"]
 
 
 def check_launch(config: Any, args: Any, pipeline_size: int, simulated: Profile | None, source: str | None) -> None:
@@ -97,7 +97,7 @@ def _length_model_problem(profile: Profile, source: str) -> str | None:
     return None
 
 
-def input_files(config: Any) -> list[tuple[str, str | None]]:
+def _input_files(config: Any) -> list[tuple[str, str | None]]:
     """``(flag, path)`` of every file the run reads (``config``: an EnvPipeConfig): no output may be one of them."""
     cache = config.profile_cache if config.profile_cache != "off" else None
     found: list[tuple[str, str | None]] = [("the input --envpipe-profile-cache", cache)]
@@ -116,7 +116,7 @@ def input_files(config: Any) -> list[tuple[str, str | None]]:
 def check_output_files(config: Any, losses_out: str | None = None) -> None:
     """``--envpipe-energy-csv`` (and the tiny GPT's ``--losses-out``): writable now, none of the run's inputs,
     not each other; the CSV empty or an energy CSV already. One-line EnvPipeConfigError."""
-    inputs = input_files(config)
+    inputs = _input_files(config)
     try:
         if config.energy_csv is not None:
             check_energy_csv(config.energy_csv, [*inputs, ("--losses-out", losses_out)])

@@ -18,15 +18,23 @@ import dataclasses
 import functools
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from megatron_envpipe.config.deadline_flags import check_deadline_from, check_interleaved_budget
 from megatron_envpipe.config.flag_table import Facts, refuse_inert
+from megatron_envpipe.config.groups import (
+    PlanSettings,
+    ReportSettings,
+    ScheduleSettings,
+    SimDeviceSettings,
+    StragglerSettings,
+    planner_config,
+)
 from megatron_envpipe.config.launch_checks import check_launch, check_output_files
 from megatron_envpipe.config.profiles import fit_profile, load_profile, table_gpu
 from megatron_envpipe.config.value_checks import check_max_inflight, check_numbers, check_stragglers
 from megatron_envpipe.core.device_backends import model_profile, named_backend
-from megatron_envpipe.core.device_dynamics import DeviceDynamics, DeviceDynamicsError, load_dynamics
+from megatron_envpipe.core.device_dynamics import DeviceDynamics, DeviceDynamicsError
 from megatron_envpipe.core.flag_ranges import RANGES
 from megatron_envpipe.core.gpu_specs import GpuSpec, GpuSpecError, get_gpu_spec
 from megatron_envpipe.core.interleaved import check_interleaved_sizes
@@ -38,7 +46,7 @@ from megatron_envpipe.core.memory import (
     budget_problem,
 )
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.resources import configs_dir, shipped_profiles
+from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.schedule import ScheduleError
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.vocabulary import (
@@ -62,6 +70,8 @@ from megatron_envpipe.flag_types import (
 from megatron_envpipe.planning.basis import PlannerConfig
 
 __all__ = ["EnvPipeConfig"]
+
+_Group = TypeVar("_Group")
 
 
 @dataclass(frozen=True)
@@ -224,13 +234,14 @@ class EnvPipeConfig:
                      train_iters=iters if is_whole(iters) else None,
                      variable_seq_lengths=getattr(args, "variable_seq_lengths", None))
 
+    def group(self, kind: type[_Group]) -> _Group:
+        """These settings of one group (config/groups.py: ``ProfilerSettings``, ...), what a layer that reads
+        only them receives."""
+        return kind(**{f.name: getattr(self, f.name) for f in fields(kind)})
+
     def check_replicas(self, data_parallel_size: int) -> None:
         """``--envpipe-sim-straggler``'s replica against the data-parallel size (at start-up, where it is known)."""
-        sim = self.sim_straggler
-        if sim is not None and data_parallel_size >= 2 and not sim.replica < data_parallel_size:
-            raise EnvPipeConfigError(
-                f"--envpipe-sim-straggler {sim}: replica {sim.replica} does not exist: the data-parallel size is "
-                f"{data_parallel_size} (replicas 0..{data_parallel_size - 1}); give a replica in that range")
+        self.group(StragglerSettings).check_replicas(data_parallel_size)
 
     def _validate_dynamics(self) -> None:
         """The simulated GPU's dynamics load and hold (simulated GPUs only; read again by :attr:`device_dynamics`)."""
@@ -242,9 +253,7 @@ class EnvPipeConfig:
     @functools.cached_property
     def device_dynamics(self) -> DeviceDynamics:
         """``--envpipe-sim-dynamics`` with the single-figure flags over it (file read once, by validate())."""
-        return load_dynamics(self.sim_dynamics, configs_dir()).with_overrides(
-            clock_latency_s=_ms_to_s(self.sim_clock_latency_ms), counter_period_s=_ms_to_s(self.sim_counter_period_ms),
-            thermal_drift=self.sim_thermal_drift)
+        return self.group(SimDeviceSettings).device_dynamics()
 
     def validate_with_megatron_args(self, args: Any) -> "EnvPipeConfig":
         """Every check that needs Megatron's own flags, run once at argument parsing.
@@ -334,7 +343,7 @@ class EnvPipeConfig:
     @property
     def energy_log_interval(self) -> int:
         """Iterations per energy line: the flag's, Megatron's (resolved at argument parsing), else 1."""
-        return self.log_interval or 1
+        return self.group(ReportSettings).energy_log_interval
 
     def check_pipeline(self, num_stages: int, num_microbatches: int | None = None,
                        profile: Profile | None = None, virtual_stages: int = 1) -> None:
@@ -387,32 +396,10 @@ class EnvPipeConfig:
         )
 
     def planner_config(self, gpu: GpuSpec | None = None, **overrides: Any) -> PlannerConfig:
-        """The planner's config for these flags on ``gpu`` (what the run-time plans with).
-
-        Plan type, scheduling, reconfiguration policy, P2P power, reconfiguration
-        step, activation budget, extra warm-up, maximum slowdown and target time
-        carry over; everything else keeps the planner's default. ``overrides``
-        replace single fields, e.g. ``p2p_power_w`` measured by the profiler when
-        no ``--envpipe-p2p-power`` was given.
-        """
-        values: dict[str, Any] = {
-            "plan_type": self.plan_type,
-            "scheduling": self.scheduling,
-            "reconfig": self.reconfig,
-            "gpu": gpu,
-            "p2p_power_w": self.p2p_power_w,
-            "reconfig_step_mhz": self.reconfig_step_mhz,
-            # Only ours plans within a budget (an interleaved run's is a start-up check).
-            "max_inflight": self.max_inflight if scheduling_kind(self.scheduling).extra_warmup else None,
-            "extra_warmup": self.extra_warmup,
-            "max_slowdown": self.max_slowdown,
-            "target_time_s": self.target_time_s,
-            "switch_cost_j": self.switch_cost_j,
-            "max_clock_changes": self.max_clock_changes,
-            "timing_margin": self.timing_margin,
-        }
-        values.update(overrides)
-        return PlannerConfig(**values)
+        """The planner's config for these flags on ``gpu`` (what the run-time plans with): made from the
+        plan and schedule groups alone (:func:`~megatron_envpipe.config.groups.planner_config`);
+        ``overrides`` replace single fields."""
+        return planner_config(self.group(PlanSettings), self.group(ScheduleSettings), gpu, **overrides)
 
     @classmethod
     def from_args(cls, args: Any) -> "EnvPipeConfig":
@@ -439,6 +426,3 @@ class EnvPipeConfig:
 
 _NONE_IS_UNSET = ("switch_cost_j", "max_clock_changes", "timing_margin")
 
-
-def _ms_to_s(value: float | None) -> float | None:
-    return None if value is None else value / 1000.0

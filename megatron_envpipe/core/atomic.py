@@ -3,7 +3,7 @@
 Readers (another rank, a later run, ``envpipe reset-clocks``) see the old file
 or the new one, never half of one, whatever interrupts the writer.
 :func:`write_all_atomic` writes several files all or none, even when
-SIGINT/SIGTERM arrive mid-way (:func:`signals_deferred`);
+SIGINT/SIGTERM arrive mid-way (:func:`_signals_deferred`);
 :func:`check_writable` tells before any work whether a path can be written,
 :func:`same_file` whether an output would overwrite an input. New files get
 ``0o666 & ~umask``, as any program's; a replaced file keeps its mode.
@@ -107,7 +107,7 @@ _DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM"
 
 
 @contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
+def _signals_deferred() -> Iterator[None]:
     """SIGINT, SIGTERM and SIGHUP arriving inside the block are delivered when it ends, as usual.
 
     So a Ctrl-C or a ``kill`` lands before or after an output set is committed,
@@ -145,7 +145,7 @@ def write_all_atomic(files: Sequence[tuple[str | os.PathLike[str], str | bytes]]
     want of space). On an error the temporary files and the folders made for them are removed, and
     targets already renamed are put back (an earlier version restored from a hard link made before the
     first rename, a new file removed). SIGINT/SIGTERM/SIGHUP wait until the set is committed
-    (:func:`signals_deferred`). ``mode``: None gives a new file ``0o666 & ~umask`` and a replaced file
+    (:func:`_signals_deferred`). ``mode``: None gives a new file ``0o666 & ~umask`` and a replaced file
     its old mode; an int sets it."""
     targets = [Path(target) for target, _ in files]
     for i, target in enumerate(targets):
@@ -155,7 +155,7 @@ def write_all_atomic(files: Sequence[tuple[str | os.PathLike[str], str | bytes]]
     staged: list[tuple[str, Path]] = []
     backups: dict[Path, str | None] = {}  # target -> hard link to its old version (None: it was new)
     done: list[Path] = []
-    with signals_deferred():
+    with _signals_deferred():
         try:
             for target, (_, data) in zip(targets, files):
                 try:
@@ -280,7 +280,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, fsync: bool
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with signals_deferred():
+    with _signals_deferred():
         tmp = _write_temp(path, data, fsync=fsync, mode=mode)
         try:
             os.replace(tmp, path)

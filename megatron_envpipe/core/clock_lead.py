@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from megatron_envpipe.errors import UsageError
 
-__all__ = ["ClockLead", "ClockLeadError", "MAX_LEAD_S"]
+__all__ = ["ClockLead", "ClockLeadError"]
 
-MAX_LEAD_S = 1.0  # beyond this a latency or margin is a unit mistake (ms given as s), not a GPU
+_MAX_LEAD_S = 1.0  # beyond this a latency or margin is a unit mistake (ms given as s), not a GPU
 
 
 class ClockLeadError(UsageError, ValueError):
@@ -47,8 +47,8 @@ class ClockLead:
     margin_s: float = 0.0  # raise this much earlier still (absorbs unit-time noise)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "latency_s", _check_seconds("latency_s", self.latency_s, MAX_LEAD_S))
-        object.__setattr__(self, "margin_s", _check_seconds("margin_s", self.margin_s, MAX_LEAD_S))
+        object.__setattr__(self, "latency_s", _check_seconds("latency_s", self.latency_s, _MAX_LEAD_S))
+        object.__setattr__(self, "margin_s", _check_seconds("margin_s", self.margin_s, _MAX_LEAD_S))
         if not isinstance(self.enabled, bool):
             raise ClockLeadError(f"clock lead: enabled must be True or False, got {self.enabled!r}")
 

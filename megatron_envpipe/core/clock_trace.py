@@ -33,10 +33,10 @@ __all__ = ["ClockChange", "ClockTraceError", "TraceKernel", "analyse_trace", "cl
 
 # Kernels needing this many in a row at the target: one lucky kernel (a change landing in a
 # kernel's last moments, timer noise) is not a settled clock.
-SETTLED_RUN = 3
+_SETTLED_RUN = 3
 # CUDA event timestamps resolve about 0.5 us: a kernel's measured clock carries that much relative noise.
-TIMER_RESOLUTION_S = 1e-6
-CSV_AROUND = 5  # clock-trace.csv keeps this many kernels either side of the request and of the settle
+_TIMER_RESOLUTION_S = 1e-6
+_CSV_AROUND = 5  # clock-trace.csv keeps this many kernels either side of the request and of the settle
 
 
 class ClockTraceError(UsageError, ValueError):
@@ -97,8 +97,8 @@ class ClockChange:
 
 
 def analyse_trace(kernels: Sequence[TraceKernel], request_s: float, from_mhz: int, to_mhz: int, step_mhz: int,
-                  *, request_uncertainty_s: float = 0.0, overhead_s: float = 0.0, run: int = SETTLED_RUN,
-                  timer_resolution_s: float = TIMER_RESOLUTION_S) -> ClockChange:
+                  *, request_uncertainty_s: float = 0.0, overhead_s: float = 0.0, run: int = _SETTLED_RUN,
+                  timer_resolution_s: float = _TIMER_RESOLUTION_S) -> ClockChange:
     """Analyse one change (module docstring). ``kernels`` in stream order, ``request_s`` on their timebase."""
     if len(kernels) < run + 1:
         raise ClockTraceError(f"clock trace {from_mhz}->{to_mhz} MHz: {len(kernels)} kernels, need at least "
@@ -201,9 +201,9 @@ def trace_csv(changes: Sequence[tuple[str, ClockChange, Sequence[TraceKernel], f
     lines = ["change,from_mhz,to_mhz,kernel,start_ms,duration_us,clock_mhz,settled"]
     for label, change, kernels, request_s in changes:
         req = change.request_index
-        around = change.first_settled if change.first_settled is not None else len(kernels) - CSV_AROUND
-        keep = sorted({i for i in (*range(req - CSV_AROUND, req + CSV_AROUND),
-                                   *range(around - CSV_AROUND, around + 2 * CSV_AROUND)) if 0 <= i < len(kernels)})
+        around = change.first_settled if change.first_settled is not None else len(kernels) - _CSV_AROUND
+        keep = sorted({i for i in (*range(req - _CSV_AROUND, req + _CSV_AROUND),
+                                   *range(around - _CSV_AROUND, around + 2 * _CSV_AROUND)) if 0 <= i < len(kernels)})
         for i in keep:
             k = kernels[i]
             settled = change.first_settled is not None and i >= change.first_settled

@@ -36,8 +36,7 @@ from __future__ import annotations
 
 from megatron_envpipe.core.instructions import ACT, ACT_SHAPE, DOWNSTREAM, GRAD, GRAD_SHAPE
 
-__all__ = ["Channel", "creation_order", "disjoint_classes", "is_wrap", "warmup_order", "warmup_programs",
-           "wrap_channels"]
+__all__ = ["Channel", "creation_order", "disjoint_classes", "is_wrap", "warmup_order", "warmup_programs"]
 
 # (sending stage, receiving stage, ACT or GRAD), as CommInstruction.channel() names it.
 Channel = tuple[int, int, str]
@@ -49,7 +48,7 @@ def _pair(up: int, down: int, shapes: bool) -> list[Channel]:
     return data + [(up, down, ACT_SHAPE), (down, up, GRAD_SHAPE)] if shapes else data
 
 
-def wrap_channels(num_stages: int, shapes: bool = False) -> list[Channel]:
+def _wrap_channels(num_stages: int, shapes: bool = False) -> list[Channel]:
     """The wrap-around channels of a pipeline with model chunks: P-1 -> 0 activations, 0 -> P-1 gradients
     (and, with ``shapes``, their shape channels)."""
     if num_stages < 2:
@@ -71,7 +70,7 @@ def creation_order(num_stages: int, wrap: bool = False, shapes: bool = False) ->
     pair's channels last.
     """
     out = [c for s in range(num_stages - 1) for c in _pair(s, s + 1, shapes)]
-    return out + (wrap_channels(num_stages, shapes) if wrap else [])
+    return out + (_wrap_channels(num_stages, shapes) if wrap else [])
 
 
 def warmup_order(stage: int, num_stages: int, wrap: bool = False, shapes: bool = False) -> list[Channel]:
@@ -101,4 +100,4 @@ def disjoint_classes(num_stages: int, wrap: bool = False, shapes: bool = False) 
                        if c[2] == kind and min(c[:2]) % 2 == parity]
             if members:
                 classes.append(members)
-    return classes + ([[c] for c in wrap_channels(num_stages, shapes)] if wrap else [])
+    return classes + ([[c] for c in _wrap_channels(num_stages, shapes)] if wrap else [])

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from megatron_envpipe.errors import EnvPipeError
 
 __all__ = ["CounterAnalysisError", "CounterFigures", "CounterRead", "PowerRead", "analyze_counter",
-           "counter_csv", "MIN_CHANGES"]
+           "counter_csv"]
 
 # Updates needed before a period is reported (the median of fewer gaps is not a measurement).
-MIN_CHANGES = 5
+_MIN_CHANGES = 5
 
 
 class CounterAnalysisError(EnvPipeError, ValueError):
@@ -125,10 +125,10 @@ def analyze_counter(reads: Sequence[CounterRead], powers: Sequence[PowerRead] = 
     _check_reads(reads, where)
     brackets = [(a.start_s, b.end_s, b.energy_mj - a.energy_mj)
                 for a, b in zip(reads, reads[1:]) if b.energy_mj != a.energy_mj]
-    if len(brackets) < MIN_CHANGES:
+    if len(brackets) < _MIN_CHANGES:
         raise CounterAnalysisError(
             f"{where}: the counter changed {len(brackets)} time(s) in {reads[-1].end_s - reads[0].start_s:.3g} s "
-            f"({len(reads)} reads); need {MIN_CHANGES}: poll for longer, or the GPU draws no power it reports")
+            f"({len(reads)} reads); need {_MIN_CHANGES}: poll for longer, or the GPU draws no power it reports")
     mids = [0.5 * (lo + hi) for lo, hi, _ in brackets]
     gaps = [b - a for a, b in zip(mids, mids[1:])]
     median_gap = statistics.median(gaps)

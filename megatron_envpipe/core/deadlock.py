@@ -59,16 +59,15 @@ def check_deadlock(
     the same order on both sides. Raises :class:`DeadlockError`.
     """
 
+    merged_kinds = {ACT_SHAPE: ACT, GRAD_SHAPE: GRAD}
+
     def comm(snd: int, rcv: int, kind: str) -> tuple:
         if shapes_on_data_channels:
-            kind = {ACT_SHAPE: ACT, GRAD_SHAPE: GRAD}.get(kind, kind)
+            kind = merged_kinds.get(kind, kind)
         return (min(snd, rcv), max(snd, rcv)) if shared_pair_stream else (snd, rcv, kind)
 
     num = len(programs)
     _check_shapes_known(programs)
-
-    def stream(stage: int, ins: CommInstruction):
-        return comm(*ins.channel(stage, num))
 
     warm = [list(w) for w in warmup] if warmup is not None else [[] for _ in range(num)]
     if len(warm) != num:
@@ -91,6 +90,18 @@ def check_deadlock(
 
     def settle(key: tuple) -> None:
         qs = queues[key]
+        if len(qs) == 2:  # always: a stream joins one stage and its peer (the loop below is the general form)
+            (sa, qa), (sb, qb) = sorted(qs.items())
+            while qa and qb:
+                ia, a = qa[0][1:]
+                ib, b = qb[0][1:]
+                if a.is_send == b.is_send or a.message(sa, num) != b.message(sb, num):
+                    return  # heads do not match: this stream is stuck for now
+                qa.popleft()
+                qb.popleft()
+                completed.add((sa, ia))
+                completed.add((sb, ib))
+            return
         while True:
             ends = [q for q in qs.values() if q]
             if len(ends) < 2:
@@ -132,19 +143,20 @@ def check_deadlock(
             while pcs[s] < len(prog.instructions):
                 ins = prog.instructions[pcs[s]]
                 if isinstance(ins, CommInstruction):
-                    peer = ins.peer(s, num)
                     # Virtual stage 0 has no previous one: nothing to receive activations from or send grads to.
                     if num < 2 or (ins.chunk == 0 and s == 0 and (ins.kind in DOWNSTREAM) != ins.is_send):
                         raise DeadlockError(f"stage {s}: {ins} has no peer stage {ins.peer(s)}")
-                    if ins.is_start and lazy_communicators and not create(s, stream(s, ins), peer):
-                        break  # blocked creating the communicator
                     if ins.is_start:
-                        key = stream(s, ins)
+                        peer = ins.peer(s, num)
+                        channel = ins.channel(s, num)
+                        key = comm(*channel)  # the stream (communicator) of this op
+                        if lazy_communicators and not create(s, key, peer):
+                            break  # blocked creating the communicator
                         qs = queues.setdefault(key, {})
                         qs.setdefault(s, deque()).append((s, pcs[s], ins))
                         qs.setdefault(peer, deque())
                         op_index[(s, ins.kind, ins.is_send, ins.microbatch, ins.chunk)] = (s, pcs[s])
-                        (sent if ins.is_send else received).setdefault(ins.channel(s, num), []).append(
+                        (sent if ins.is_send else received).setdefault(channel, []).append(
                             ins.message(s, num)[1:])
                         settle(key)
                     else:

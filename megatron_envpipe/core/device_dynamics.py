@@ -41,15 +41,15 @@ from megatron_envpipe.core.flag_ranges import FlagRange
 from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.errors import UsageError
 
-__all__ = ["DeviceDynamics", "DeviceDynamicsError", "EXACT", "PRESETS", "load_dynamics", "preset_path"]
+__all__ = ["DeviceDynamics", "DeviceDynamicsError", "EXACT", "PRESETS", "load_dynamics"]
 
 # Upper bounds: beyond them a figure is a unit mistake (ms given as s), not a GPU.
 MAX_LATENCY_S = 1.0
-MAX_COUNTER_PERIOD_S = 5.0
-MAX_POWER_AVERAGE_S = 10.0
-MAX_THERMAL_DRIFT = 0.5
-MAX_THERMAL_TAU_S = 3600.0
-MAX_BLOCKING_POWER_W = 2000.0  # above any single GPU's board power
+_MAX_COUNTER_PERIOD_S = 5.0
+_MAX_POWER_AVERAGE_S = 10.0
+_MAX_THERMAL_DRIFT = 0.5
+_MAX_THERMAL_TAU_S = 3600.0
+_MAX_BLOCKING_POWER_W = 2000.0  # above any single GPU's board power
 
 # Preset name -> file in configs/ (the key ``realistic`` in that file's [dynamics] table).
 PRESETS = {"exact": None, "realistic": "realistic-gpu.toml"}
@@ -62,10 +62,10 @@ class DeviceDynamicsError(UsageError, ValueError):
 _RANGES = {
     "clock_latency_s": (0.0, MAX_LATENCY_S),
     "nvml_call_s": (0.0, MAX_LATENCY_S),
-    "counter_period_s": (0.0, MAX_COUNTER_PERIOD_S),
-    "power_average_s": (0.0, MAX_POWER_AVERAGE_S),
-    "thermal_drift": (0.0, MAX_THERMAL_DRIFT),
-    "thermal_tau_s": (0.0, MAX_THERMAL_TAU_S),
+    "counter_period_s": (0.0, _MAX_COUNTER_PERIOD_S),
+    "power_average_s": (0.0, _MAX_POWER_AVERAGE_S),
+    "thermal_drift": (0.0, _MAX_THERMAL_DRIFT),
+    "thermal_tau_s": (0.0, _MAX_THERMAL_TAU_S),
 }
 
 
@@ -93,9 +93,9 @@ class DeviceDynamics:
         power = self.blocking_power_w
         if power is not None:
             if isinstance(power, bool) or not isinstance(power, int | float) \
-                    or not 0.0 <= power <= MAX_BLOCKING_POWER_W:
+                    or not 0.0 <= power <= _MAX_BLOCKING_POWER_W:
                 raise DeviceDynamicsError(f"device dynamics ({short(self.source, 200)}): blocking_power_w must be a "
-                                          f"number in [0, {MAX_BLOCKING_POWER_W:g}] W, got {short(power)}")
+                                          f"number in [0, {_MAX_BLOCKING_POWER_W:g}] W, got {short(power)}")
             object.__setattr__(self, "blocking_power_w", float(power))
         if self.nvml_call_s > self.clock_latency_s:
             raise DeviceDynamicsError(
@@ -159,14 +159,14 @@ _TOML_KEYS = {
 }
 
 
-OPTIONAL_TOML_KEYS = frozenset({"blocking_power_w", "source"})
+_OPTIONAL_TOML_KEYS = frozenset({"blocking_power_w", "source"})
 # Each figure's range in the file's own unit, checked before it is converted (x 1e-3 overflows for 10**400).
-_TOML_RANGES = {key: FlagRange("float", 0.0, (_RANGES[name][1] if name in _RANGES else MAX_BLOCKING_POWER_W) / factor,
+_TOML_RANGES = {key: FlagRange("float", 0.0, (_RANGES[name][1] if name in _RANGES else _MAX_BLOCKING_POWER_W) / factor,
                                {"ms": "ms", "s": "s", "w": "W"}.get(key.rpartition("_")[2], ""))
                 for key, (name, factor) in _TOML_KEYS.items() if factor is not None}
 
 
-def preset_path(configs: Path, name: str) -> Path | None:
+def _preset_path(configs: Path, name: str) -> Path | None:
     """The file a preset name stands for in ``configs`` (None for ``exact``)."""
     if name not in PRESETS:
         raise DeviceDynamicsError(f"unknown simulated-GPU dynamics preset {name!r}: use one of "
@@ -180,7 +180,7 @@ def load_dynamics(spec: str, configs: Path) -> DeviceDynamics:
     table gives the figures (keys ``clock_latency_ms``, ``nvml_call_ms``, ``counter_period_ms``,
     ``power_average_ms``, ``thermal_drift``, ``thermal_tau_s``, ``source``; optional ``blocking_power_w``)."""
     if spec in PRESETS:
-        path = preset_path(configs, spec)
+        path = _preset_path(configs, spec)
         if path is None:
             return EXACT
     else:
@@ -212,7 +212,7 @@ def load_dynamics(spec: str, configs: Path) -> DeviceDynamics:
         else:
             values[name] = file_number(value, _TOML_RANGES[key], f"{path}: [dynamics] {key}",
                                        DeviceDynamicsError) * factor
-    missing = [k for k in _TOML_KEYS if k not in table and k not in OPTIONAL_TOML_KEYS]
+    missing = [k for k in _TOML_KEYS if k not in table and k not in _OPTIONAL_TOML_KEYS]
     if missing:
         raise DeviceDynamicsError(f"{path}: [dynamics] lacks {', '.join(missing)}: every figure is needed (only "
                                   "blocking_power_w and source are optional), else the exact GPU's would run "

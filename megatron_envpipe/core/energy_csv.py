@@ -16,7 +16,7 @@ from pathlib import Path
 from megatron_envpipe.core.atomic import OutputPathError, check_output
 from megatron_envpipe.core.energy_report import EnergyReport
 
-__all__ = ["CSV_COLUMNS", "append_report", "check_energy_csv", "report_rows"]
+__all__ = ["CSV_COLUMNS", "append_report", "check_energy_csv"]
 
 CSV_COLUMNS = ("iteration", "iterations", "stage", "rank", "energy_j_per_iteration", "power_w",
                "time_s_per_iteration", "pipeline_energy_j_per_iteration", "pipeline_time_s_per_iteration",
@@ -32,7 +32,7 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def report_rows(report: EnergyReport) -> list[Sequence[object]]:
+def _report_rows(report: EnergyReport) -> list[Sequence[object]]:
     """One row per GPU of the report (none when its window has no GPU counter figures yet)."""
     return [(report.iteration, report.iterations, g.stage, g.rank, g.energy_j, g.power_w, g.time_s,
              report.energy_j, report.time_s, report.planned_time_s, report.saving, int(report.simulated))
@@ -58,7 +58,7 @@ def check_energy_csv(path: str | os.PathLike[str], others: Sequence[tuple[str, s
 
 def append_report(path: str | os.PathLike[str], report: EnergyReport) -> int:
     """Append the report's rows (header first into an empty file); returns the rows written."""
-    rows = report_rows(report)
+    rows = _report_rows(report)
     if not rows:
         return 0
     text = "".join(",".join(_fmt(v) for v in row) + "\n" for row in rows)

@@ -23,13 +23,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SLOWER_THAN_PLANNED", "Baseline", "EnergyReport", "GpuFigure", "kwh_saved_per_day", "per_iteration_summary",
-           "summary_line"]
+__all__ = ["SLOWER_THAN_PLANNED", "Baseline", "EnergyReport", "GpuFigure", "summary_line"]
 
 # Iterations more than this much slower than the plan's time get a warning (a fraction).
 SLOWER_THAN_PLANNED = 0.01
-SECONDS_PER_DAY = 86_400.0
-JOULES_PER_KWH = 3.6e6
+_SECONDS_PER_DAY = 86_400.0
+_JOULES_PER_KWH = 3.6e6
 
 
 @dataclass(frozen=True)
@@ -175,11 +174,11 @@ class EnergyReport:
                 "--envpipe-reconfig balanced")
 
 
-def kwh_saved_per_day(baseline_energy_j: float, energy_j: float, time_s: float) -> float:
+def _kwh_saved_per_day(baseline_energy_j: float, energy_j: float, time_s: float) -> float:
     """kWh a day of training at this pace saves: (baseline - measured) J per iteration x iterations per day."""
     if time_s <= 0:
         return 0.0
-    return (baseline_energy_j - energy_j) / time_s * SECONDS_PER_DAY / JOULES_PER_KWH
+    return (baseline_energy_j - energy_j) / time_s * _SECONDS_PER_DAY / _JOULES_PER_KWH
 
 
 def summary_line(reports: Sequence[EnergyReport], baseline: Baseline | None, simulated: bool,
@@ -189,11 +188,11 @@ def summary_line(reports: Sequence[EnergyReport], baseline: Baseline | None, sim
     ``reports``: the windows logged under the plan; ``num_gpus``: the pipeline's GPUs; ``replicas``:
     data-parallel copies of the pipeline (assumed to draw alike), which the kWh figure is summed over.
     Where windows ran under per-iteration plans (variable-length micro-batches), only those count, against
-    the stock run predicted for the same sizes (:func:`per_iteration_summary`).
+    the stock run predicted for the same sizes (:func:`_per_iteration_summary`).
     """
     own = [r for r in reports if r.per_iteration_plans and r.baseline is not None and r.baseline.for_sizes]
     if own:
-        return per_iteration_summary(own, simulated, num_gpus, replicas)
+        return _per_iteration_summary(own, simulated, num_gpus, replicas)
     if not reports:
         return None
     n = sum(r.iterations for r in reports)
@@ -210,13 +209,13 @@ def summary_line(reports: Sequence[EnergyReport], baseline: Baseline | None, sim
     parts = [head, f"energy {100 * (energy_j / base.energy_j - 1):+.2f}%"
              + (f", time {100 * (time_s / base.time_s - 1):+.2f}%" if base.time_s else "")
              + f" vs {base.describe()}"]
-    kwh = kwh_saved_per_day(base.energy_j, energy_j, time_s) * replicas
+    kwh = _kwh_saved_per_day(base.energy_j, energy_j, time_s) * replicas
     gpus = num_gpus * replicas
     parts.append(f"at this pace {kwh:.3f} kWh saved per day over {gpus} GPU{'s' if gpus != 1 else ''}{label}")
     return " | ".join(parts)
 
 
-def per_iteration_summary(reports: Sequence[EnergyReport], simulated: bool, num_gpus: int,
+def _per_iteration_summary(reports: Sequence[EnergyReport], simulated: bool, num_gpus: int,
                           replicas: int = 1) -> str:
     """At exit, for windows run under per-iteration plans: their measured mean against the stock run the
     plans predict for the same micro-batch sizes (like with like), next to the plans' own predicted saving."""
@@ -227,7 +226,7 @@ def per_iteration_summary(reports: Sequence[EnergyReport], simulated: bool, num_
     stock_s = sum(r.baseline.time_s * r.iterations for r in reports) / n
     planned_j = sum(r.baseline.energy_j * (1 - (r.planned_saving or 0.0)) * r.iterations for r in reports) / n
     label = " (simulated)" if simulated else ""
-    kwh = kwh_saved_per_day(stock_j, energy_j, time_s) * replicas
+    kwh = _kwh_saved_per_day(stock_j, energy_j, time_s) * replicas
     gpus = num_gpus * replicas
     return " | ".join([
         f"EnvPipe summary{label} | {n} iterations under per-iteration plans (of iterations "

@@ -5,7 +5,7 @@ TOML and JSON give integers of any size: ``float(10**400)`` (and ``10**400 * 1e-
 more than 4300 digits at all. So every number a file gives passes through here first:
 
 * :func:`loads_json` / :func:`loads_toml` parse text and refuse, naming the file and the key,
-  any number no file of ours holds (an integer beyond :data:`MAX_FILE_INT`, nan, inf);
+  any number no file of ours holds (an integer beyond :data:`_MAX_FILE_INT`, nan, inf);
 * :func:`file_number` checks one parsed value against its :class:`~megatron_envpipe.core.flag_ranges.FlagRange`
   (Python compares ints and floats exactly, without converting) and only then converts it;
 * :func:`cell_number` does the same for a CSV cell's text.
@@ -25,10 +25,10 @@ from typing import Any
 
 from megatron_envpipe.core.flag_ranges import FlagRange
 
-__all__ = ["MAX_FILE_INT", "cell_number", "file_number", "loads_json", "loads_toml", "one_line", "short"]
+__all__ = ["cell_number", "file_number", "loads_json", "loads_toml", "one_line", "short"]
 
 # Larger integers are no measurement, clock or count of ours (the largest, a byte size, is < 2**63).
-MAX_FILE_INT = 2**63 - 1
+_MAX_FILE_INT = 2**63 - 1
 _MAX_NUMBER_CHARS = 40  # a JSON or CSV number longer than this is refused before it is parsed
 _SHORT_CHARS = 40
 _DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -38,7 +38,7 @@ Error = Callable[[str], Exception]
 
 def short(value: Any, limit: int = _SHORT_CHARS) -> str:
     """``value`` as one short line: repr-escaped (a newline shows as ``\\n``), long ones cut with their length."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_FILE_INT:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _MAX_FILE_INT:
         # str() of an int over 4300 digits raises: the digit count from its bits (exact to within one)
         return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     text = value if isinstance(value, str) and _DECIMAL.fullmatch(value) else repr(value)
@@ -81,7 +81,7 @@ def cell_number(text: str, rng: FlagRange, where: str, error: Error) -> float | 
 
 
 def _check_tree(data: Any, where: str, error: Error, ranges: Mapping[str, FlagRange], toml: bool) -> None:
-    """Every number in parsed TOML/JSON is one a file of ours can hold (finite, integers within MAX_FILE_INT);
+    """Every number in parsed TOML/JSON is one a file of ours can hold (finite, integers within _MAX_FILE_INT);
     a key of ``ranges`` (dotted path, e.g. ``dynamics.clock_latency_ms``) is held to its own range."""
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:  # iterative: a deeply nested file must not exhaust the recursion limit here
@@ -94,9 +94,9 @@ def _check_tree(data: Any, where: str, error: Error, ranges: Mapping[str, FlagRa
             continue
         elif key in ranges and isinstance(item, int | float):
             file_number(item, ranges[key], f"{where}: {_shown(key, toml)}", error)
-        elif isinstance(item, int) and abs(item) > MAX_FILE_INT:
+        elif isinstance(item, int) and abs(item) > _MAX_FILE_INT:
             raise error(f"{where}: {_shown(key, toml)} = {short(item)}: out of range (no figure of this "
-                        f"file exceeds {MAX_FILE_INT:.3g} in magnitude); is it the right file?")
+                        f"file exceeds {_MAX_FILE_INT:.3g} in magnitude); is it the right file?")
         elif isinstance(item, float) and not math.isfinite(item):
             raise error(f"{where}: {_shown(key, toml)} = {item!r}: must be a finite number")
 

@@ -6,8 +6,8 @@ or a unit mistake, or a size this large would only exhaust memory or time (the
 shipped profiles and Megatron runs sit far below); ``why`` says which. Every value
 must be finite: nan fails every comparison, so ``not low <= x <= high`` refuses it.
 
-The planner's own limits (``planning.basis.MAX_TIMING_MARGIN``, ``MAX_VIRTUAL_STAGES``,
-``planning.switching.MAX_SWITCH_COST_J``) sit in a later layer: a test keeps them equal.
+The planner's own limits (``planning.basis._MAX_TIMING_MARGIN``, ``_MAX_VIRTUAL_STAGES``,
+``planning.switching._MAX_SWITCH_COST_J``) sit in a later layer: a test keeps them equal.
 Pure Python.
 """
 
@@ -125,7 +125,7 @@ RANGES: dict[str, FlagRange] = {
     # -- / --envpipe-sim-jitter
     "sim_jitter": FlagRange("float", 0.0, MAX_JITTER, "", "with 3-sigma clipping every unit keeps time > 0"),
     # -- / --envpipe-sim-clock-latency-ms, --envpipe-sim-counter-period-ms, --envpipe-sim-thermal-drift
-    # (= core.device_dynamics' MAX_LATENCY_S, MAX_COUNTER_PERIOD_S, MAX_THERMAL_DRIFT; a test keeps them equal)
+    # (= core.device_dynamics' MAX_LATENCY_S, _MAX_COUNTER_PERIOD_S, _MAX_THERMAL_DRIFT; a test keeps them equal)
     "sim_clock_latency_ms": FlagRange("float", 0.0, 1000.0, "ms", "a second per clock change: ms given as s?"),
     "sim_counter_period_ms": FlagRange("float", 0.0, 5000.0, "ms", "no GPU's counter is that slow"),
     "sim_thermal_drift": FlagRange("float", 0.0, 0.5, "", "a fraction: 0.03 = 3 %"),

@@ -32,7 +32,7 @@ class P2PPowerUnknownError(GpuSpecError):
 
 
 # What the table says where no P2P blocking power has been measured and published.
-P2P_UNKNOWN = "unknown"
+_P2P_UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ _FIELDS = {
     "clock_step_mhz": (int, float),
     "profile_step_mhz": (int,),
     "reconfig_step_mhz": (int,),
-    "p2p_power_w": (int, float, str),  # a string only as P2P_UNKNOWN
+    "p2p_power_w": (int, float, str),  # a string only as _P2P_UNKNOWN
     "sources": list,
 }
 # Optional: a GPU's own clock-change latency (core/clock_latency.py), all three or none.
@@ -161,8 +161,8 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
                 raise GpuSpecError(f"{path}: [{key}] lacks {name}; every entry needs {', '.join(_FIELDS)}")
             value = entry[name]
             if isinstance(value, bool) or not isinstance(value, types if isinstance(types, tuple) else (types,)):
-                want = {list: "a list of strings", (int,): "an integer", (int, str): f'an integer or "{P2P_UNKNOWN}"',
-                        (int, float, str): f'a number (W) or "{P2P_UNKNOWN}"'}.get(types, "a number")
+                want = {list: "a list of strings", (int,): "an integer", (int, str): f'an integer or "{_P2P_UNKNOWN}"',
+                        (int, float, str): f'a number (W) or "{_P2P_UNKNOWN}"'}.get(types, "a number")
                 raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} has the wrong type: give {want}")
             if isinstance(value, float) and not math.isfinite(value):  # TOML has nan and inf
                 raise GpuSpecError(f"{path}: [{key}] {name} = {value!r} must be a finite number")
@@ -186,12 +186,12 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
                                "clocks: give NVML's clock spacing in MHz (e.g. 15)")
         p2p = entry["p2p_power_w"]
         if isinstance(p2p, str):
-            if p2p != P2P_UNKNOWN:
-                raise GpuSpecError(f'{path}: [{key}] p2p_power_w = "{p2p}": give a number (W) or "{P2P_UNKNOWN}"')
+            if p2p != _P2P_UNKNOWN:
+                raise GpuSpecError(f'{path}: [{key}] p2p_power_w = "{p2p}": give a number (W) or "{_P2P_UNKNOWN}"')
             p2p = None
         elif not 0 < p2p <= MAX_P2P_POWER_W:  # 0 W is no measurement: write "unknown"
             raise GpuSpecError(f"{path}: [{key}] p2p_power_w must be between 0 and {MAX_P2P_POWER_W:g} W, "
-                               f'got {p2p} (write "{P2P_UNKNOWN}" where it has not been measured)')
+                               f'got {p2p} (write "{_P2P_UNKNOWN}" where it has not been measured)')
         specs.append(
             (
                 key,
@@ -217,9 +217,9 @@ def _load(path: str) -> tuple[tuple[str, GpuSpec], ...]:
 def _clock_or_unknown(path: str, key: str, name: str, value: int | str) -> int | None:
     """A clock of the table: an integer in (0, MAX_CLOCK_MHZ], or "unknown" (None: not published)."""
     if isinstance(value, str):
-        if value != P2P_UNKNOWN:
+        if value != _P2P_UNKNOWN:
             raise GpuSpecError(f'{path}: [{key}] {name} = {value!r} has the wrong type: give an integer (MHz) or '
-                               f'"{P2P_UNKNOWN}"')
+                               f'"{_P2P_UNKNOWN}"')
         return None
     if not 0 < value <= MAX_CLOCK_MHZ:
         raise GpuSpecError(f"{path}: [{key}] needs 0 < min_clock_mhz < max_clock_mhz <= {MAX_CLOCK_MHZ}: {name} = "

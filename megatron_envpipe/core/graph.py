@@ -15,9 +15,9 @@ and :func:`due_s` (when it must finish), with :func:`ready_pair_s` /
 writing the loop again (tests/test_architecture_extension.py checks it); only
 the simulator's fixed-duration flat walks here inline the pair form (a call
 per node would cost them ~30 %; tests/core/test_graph_speed.py holds them to
-the general loop bit for bit);
-the ``*_choosing`` walks let the caller pick each duration from the time the
-node may start (or must finish) by, at one call per node. A built graph hands out
+the general loop bit for bit; testing.graph_choosing's walks, which pick each
+duration from the time the node may start or must finish, call them too).
+A built graph hands out
 its edges as :class:`EdgeLists` (frozen, with their topological order); given
 those, the two walks run over precomputed flat steps instead of nested tuples:
 the same float operations in the same order, about twice as fast.
@@ -27,7 +27,8 @@ Pure Python, no imports from the package.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Protocol
 
 Edges = Sequence[Sequence[tuple[int, float]]]  # per node: (neighbour, latency_s)
@@ -229,19 +230,6 @@ def earliest_times(order: Sequence[int], preds: Edges, durations_s: Sequence[flo
     return start, end
 
 
-def earliest_times_choosing(
-    order: Sequence[int], preds: Edges, duration_at: Callable[[int, float], float]
-) -> tuple[list[float], list[float]]:
-    """Like :func:`earliest_times`, each node's duration being ``duration_at(v, start_s)``, in ``order``."""
-    n = len(preds)
-    start = [0.0] * n
-    end = [0.0] * n
-    for v in order:
-        start[v] = t = ready_s(preds[v], end)
-        end[v] = t + duration_at(v, t)
-    return start, end
-
-
 def latest_times(
     order: Sequence[int], succs: Edges, durations_s: Sequence[float], deadline_s: float
 ) -> tuple[list[float], list[float]]:
@@ -269,7 +257,17 @@ def _earliest_steps(
     """
     start = [0.0] * n
     end = [0.0] * (n + 1)
-    for v, a, lat_a, b, lat_b in steps:
+    earliest_steps_from(steps, 0, start, end, durations_s)
+    end.pop()
+    return start, end
+
+
+def earliest_steps_from(steps: Sequence[Step], first: int, start: list[float], end: list[float],
+                        durations_s: Sequence[float]) -> None:
+    """The flat walk of :func:`earliest_times` from ``steps[first]`` on, in place: ``start``/``end`` hold the times of
+    the nodes walked before (``end`` with the absent edge's extra slot, 0 s, at its end), as a walk that resumes
+    after a few durations changed needs (planning/resimulation.py): the same comparisons, the same floats."""
+    for v, a, lat_a, b, lat_b in islice(steps, first, None):
         t = 0.0  # ready_pair_s, inlined: the simulator's inner loop (a call per node costs it ~30 %)
         ready = end[a] + lat_a
         if ready > t:
@@ -279,8 +277,6 @@ def _earliest_steps(
             t = ready
         start[v] = t
         end[v] = t + durations_s[v]
-    end.pop()
-    return start, end
 
 
 def _latest_steps(
@@ -300,19 +296,6 @@ def _latest_steps(
         latest_finish[v] = t
         latest_start[v] = t - durations_s[v]
     latest_start.pop()
-    return latest_start, latest_finish
-
-
-def latest_times_choosing(
-    order: Sequence[int], succs: Edges, deadline_s: float, duration_at: Callable[[int, float], float]
-) -> tuple[list[float], list[float]]:
-    """Like :func:`latest_times`, each node's duration being ``duration_at(v, finish_s)``, in reverse ``order``."""
-    n = len(succs)
-    latest_start = [deadline_s] * n
-    latest_finish = [deadline_s] * n
-    for v in reversed(order):
-        latest_finish[v] = t = due_s(succs[v], latest_start, deadline_s)
-        latest_start[v] = t - duration_at(v, t)
     return latest_start, latest_finish
 
 

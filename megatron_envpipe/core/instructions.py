@@ -242,7 +242,7 @@ _BY_NAME = {
 }
 
 
-def parse_instruction(text: str) -> Instruction:
+def _parse_instruction(text: str) -> Instruction:
     """``Name(arg)`` or, for a unit or message of chunk c > 0, ``Name(microbatch,c)``."""
     name, _, rest = text.strip().partition("(")
     cls = _BY_NAME.get(name)
@@ -346,14 +346,16 @@ def build_programs(
         def post(kind: str, upto: int, out: list[Instruction] = out, seqs: dict = seqs, posted: dict = posted,
                  starts: dict = starts) -> None:
             seq = seqs[kind]
-            while posted[kind] < min(len(seq), upto):
+            stop = min(len(seq), upto)
+            while posted[kind] < stop:
                 out.append(starts[kind](*seq[posted[kind]]))
                 posted[kind] += 1
 
         def consume(kind: str, msg: tuple[int, int], finish: type, out: list[Instruction] = out,
-                    position: dict = position) -> None:
+                    position: dict = position, posted: dict = posted) -> None:
             i = position[kind][msg]
-            post(kind, i + 1)  # a no-op when consumed in channel order: already prefetched
+            if posted[kind] <= i:  # otherwise consumed in channel order: already prefetched
+                post(kind, i + 1)
             out.append(finish(*msg))
             post(kind, i + 1 + prefetch)
 

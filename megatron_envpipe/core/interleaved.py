@@ -34,13 +34,10 @@ from megatron_envpipe.core.units import B, F, Schedule, ScheduleError, Unit
 
 __all__ = [
     "check_interleaved_sizes",
-    "interleaved_order",
     "interleaved_schedule",
-    "interleaved_schedule_table",
-    "interleaved_warmup_counts",
 ]
 
-NAME = "interleaved"
+_NAME = "interleaved"
 
 
 def _whole(value: object, what: str, low: int) -> int:
@@ -86,7 +83,7 @@ def check_interleaved_sizes(
     return n
 
 
-def interleaved_schedule_table(
+def _interleaved_schedule_table(
     num_microbatches: int, num_chunks: int, microbatch_group_size: int
 ) -> tuple[tuple[int, int], ...]:
     """``(micro-batch, chunk)`` of every virtual micro-batch k, as Megatron's ``get_schedule_table``."""
@@ -98,7 +95,7 @@ def interleaved_schedule_table(
     return tuple(table)
 
 
-def interleaved_warmup_counts(
+def _interleaved_warmup_counts(
     num_stages: int, num_microbatches: int, num_chunks: int, microbatch_group_size: int | None = None
 ) -> tuple[int, ...]:
     """Warm-up forwards per rank, ``W_s = min(M*V, 2*(P-s-1) + (V-1)*N)`` (``get_pp_rank_microbatches``)."""
@@ -107,15 +104,15 @@ def interleaved_warmup_counts(
     return tuple(min(total, 2 * (num_stages - s - 1) + (num_chunks - 1) * n) for s in range(num_stages))
 
 
-def interleaved_order(
+def _interleaved_order(
     stage: int, num_stages: int, num_microbatches: int, num_chunks: int, microbatch_group_size: int | None = None
 ) -> tuple[Unit, ...]:
     """The units rank ``stage`` runs, in Megatron's order: warm-up, steady 1F1B pairs, cool-down."""
     n = check_interleaved_sizes(num_stages, num_microbatches, num_chunks, microbatch_group_size)
     if not 0 <= stage < num_stages:
         raise ScheduleError(f"stage {stage} is outside 0..{num_stages - 1}")
-    table = interleaved_schedule_table(num_microbatches, num_chunks, n)
-    warmup = interleaved_warmup_counts(num_stages, num_microbatches, num_chunks, n)[stage]
+    table = _interleaved_schedule_table(num_microbatches, num_chunks, n)
+    warmup = _interleaved_warmup_counts(num_stages, num_microbatches, num_chunks, n)[stage]
     last = num_chunks - 1
 
     def forward(k: int) -> Unit:
@@ -141,9 +138,9 @@ def interleaved_schedule(
     check_interleaved_sizes(num_stages, num_microbatches, num_chunks, microbatch_group_size)
     check_schedule_size(num_stages, num_microbatches, num_chunks)  # before a unit is built
     orders = tuple(
-        interleaved_order(s, num_stages, num_microbatches, num_chunks, microbatch_group_size)
+        _interleaved_order(s, num_stages, num_microbatches, num_chunks, microbatch_group_size)
         for s in range(num_stages)
     )
     return Schedule(
-        int(num_microbatches), orders, name=NAME, extra_warmup=(0,) * int(num_stages), num_chunks=int(num_chunks)
+        int(num_microbatches), orders, name=_NAME, extra_warmup=(0,) * int(num_stages), num_chunks=int(num_chunks)
     )

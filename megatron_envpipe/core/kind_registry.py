@@ -53,6 +53,8 @@ class SchedulingKind:
     replaces: str  # the Megatron-core schedule function it takes the place of
     extra_warmup: bool = False  # EnvPipe's extra warm-up forwards: warm-up candidates, an activation budget
     model_chunks: bool = False  # runs V model chunks per rank (a virtual pipeline)
+    own_baseline: bool = False  # scored against its own order at f_max, not 1F1B at f_max (it shortens
+    # 1F1B's bubble itself, and 1F1B cannot run its model chunks)
 
 
 _PLAN_TYPES: dict[str, PlanTypeKind] = {}

@@ -28,11 +28,11 @@ from megatron_envpipe.core.kind_registry import (
     scheduling_names,
 )
 from megatron_envpipe.core.plan import FrequencyPlan
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, envpipe_schedule, one_f_one_b
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, check_extra_warmup, envpipe_schedule, one_f_one_b
 from megatron_envpipe.core.timeline import outer_envelope
 from megatron_envpipe.core.vocabulary import PlanType, Scheduling
 
-__all__ = ["KindError", "PlanTypeKind", "SchedulingKind", "plan_kind", "plan_type_names", "register_plan_type",
+__all__ = ["KindError", "PlanTypeKind", "SchedulingKind", "build_schedule", "plan_kind", "plan_type_names", "register_plan_type",
            "register_scheduling", "scheduling_kind", "scheduling_names"]
 
 
@@ -71,4 +71,42 @@ register_scheduling(SchedulingKind(Scheduling.OURS, "EnvPipe's extended warm-up"
                                    extra_warmup=True))
 register_scheduling(SchedulingKind(Scheduling.INTERLEAVED, "Megatron's interleaved 1F1B (model chunks)",
                                    lambda p, m, r, v, g: interleaved_schedule(p, m, v, g),
-                                   "forward_backward_pipelining_with_interleaving", model_chunks=True))
+                                   "forward_backward_pipelining_with_interleaving", model_chunks=True,
+                                   own_baseline=True))
+
+
+def build_schedule(
+    scheduling: str,
+    num_stages: int,
+    num_microbatches: int,
+    extra_warmup: Sequence[int] | None = None,
+    num_chunks: int = 1,
+    microbatch_group_size: int | None = None,
+) -> Schedule:
+    """Schedule by registered name: ``1f1b``, ``ours`` (needs clamped ``extra_warmup``, one per stage) or
+    ``interleaved``; the scheduling's ``build`` makes it.
+
+    ``num_chunks`` (Megatron's virtual pipeline size V) and ``microbatch_group_size``
+    (its ``microbatch_group_size_per_vp_stage``, default P) apply to a scheduling with model chunks only;
+    a non-zero ``extra_warmup`` to one with EnvPipe's extra warm-up only (silently dropping it would hide a
+    mistake). ScheduleError otherwise, and for an unknown name.
+    """
+    kind = scheduling_kind(scheduling) if str(scheduling) in scheduling_names() else None
+    if kind is None or not kind.model_chunks:
+        if num_chunks != 1:
+            raise ScheduleError(
+                f"scheduling {str(scheduling)!r} runs one model chunk per stage (got {num_chunks} virtual stages): "
+                "use scheduling 'interleaved' for a virtual pipeline"
+            )
+        if microbatch_group_size is not None:
+            raise ScheduleError(
+                f"a micro-batch group size applies to scheduling 'interleaved' only, not {str(scheduling)!r}"
+            )
+    if kind is None:
+        raise ScheduleError(f"unknown scheduling {scheduling!r}; choose one of {', '.join(scheduling_names())}")
+    if not kind.extra_warmup and extra_warmup is not None and any(check_extra_warmup(num_stages, extra_warmup)):
+        raise ScheduleError(
+            f"scheduling {str(scheduling)!r} has no extra warm-up (got {list(extra_warmup)}): "
+            "use scheduling 'ours' or drop it"
+        )
+    return kind.build(num_stages, num_microbatches, extra_warmup, num_chunks, microbatch_group_size)

@@ -5,7 +5,7 @@ A micro-batch's size is :class:`MicrobatchSize`: ``tokens`` (the sum of its sequ
 sequence the square of its length). :class:`LengthCostModel` scales a profile row, measured at a
 reference size, to any size (per stage, chunk, instruction and clock): fitted from measurements at
 >= 2 sizes (:func:`fit_length_costs`) or the documented flop-count assumption for the shipped A40
-profiles (:func:`default_length_model`). The profile's optional ``tokens,attention_tokens2`` columns are
+profiles (:func:`_default_length_model`). The profile's optional ``tokens,attention_tokens2`` columns are
 parsed here (:func:`parse_row_size`, :func:`split_by_size`) for :mod:`~megatron_envpipe.core.profile`.
 Pure Python, stdlib only (docs/variable-lengths.md).
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from megatron_envpipe.errors import UsageError
 
 # Beyond this a token count is a unit mistake or garbage (a sum over an iteration would lose precision).
-MAX_TOKENS = 10**12
+_MAX_TOKENS = 10**12
 
 
 class LengthCostError(UsageError, ValueError):
@@ -44,8 +44,8 @@ class MicrobatchSize:
                 f"a micro-batch size needs whole numbers, got tokens={self.tokens!r}, "
                 f"attention_tokens2={self.attention_tokens2!r}"
             )
-        if not 0 < self.tokens <= MAX_TOKENS:
-            raise LengthCostError(f"a micro-batch needs 1..{MAX_TOKENS} tokens, got {self.tokens}")
+        if not 0 < self.tokens <= _MAX_TOKENS:
+            raise LengthCostError(f"a micro-batch needs 1..{_MAX_TOKENS} tokens, got {self.tokens}")
         # Sequences of whole lengths summing to t: sum of squares lies in t..t**2.
         if not self.tokens <= self.attention_tokens2 <= self.tokens**2:
             raise LengthCostError(
@@ -75,14 +75,14 @@ LengthKey = tuple[int, int, str, int]
 
 # The attention column counts as collinear with (1, tokens) below this relative residual: the samples
 # cannot tell attention from per-token cost (e.g. sequences of one length), so t_att stays 0.
-COLLINEAR_RTOL = 1e-6
+_COLLINEAR_RTOL = 1e-6
 # Relative to the largest term, a fitted value below this is 0 (least-squares noise), not negative.
-NEGATIVE_RTOL = 1e-9
+_NEGATIVE_RTOL = 1e-9
 # A unit's cost is fixed + per token + per attention token^2, none negative: against the reference size,
 # a sample of r_tok x its tokens and r_att x its attention costs between min(1, r_tok, r_att) and
 # max(1, r_tok, r_att) times as much. Beyond that, give or take this much measurement noise, it is
 # no measurement of that size (a 1024-token micro-batch taking 50x a 2048-token one's time).
-PLAUSIBLE_RTOL = 0.25
+_PLAUSIBLE_RTOL = 0.25
 
 
 @dataclass(frozen=True)
@@ -213,13 +213,13 @@ def size_classes(sizes: Sequence[MicrobatchSize]) -> tuple[tuple[int, ...], tupl
 # -- the default model for the shipped A40 profiles ------------------------------------------------------
 
 # Hidden size h of the models the shipped profiles were measured on (data/profiles/SOURCES.md).
-LAYER_WIDTHS = {"gpt3-175b": 12288, "bloom-176b": 14336}
-DEFAULT_REFERENCE_SEQ_LENGTH = 2048
-DEFAULT_FIXED_OVERHEAD = 0.03  # share of a reference unit's cost that does not grow with the size
+_LAYER_WIDTHS = {"gpt3-175b": 12288, "bloom-176b": 14336}
+_DEFAULT_REFERENCE_SEQ_LENGTH = 2048
+_DEFAULT_FIXED_OVERHEAD = 0.03  # share of a reference unit's cost that does not grow with the size
 
 
-def default_length_model(model_name: str, reference_seq_length: int = DEFAULT_REFERENCE_SEQ_LENGTH,
-                         fixed_overhead: float = DEFAULT_FIXED_OVERHEAD) -> LengthCostModel:
+def _default_length_model(model_name: str, reference_seq_length: int = _DEFAULT_REFERENCE_SEQ_LENGTH,
+                         fixed_overhead: float = _DEFAULT_FIXED_OVERHEAD) -> LengthCostModel:
     """The documented length model for a shipped A40 profile: an ASSUMPTION derived from flop counts,
     not measured (fit one with :func:`fit_length_costs` from a profile measured at >= 2 sizes).
 
@@ -233,13 +233,13 @@ def default_length_model(model_name: str, reference_seq_length: int = DEFAULT_RE
     ``s / 6h`` = 2.8 % of the per-token cost, so cost is nearly linear in tokens; a micro-batch of 2048
     tokens packed from short documents costs ~97 % of one 2048-token sequence.
     """
-    if model_name not in LAYER_WIDTHS:
+    if model_name not in _LAYER_WIDTHS:
         raise LengthCostError(
-            f"no default length model for {model_name!r}; known: {', '.join(sorted(LAYER_WIDTHS))}"
+            f"no default length model for {model_name!r}; known: {', '.join(sorted(_LAYER_WIDTHS))}"
         )
     if not 0 <= fixed_overhead < 1:
         raise LengthCostError(f"the fixed overhead is a share in [0, 1), got {fixed_overhead}")
-    h = LAYER_WIDTHS[model_name]
+    h = _LAYER_WIDTHS[model_name]
     reference = MicrobatchSize.from_lengths([reference_seq_length])
     dense, attention = 24.0 * h * h, 4.0 * h
     scaling = dense * reference.tokens + attention * reference.attention_tokens2
@@ -249,14 +249,14 @@ def default_length_model(model_name: str, reference_seq_length: int = DEFAULT_RE
 
 
 def default_length_model_for(profile_source: str) -> LengthCostModel:
-    """:func:`default_length_model` of the shipped profile whose file name ``profile_source`` names."""
-    matches = [name for name in LAYER_WIDTHS if name in str(profile_source)]
+    """:func:`_default_length_model` of the shipped profile whose file name ``profile_source`` names."""
+    matches = [name for name in _LAYER_WIDTHS if name in str(profile_source)]
     if len(matches) != 1:
         raise LengthCostError(
-            f"{profile_source}: no default length model (names none of {', '.join(sorted(LAYER_WIDTHS))}): "
+            f"{profile_source}: no default length model (names none of {', '.join(sorted(_LAYER_WIDTHS))}): "
             "fit one from a profile measured at >= 2 micro-batch sizes"
         )
-    return default_length_model(matches[0])
+    return _default_length_model(matches[0])
 
 
 # -- fitting -------------------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def fit_length_costs(samples: Sequence[LengthSample], reference: MicrobatchSize,
                         abs(coeffs.per_attention_token2 * reference.attention_tokens2))
             for size in sizes:
                 value = coeffs.value(size)
-                if value < -NEGATIVE_RTOL * scale or (positive and value <= 0):
+                if value < -_NEGATIVE_RTOL * scale or (positive and value <= 0):
                     raise LengthCostError(
                         f"{source}: {_where(key)}: the fitted {what} is {value:g} at {size} (must be "
                         f"{'> 0' if positive else '>= 0'} over the sizes fitted): the samples are inconsistent; "
@@ -329,20 +329,20 @@ def fit_length_costs(samples: Sequence[LengthSample], reference: MicrobatchSize,
 
 
 def _check_plausible(group: Sequence[LengthSample], reference: MicrobatchSize, source: str) -> None:
-    """Each sample against the group's sample at the reference size (where there is one): see PLAUSIBLE_RTOL."""
+    """Each sample against the group's sample at the reference size (where there is one): see _PLAUSIBLE_RTOL."""
     ref = next((s for s in group if s.size == reference), None)
     for sample in group if ref is not None else ():
-        problem = implausible(sample, ref.time_s, ref.energy_j, reference)
+        problem = _implausible(sample, ref.time_s, ref.energy_j, reference)
         if problem:
             raise LengthCostError(f"{source}: {problem}")
 
 
-def implausible(sample: LengthSample, ref_time_s: float, ref_energy_j: float, reference: MicrobatchSize) -> str | None:
+def _implausible(sample: LengthSample, ref_time_s: float, ref_energy_j: float, reference: MicrobatchSize) -> str | None:
     """Why ``sample`` cannot be a measurement of its size, given its unit's time and energy at ``reference``
-    (PLAUSIBLE_RTOL), or None."""
+    (_PLAUSIBLE_RTOL), or None."""
     r_tok = sample.size.tokens / reference.tokens
     r_att = sample.size.attention_tokens2 / reference.attention_tokens2
-    low, high = min(1.0, r_tok, r_att) / (1 + PLAUSIBLE_RTOL), max(1.0, r_tok, r_att) * (1 + PLAUSIBLE_RTOL)
+    low, high = min(1.0, r_tok, r_att) / (1 + _PLAUSIBLE_RTOL), max(1.0, r_tok, r_att) * (1 + _PLAUSIBLE_RTOL)
     for what, unit, value, at_ref in (("time", "s", sample.time_s, ref_time_s),
                                        ("energy", "J", sample.energy_j, ref_energy_j)):
         if at_ref > 0 and not low <= value / at_ref <= high:
@@ -365,7 +365,7 @@ def _fit(group: Sequence[LengthSample], value: Callable[[LengthSample], float],
         # Is the attention column a combination of (1, tokens)? Its residual against them says.
         fit_att = _least_squares([ones, x_tok], x_att)
         residual = math.sqrt(sum((a - fit_att[0] - fit_att[1] * t) ** 2 for a, t in zip(x_att, x_tok)))
-        if residual > COLLINEAR_RTOL * math.sqrt(sum(a * a for a in x_att)):
+        if residual > _COLLINEAR_RTOL * math.sqrt(sum(a * a for a in x_att)):
             c0, c_tok, c_att = _least_squares([ones, x_tok, x_att], y)
             return LengthCoefficients(c0, c_tok / reference.tokens, c_att / reference.attention_tokens2)
     return LengthCoefficients(two[0], two[1] / reference.tokens, 0.0)
@@ -455,7 +455,7 @@ def split_by_size(rows: SizedRows, source: str, error: type[Exception]
                     f"stages at one micro-batch size")
     for sample in samples:
         at_ref = plain.get(sample.key)  # (a clock measured at other sizes only: nothing to compare with)
-        problem = reference is not None and at_ref is not None and implausible(sample, *at_ref, reference)
+        problem = reference is not None and at_ref is not None and _implausible(sample, *at_ref, reference)
         if problem:
             raise error(f"{source}: {problem}")
     return plain, reference, tuple(samples)

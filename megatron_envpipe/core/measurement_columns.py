@@ -15,12 +15,12 @@ from collections.abc import Callable, Mapping
 from megatron_envpipe.core.file_numbers import cell_number
 from megatron_envpipe.core.flag_ranges import FlagRange
 
-__all__ = ["MAX_REACHED_GAP", "MEASUREMENT_COLUMNS", "check_measurement_cells"]
+__all__ = ["MEASUREMENT_COLUMNS", "check_measurement_cells"]
 
 MEASUREMENT_COLUMNS = ("reached_mhz", "reached_spread_mhz", "time_rel_unc", "energy_rel_unc")
 # gpu-check counts a clock reached within max(30 MHz, 2 profile steps) of the request; a quarter of the
 # clock away is beyond any step it takes: that row ran at another clock than it says.
-MAX_REACHED_GAP = 0.25
+_MAX_REACHED_GAP = 0.25
 _MHZ = FlagRange("int", 1, 100_000, "MHz", "above any GPU's clock")
 _RANGES = {
     "reached_mhz": _MHZ,
@@ -34,13 +34,13 @@ _RANGES = {
 def check_measurement_cells(row: Mapping[str, str], freq_mhz: int, where: str,
                             error: Callable[[str], Exception]) -> None:
     """Each measurement column the row has is empty (not measured) or a number in range; ``reached_mhz``
-    lies within :data:`MAX_REACHED_GAP` of ``freq_mhz``. ``where`` is ``file:line``."""
+    lies within :data:`_MAX_REACHED_GAP` of ``freq_mhz``. ``where`` is ``file:line``."""
     for column in MEASUREMENT_COLUMNS:
         cell = row.get(column, "").strip()
         if not cell:
             continue
         value = cell_number(cell, _RANGES[column], f"{where}: {column}", error)
-        if column == "reached_mhz" and abs(value - freq_mhz) > MAX_REACHED_GAP * freq_mhz:
+        if column == "reached_mhz" and abs(value - freq_mhz) > _MAX_REACHED_GAP * freq_mhz:
             raise error(f"{where}: reached_mhz {cell} is far from the row's frequency {freq_mhz} MHz (more than "
-                        f"{100 * MAX_REACHED_GAP:g} %): the row was not measured at its clock; measure it again "
+                        f"{100 * _MAX_REACHED_GAP:g} %): the row was not measured at its clock; measure it again "
                         "or remove the row")

@@ -25,13 +25,13 @@ from megatron_envpipe.core.flag_ranges import RANGES
 from megatron_envpipe.errors import InvalidValueError
 
 AUTO = "auto"
-UNLIMITED_WORDS = ("none", "unlimited")
+_UNLIMITED_WORDS = ("none", "unlimited")
 MIB = 2**20
-GIB = 2**30
+_GIB = 2**30
 # Kept free on top of the activations: allocator fragmentation and what one measured
 # iteration cannot see. 10 % of the free memory, at least 512 MiB.
-MARGIN_FRACTION = 0.10
-MIN_MARGIN_BYTES = 512 * MIB
+_MARGIN_FRACTION = 0.10
+_MIN_MARGIN_BYTES = 512 * MIB
 
 Budget = int | tuple[int | None, ...] | None  # what the planner takes: per stage, None = no limit
 MaxInflight = Budget | str  # what the flag holds: a budget or AUTO
@@ -46,7 +46,7 @@ def parse_max_inflight(text: str) -> MaxInflight:
     body = text.strip().lower()
     if body == AUTO:
         return AUTO
-    if body in UNLIMITED_WORDS:
+    if body in _UNLIMITED_WORDS:
         return None
     parts = [p.strip() for p in body.split(",")]
     try:
@@ -68,7 +68,7 @@ def show_budget(budget: MaxInflight) -> str:
     return str(budget)
 
 
-def one_f_one_b_need(num_stages: int, num_microbatches: int | None) -> tuple[int, ...]:
+def _one_f_one_b_need(num_stages: int, num_microbatches: int | None) -> tuple[int, ...]:
     """Peak in-flight activations of 1F1B per stage, ``min(M, P-s)`` (``P-s`` when M is unknown)."""
     return tuple(num_stages - s if num_microbatches is None else min(num_microbatches, num_stages - s)
                  for s in range(num_stages))
@@ -78,7 +78,7 @@ def budget_problem(num_stages: int, num_microbatches: int | None, budget: Budget
     """Why ``budget`` cannot run on this pipeline (wrong length, a stage below 1F1B's need), or None."""
     if budget is None:
         return None
-    need = one_f_one_b_need(num_stages, num_microbatches)
+    need = _one_f_one_b_need(num_stages, num_microbatches)
     example = ",".join(str(n) for n in need)
     if isinstance(budget, int):
         if budget < need[0]:
@@ -151,11 +151,11 @@ class MemoryModel:
         return None
 
     def stage_memory(self) -> StageMemory:
-        return StageMemory(int(self.mib_per_microbatch * MIB), int(self.free_gib * GIB))
+        return StageMemory(int(self.mib_per_microbatch * MIB), int(self.free_gib * _GIB))
 
 
-def margin_bytes(free_bytes: int) -> int:
-    return max(MIN_MARGIN_BYTES, int(MARGIN_FRACTION * free_bytes))
+def _margin_bytes(free_bytes: int) -> int:
+    return max(_MIN_MARGIN_BYTES, int(_MARGIN_FRACTION * free_bytes))
 
 
 def derive_budget(num_microbatches: int, memory: Sequence[StageMemory]) -> tuple[int | None, ...]:
@@ -164,13 +164,13 @@ def derive_budget(num_microbatches: int, memory: Sequence[StageMemory]) -> tuple
     ``floor((free - margin) / activation) + min(M, P-s)``, never below 1F1B's need and at most
     M (a stage never holds more); None (no limit) where a micro-batch measured no memory.
     """
-    need = one_f_one_b_need(len(memory), num_microbatches)
+    need = _one_f_one_b_need(len(memory), num_microbatches)
     out: list[int | None] = []
     for s, mem in enumerate(memory):
         if mem.activation_bytes <= 0:
             out.append(None)
             continue
-        extra = max(0, (mem.free_bytes - margin_bytes(mem.free_bytes)) // mem.activation_bytes)
+        extra = max(0, (mem.free_bytes - _margin_bytes(mem.free_bytes)) // mem.activation_bytes)
         out.append(min(num_microbatches, need[s] + extra))
     return tuple(out)
 
@@ -183,7 +183,7 @@ def _one_or_list(values: Sequence[float], fmt: str) -> str:
 def budget_line(budget: Sequence[int | None], memory: Sequence[StageMemory], source: str) -> str:
     """``activation budget per stage [...] (X MiB per micro-batch, Y GiB free)``, X and Y per stage when they differ."""
     act = _one_or_list([m.activation_bytes / MIB for m in memory], ".0f")
-    free = _one_or_list([m.free_bytes / GIB for m in memory], ".3g")
+    free = _one_or_list([m.free_bytes / _GIB for m in memory], ".3g")
     shown = "[" + ", ".join("none" if b is None else str(b) for b in budget) + "]"
     return (f"activation budget per stage {shown} ({act} MiB per micro-batch, {free} GiB free at 1F1B's peak, "
             f"{source}; margin 10 %, at least 512 MiB)")

@@ -57,7 +57,7 @@ from megatron_envpipe.core.vocabulary import INSTRUCTIONS, UnitKind
 # The format's names stay importable from here, where every caller has found them.
 __all__ = ["CHUNK_COLUMN", "KNOWN_COLUMNS", "MAX_CHUNKS", "MAX_ENERGY_J", "MAX_FREQUENCY_MHZ", "MAX_STAGES",
            "MAX_TIME_S", "MIN_ENERGY_J", "MIN_TIME_S", "RANK_COLUMNS", "REQUIRED_COLUMNS", "Key", "Profile",
-           "ProfileError", "ProfilePoint", "instruction_of", "pareto_filter", "pareto_front"]
+           "ProfileError", "ProfilePoint", "instruction_of", "pareto_filter"]
 
 
 def instruction_of(kind: str) -> str:
@@ -361,12 +361,6 @@ class Profile:
     def __repr__(self) -> str:
         chunks = f", chunks={self.num_chunks}" if self.num_chunks > 1 else ""
         return f"Profile({self.source!r}, stages={self.num_stages}{chunks})"
-
-
-def pareto_front(points: Iterable[ProfilePoint]) -> tuple[ProfilePoint, ...]:
-    """Non-dominated points (strictly better in one of time/energy, no worse in the other)."""
-    front = pareto_filter(points, key=lambda p: (p.time_s, p.energy_j, -p.freq_mhz), cost=lambda p: p.energy_j)
-    return tuple(sorted(front, key=lambda p: -p.freq_mhz))
 
 
 _T = TypeVar("_T")

@@ -35,7 +35,6 @@ from megatron_envpipe.core.units import (
     unit_dag,
     unit_index,
 )
-from megatron_envpipe.core.vocabulary import SCHEDULINGS, Scheduling
 
 # The schedule data types live in core.units (core.interleaved builds on them); they are re-exported here.
 __all__ = [
@@ -47,7 +46,6 @@ __all__ = [
     "ScheduleError",
     "Unit",
     "UnitDag",
-    "build_schedule",
     "check_extra_warmup",
     "ClampedWarmup",
     "clamp_extra_warmup",
@@ -269,44 +267,4 @@ def clamp_extra_warmup_explained(
                       "which could deadlock")
     reasons = tuple(w if r[s] != raw[s] else None for s, w in enumerate(why))
     return ClampedWarmup(tuple(raw), tuple(r), reasons)
-
-
-def build_schedule(
-    scheduling: str,
-    num_stages: int,
-    num_microbatches: int,
-    extra_warmup: Sequence[int] | None = None,
-    num_chunks: int = 1,
-    microbatch_group_size: int | None = None,
-) -> Schedule:
-    """Schedule by name: ``1f1b``, ``ours`` (needs clamped ``extra_warmup``, one per stage) or ``interleaved``.
-
-    ``num_chunks`` (Megatron's virtual pipeline size V) and ``microbatch_group_size``
-    (its ``microbatch_group_size_per_vp_stage``, default P) apply to ``interleaved`` only.
-    """
-    if scheduling != Scheduling.INTERLEAVED:
-        if num_chunks != 1:
-            raise ScheduleError(
-                f"scheduling {str(scheduling)!r} runs one model chunk per stage (got {num_chunks} virtual stages): "
-                "use scheduling 'interleaved' for a virtual pipeline"
-            )
-        if microbatch_group_size is not None:
-            raise ScheduleError(
-                f"a micro-batch group size applies to scheduling 'interleaved' only, not {str(scheduling)!r}"
-            )
-    if scheduling in (Scheduling.ONE_F_ONE_B, Scheduling.INTERLEAVED):
-        # Neither has extra warm-ups: silently dropping a non-zero one would hide a mistake.
-        if extra_warmup is not None and any(check_extra_warmup(num_stages, extra_warmup)):
-            raise ScheduleError(
-                f"scheduling {str(scheduling)!r} has no extra warm-up (got {list(extra_warmup)}): "
-                "use scheduling 'ours' or drop it"
-            )
-        if scheduling == Scheduling.INTERLEAVED:
-            return interleaved_schedule(num_stages, num_microbatches, num_chunks, microbatch_group_size)
-        return one_f_one_b(num_stages, num_microbatches)
-    if scheduling == Scheduling.OURS:
-        if extra_warmup is None:
-            raise ScheduleError("scheduling 'ours' needs the extra warm-up per stage")
-        return envpipe_schedule(num_stages, num_microbatches, extra_warmup)
-    raise ScheduleError(f"unknown scheduling {scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
 

@@ -41,23 +41,23 @@ from __future__ import annotations
 from megatron_envpipe.errors import UsageError
 
 # P x M x V of one plan by type: the LP planner's time grows ~P x M squared (12,288 already ~1 min).
-MAX_OPTIMAL_SIZE = 8_192
+_MAX_OPTIMAL_SIZE = 8_192
 # ... except long steady states (M >= 8 P, V <= 2), whose LP starts from a short pipeline's
 # (planning/optimal/model.py, shorter_pipeline_start): measured on a loaded 2-core machine (CPU s),
 # P = 32, M = 256, V = 2 (repeated gpt3-175b) 23.7 s, 466 MiB; P = 8, M = 2048 (1F1B) 12.6 s, 325 MiB.
-MAX_OPTIMAL_LONG_SIZE = 16_384
-OPTIMAL_LONG_MICROBATCHES_PER_STAGE = 8
-OPTIMAL_LONG_MAX_VIRTUAL_STAGES = 2
+_MAX_OPTIMAL_LONG_SIZE = 16_384
+_OPTIMAL_LONG_MICROBATCHES_PER_STAGE = 8
+_OPTIMAL_LONG_MAX_VIRTUAL_STAGES = 2
 # The frontier solves one LP (and a rounding) per point: P x M x V x points.
-MAX_FRONTIER_WORK = 81_920
+_MAX_FRONTIER_WORK = 81_920
 # EnvPipe's offline reconfiguration simulates the whole iteration once per step; the steps grow
 # with the critical path's turns, ~min(P, M), and per stage: P x M x V x min(P, M) and x P.
-MAX_RECONFIGURED_SIZE = 80_000
-MAX_RECONFIGURED_TURN_WORK = 640_000
-MAX_RECONFIGURED_STAGE_WORK = 8_000_000
+_MAX_RECONFIGURED_SIZE = 80_000
+_MAX_RECONFIGURED_TURN_WORK = 640_000
+_MAX_RECONFIGURED_STAGE_WORK = 8_000_000
 # One simulation (baseline plans, simulate) or one printed schedule: P x M x V.
 MAX_SIMULATED_SIZE = 100_000
-MAX_SCHEDULE_SIZE = 400_000
+_MAX_SCHEDULE_SIZE = 400_000
 
 
 class SizeLimitError(UsageError, ValueError):
@@ -82,23 +82,23 @@ def check_plan_size(plan_type: str, num_stages: int, num_microbatches: int | Non
     size = pipeline_size(num_stages, num_microbatches, virtual_stages)
     what = f"stages x micro-batches x virtual stages; {_sizes(num_stages, num_microbatches, virtual_stages)}"
     if str(plan_type) == "optimal":
-        long = (num_microbatches >= OPTIMAL_LONG_MICROBATCHES_PER_STAGE * num_stages
-                and virtual_stages <= OPTIMAL_LONG_MAX_VIRTUAL_STAGES)
-        if size > (MAX_OPTIMAL_LONG_SIZE if long else MAX_OPTIMAL_SIZE):
-            raise error(f"plan type 'optimal' plans at most {MAX_OPTIMAL_SIZE:,} slots, {MAX_OPTIMAL_LONG_SIZE:,} "
-                        f"with at least {OPTIMAL_LONG_MICROBATCHES_PER_STAGE} micro-batches per stage and at most "
-                        f"{OPTIMAL_LONG_MAX_VIRTUAL_STAGES} virtual stages ({what} would take "
+        long = (num_microbatches >= _OPTIMAL_LONG_MICROBATCHES_PER_STAGE * num_stages
+                and virtual_stages <= _OPTIMAL_LONG_MAX_VIRTUAL_STAGES)
+        if size > (_MAX_OPTIMAL_LONG_SIZE if long else _MAX_OPTIMAL_SIZE):
+            raise error(f"plan type 'optimal' plans at most {_MAX_OPTIMAL_SIZE:,} slots, {_MAX_OPTIMAL_LONG_SIZE:,} "
+                        f"with at least {_OPTIMAL_LONG_MICROBATCHES_PER_STAGE} micro-batches per stage and at most "
+                        f"{_OPTIMAL_LONG_MAX_VIRTUAL_STAGES} virtual stages ({what} would take "
                         "minutes and GBs): use plan type 'envelope', or fewer micro-batches or stages")
         return
     reconfigured = str(plan_type) != "baseline"
-    limit = MAX_RECONFIGURED_SIZE if reconfigured else MAX_SIMULATED_SIZE
+    limit = _MAX_RECONFIGURED_SIZE if reconfigured else MAX_SIMULATED_SIZE
     if size > limit:
         raise error(f"plan type '{plan_type}' plans at most {limit:,} slots ({what} would take minutes): "
                     "use fewer micro-batches or stages")
     if not reconfigured:
         return
-    for steps, factor, per in ((MAX_RECONFIGURED_TURN_WORK, min(num_stages, num_microbatches), "min(stages, "
-                                "micro-batches)"), (MAX_RECONFIGURED_STAGE_WORK, num_stages, "stages")):
+    for steps, factor, per in ((_MAX_RECONFIGURED_TURN_WORK, min(num_stages, num_microbatches), "min(stages, "
+                                "micro-batches)"), (_MAX_RECONFIGURED_STAGE_WORK, num_stages, "stages")):
         if size * factor > steps:
             raise error(f"plan type '{plan_type}' reconfigures at most {steps:,} slots x {per} ({what} slots x "
                         f"{factor}: one simulation per step, more steps the longer the pipeline, would take "
@@ -109,21 +109,21 @@ def check_frontier_size(num_stages: int, num_microbatches: int, virtual_stages: 
     """Refuse a frontier (one optimal plan per point) too large to compute in about a minute."""
     check_plan_size("optimal", num_stages, num_microbatches, virtual_stages)
     work = pipeline_size(num_stages, num_microbatches, virtual_stages) * points
-    # Points are plans: the long-steady-state allowance (one plan up to MAX_OPTIMAL_LONG_SIZE, ~20 s) times
+    # Points are plans: the long-steady-state allowance (one plan up to _MAX_OPTIMAL_LONG_SIZE, ~20 s) times
     # several points would take minutes, so a frontier keeps the plain per-plan limit.
-    if pipeline_size(num_stages, num_microbatches, virtual_stages) > MAX_OPTIMAL_SIZE:
+    if pipeline_size(num_stages, num_microbatches, virtual_stages) > _MAX_OPTIMAL_SIZE:
         raise SizeLimitError(
-            f"a frontier plans at most {MAX_OPTIMAL_SIZE:,} slots per point ({_sizes(num_stages, num_microbatches, virtual_stages)}"
+            f"a frontier plans at most {_MAX_OPTIMAL_SIZE:,} slots per point ({_sizes(num_stages, num_microbatches, virtual_stages)}"
             "; one optimal plan per point would take minutes): use fewer micro-batches or stages")
-    if work > MAX_FRONTIER_WORK:
+    if work > _MAX_FRONTIER_WORK:
         raise SizeLimitError(
-            f"a frontier plans at most {MAX_FRONTIER_WORK:,} slots x points ({_sizes(num_stages, num_microbatches, virtual_stages)} "
+            f"a frontier plans at most {_MAX_FRONTIER_WORK:,} slots x points ({_sizes(num_stages, num_microbatches, virtual_stages)} "
             f"slots x {points} points = {work:,}: one optimal plan per point would take minutes): "
             "use fewer points, micro-batches or stages")
 
 
 def check_schedule_size(num_stages: int, num_microbatches: int, virtual_stages: int = 1,
-                        limit: int = MAX_SCHEDULE_SIZE, what: str = "a schedule") -> None:
+                        limit: int = _MAX_SCHEDULE_SIZE, what: str = "a schedule") -> None:
     """Refuse ``what`` (a schedule, a simulation) beyond ``limit`` slots, before any unit is built."""
     if pipeline_size(num_stages, num_microbatches, virtual_stages) > limit:
         raise SizeLimitError(

@@ -3,7 +3,7 @@
 Every read is bounded and from a regular file only: a FIFO (which would block
 the open, or the read, forever), a device such as ``/dev/zero`` (endless), a
 socket or a directory, also behind a symlink, is refused before a byte is
-read, and a file larger than its role's limit (:data:`MAX_BYTES`) is refused
+read, and a file larger than its role's limit (:data:`_MAX_BYTES`) is refused
 without reading more than the limit plus one byte. A file that cannot be read,
 or is not UTF-8 text (a binary file, a spreadsheet saved in another encoding),
 raises the caller's error class with one line saying which file, where, and
@@ -20,19 +20,19 @@ MIB = 1 << 20
 # The largest file of each role, in bytes. A profile of 10,000 stages x 100 clocks is ~100 MB of rows
 # only in theory; real ones (8 stages, ~70 clocks, a few ranks) are under 1 MB. A plan of 1.8 M units
 # (beyond what the planners serve) is 64 MB of indented JSON. Tables and configs are a few kB.
-PROFILE_MAX_BYTES = 64 * MIB
-PLAN_MAX_BYTES = 64 * MIB
-TABLE_MAX_BYTES = 4 * MIB
-CONFIG_MAX_BYTES = 4 * MIB
-CORPUS_MAX_BYTES = 256 * MIB
-MAX_BYTES = {
-    "profile": PROFILE_MAX_BYTES,
-    "plan": PLAN_MAX_BYTES,
-    "GPU table": TABLE_MAX_BYTES,
-    "demo config": CONFIG_MAX_BYTES,
-    "corpus": CORPUS_MAX_BYTES,
+_PROFILE_MAX_BYTES = 64 * MIB
+_PLAN_MAX_BYTES = 64 * MIB
+_TABLE_MAX_BYTES = 4 * MIB
+_CONFIG_MAX_BYTES = 4 * MIB
+_CORPUS_MAX_BYTES = 256 * MIB
+_MAX_BYTES = {
+    "profile": _PROFILE_MAX_BYTES,
+    "plan": _PLAN_MAX_BYTES,
+    "GPU table": _TABLE_MAX_BYTES,
+    "demo config": _CONFIG_MAX_BYTES,
+    "corpus": _CORPUS_MAX_BYTES,
 }
-DEFAULT_MAX_BYTES = 4 * MIB  # any other role
+_DEFAULT_MAX_BYTES = 4 * MIB  # any other role
 _READ_CHUNK = 1 * MIB
 
 
@@ -40,7 +40,7 @@ def read_text(path: str | os.PathLike[str], what: str, error: type[Exception], m
     """The UTF-8 text of ``path`` (a leading byte-order mark is dropped); ``error(message)`` if it cannot be.
 
     ``what`` names the file's role in the message, e.g. ``"profile"``, and picks its size limit
-    from :data:`MAX_BYTES` unless ``max_bytes`` is given.
+    from :data:`_MAX_BYTES` unless ``max_bytes`` is given.
     """
     path = Path(path)
     data = read_bytes(path, what, error, max_bytes)
@@ -58,7 +58,7 @@ def read_text(path: str | os.PathLike[str], what: str, error: type[Exception], m
 def read_bytes(path: str | os.PathLike[str], what: str, error: type[Exception], max_bytes: int | None = None) -> bytes:
     """The bytes of the regular file ``path``, at most ``max_bytes`` (default: the role's limit); else ``error``."""
     path = Path(path)
-    limit = max_bytes if max_bytes is not None else MAX_BYTES.get(what, DEFAULT_MAX_BYTES)
+    limit = max_bytes if max_bytes is not None else _MAX_BYTES.get(what, _DEFAULT_MAX_BYTES)
     try:
         # stat first, so a device or FIFO is never even opened (opening one can have effects of its own).
         _check_kind(path, os.stat(path).st_mode, what, error)

@@ -71,7 +71,5 @@ RECONFIG_POLICIES = tuple(ReconfigPolicy)
 INSTRUCTIONS = tuple(k.instruction for k in UnitKind)  # ("forward", "backward")
 
 # Plain strings for argparse ``choices``: it lists choices with repr() in "invalid choice" errors.
-PLAN_TYPE_NAMES = tuple(t.value for t in PlanType)
-SCHEDULING_NAMES = tuple(s.value for s in Scheduling)
 RECONFIG_NAMES = tuple(r.value for r in ReconfigPolicy)
 COMM_NAMES = tuple(c.value for c in CommModel)

@@ -69,7 +69,7 @@ MIN_BLOCKING_WINDOW_S = 0.02
 DEVICE_ERRORS = (EnvPipeError, OSError, RuntimeError)
 
 
-def unmeasured_reason(exc: BaseException) -> str:
+def _unmeasured_reason(exc: BaseException) -> str:
     """A few words for reports: the monitor's reason, else a failed counter read."""
     return exc.reason if isinstance(exc, EnergyMonitorError) else READ_FAILED
 
@@ -341,7 +341,7 @@ class GpuHooks(ExecutionHooks):
 
     def _note(self, exc: BaseException, what: str = "energy of iteration") -> str:
         """Log the first interval of each reason; later ones are counted and reported."""
-        reason = unmeasured_reason(exc)
+        reason = _unmeasured_reason(exc)
         if reason not in self._logged:
             self._logged.add(reason)
             log.warning("EnvPipe stage %d: the %s %d is not measured (%s: %s); training goes on, and such "

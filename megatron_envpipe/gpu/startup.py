@@ -25,7 +25,7 @@ from megatron_envpipe.gpu.control.safety import ClockGuard, default_guard
 from megatron_envpipe.gpu.devices.base import PERMISSION_HINT, GpuDevice, GpuPermissionError
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
-__all__ = ["HOOKS_BACKEND", "NO_CONTROL_ADVICE", "ClockDecision", "DeviceFacts", "StageDevice", "clock_control",
+__all__ = ["HOOKS_BACKEND", "ClockDecision", "DeviceFacts", "StageDevice", "clock_control",
            "combine_stage_devices"]
 
 log = logging.getLogger("megatron_envpipe")
@@ -34,7 +34,7 @@ log = logging.getLogger("megatron_envpipe")
 HOOKS_BACKEND = "hooks"
 # What a rank without clock control asks for. Locked clocks (nvmlDeviceSetGpuLockedClocks) need root or
 # CAP_SYS_ADMIN whatever `nvidia-smi -acp` says: that unrestricts only application clocks.
-NO_CONTROL_ADVICE = ("to save energy, ask an administrator to run the job as root or with CAP_SYS_ADMIN "
+_NO_CONTROL_ADVICE = ("to save energy, ask an administrator to run the job as root or with CAP_SYS_ADMIN "
                      "(containers: --cap-add SYS_ADMIN), which locking GPU clocks needs (README: Not root?)")
 
 
@@ -78,7 +78,7 @@ def clock_control(device: GpuDevice, sets_clocks: bool, on_no_permission: str, s
         raise GpuPermissionError(f"EnvPipe stage {stage}: {info.label()}: {proof.message}; {PERMISSION_HINT}")
     log.warning("EnvPipe stage %d: cannot lock clocks on %s (%s): measuring energy only, per iteration, in "
                 "Megatron's own order (no extra warm-up, no clock plan; --envpipe-on-no-permission monitor); %s",
-                stage, info.label(), proof.message, NO_CONTROL_ADVICE)
+                stage, info.label(), proof.message, _NO_CONTROL_ADVICE)
     return ClockDecision(False, proof=proof)
 
 

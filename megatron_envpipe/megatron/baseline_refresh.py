@@ -24,24 +24,24 @@ from megatron_envpipe.errors import InvalidValueError
 
 __all__ = ["BaselineRefresh"]
 
-FIRST_AFTER = 8  # planned iterations before the first repeat (the README's 40-iteration runs see one)
-SETTLED = 0.005  # two baselines this close (relative energy): the GPU is warm, stop repeating
+_FIRST_AFTER = 8  # planned iterations before the first repeat (the README's 40-iteration runs see one)
+_SETTLED = 0.005  # two baselines this close (relative energy): the GPU is warm, stop repeating
 # A repeat lasts at least this long: an iteration's energy is read off the counter at its edges, each off
 # by up to a counter period's worth (100 ms), so short iterations need more of them (0.66 s ones: 8).
-MIN_SPAN_S = 5.0
-MAX_ITERATIONS = 16
+_MIN_SPAN_S = 5.0
+_MAX_ITERATIONS = 16
 
 
 @dataclass
 class BaselineRefresh:
     """Which iterations repeat the baseline (module docstring)."""
 
-    iterations: int  # per measurement (--envpipe-baseline-iterations), at least (MIN_SPAN_S)
-    first_after: int = FIRST_AFTER
-    settled: float = SETTLED
+    iterations: int  # per measurement (--envpipe-baseline-iterations), at least (_MIN_SPAN_S)
+    first_after: int = _FIRST_AFTER
+    settled: float = _SETTLED
     span: int = 0  # iterations per repeat: set when the plan starts, from its iteration time
     _next_at: int | None = None  # iteration the next repeat starts at (0-based)
-    _gap: int = FIRST_AFTER
+    _gap: int = _FIRST_AFTER
     _running: list[int] = field(default_factory=list)  # iterations of the repeat under way
     _repeats: set[int] = field(default_factory=set)  # every repeated iteration so far
     _last_energy_j: float | None = None
@@ -58,13 +58,13 @@ class BaselineRefresh:
 
     def plan_started(self, at_iteration: int, iteration_time_s: float | None = None) -> None:
         """The plan takes over at ``at_iteration``: the first repeat comes ``first_after`` later and lasts
-        ``iterations``, or as many as span :data:`MIN_SPAN_S` at the plan's ``iteration_time_s`` (at most
-        :data:`MAX_ITERATIONS`)."""
+        ``iterations``, or as many as span :data:`_MIN_SPAN_S` at the plan's ``iteration_time_s`` (at most
+        :data:`_MAX_ITERATIONS`)."""
         if not self.done and self._next_at is None:
             self._next_at = at_iteration + self.first_after
             if iteration_time_s is not None and iteration_time_s > 0:
-                wanted = math.ceil(MIN_SPAN_S / iteration_time_s - 1e-9)
-                self.span = max(self.iterations, min(wanted, MAX_ITERATIONS))
+                wanted = math.ceil(_MIN_SPAN_S / iteration_time_s - 1e-9)
+                self.span = max(self.iterations, min(wanted, _MAX_ITERATIONS))
 
     def due(self, iteration: int) -> bool:
         """Whether ``iteration`` (0-based, about to run) repeats the baseline; marks it so."""

@@ -10,7 +10,7 @@ finishes: which peer and group each message uses, the in-flight work,
 time-limited waits that name the stuck transfer, and activation sends found
 complete early (so their outputs can be freed).
 
-How the groups are made (:func:`create_channel_groups`), by what torch 2.13
+How the groups are made (:func:`_create_channel_groups`), by what torch 2.13
 does (``torch/distributed/distributed_c10d.py``, ``ProcessGroupNCCL``):
 
 * ``new_group`` without ``use_local_synchronization`` must be called by every
@@ -18,14 +18,14 @@ does (``torch/distributed/distributed_c10d.py``, ``ProcessGroupNCCL``):
   counter); with an eagerly initialised NCCL world each call is also an
   ``ncclCommSplit`` of the whole world. ``new_subgroups_by_enumeration`` is
   just a loop over it. Creating one group per pair for every pipeline on every
-  rank (:data:`PER_PAIR`, the original way) costs ``2 (P-1) x pipelines`` such
+  rank (:data:`_PER_PAIR`, the original way) costs ``2 (P-1) x pipelines`` such
   calls.
-* Lazily initialised NCCL (no ``device_id``) and gloo (:data:`WORLD_GROUPS`):
+* Lazily initialised NCCL (no ``device_id``) and gloo (:data:`_WORLD_GROUPS`):
   two world-sized groups, one per direction, two world-wide calls in all. An
   unbatched ``isend``/``irecv`` on a lazy NCCL group creates its own 2-rank
   communicator per pair of ranks at its first use, so every pair and direction
   still gets a communicator (and stream) of its own.
-* Eagerly initialised NCCL (``device_id`` bound, :data:`SPLIT`): P2P ops on a
+* Eagerly initialised NCCL (``device_id`` bound, :data:`_SPLIT`): P2P ops on a
   group use its one communicator, so the pairs need groups of their own; one
   ``split_group`` of the pipeline group per class of disjoint pairs (four
   classes) makes them, collectives over the pipeline only, none over the world.
@@ -54,32 +54,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_envpipe.config.groups import TransportSettings
 from megatron_envpipe.core import instructions as ins
 from megatron_envpipe.core.communicators import Channel, creation_order, disjoint_classes, is_wrap, warmup_order
 from megatron_envpipe.errors import EnvPipeError
 
 __all__ = [
-    "PER_PAIR",
-    "SPLIT",
-    "WORLD_GROUPS",
-    "ChannelGroups",
     "CommError",
     "CommTimeoutError",
     "P2PTransfers",
     "PipelineChannels",
-    "TransferKey",
-    "create_channel_groups",
-    "per_pair_groups",
-    "registered_group_count",
-    "split_pipeline_groups",
-    "world_direction_groups",
-]
+    ]
 
 log = logging.getLogger("megatron_envpipe")
 
-PER_PAIR = "per-pair new_group"
-WORLD_GROUPS = "two world groups"
-SPLIT = "split_group of the pipeline"
+_PER_PAIR = "per-pair new_group"
+_WORLD_GROUPS = "two world groups"
+_SPLIT = "split_group of the pipeline"
 
 
 class CommError(EnvPipeError, RuntimeError):
@@ -92,7 +83,7 @@ class CommTimeoutError(CommError):
 
 # -- group creation ---------------------------------------------------------------------
 @dataclass
-class ChannelGroups:
+class _ChannelGroups:
     """The process groups of this rank's channels.
 
     ``act[s]`` carries activations from stage ``s`` to ``s + 1``, ``grad[s]``
@@ -121,18 +112,18 @@ class ChannelGroups:
                 self.shape[(kind, min(snd, rcv))] = group
 
 
-def _layout(api: Any, pp_group: Any, strategy: str) -> ChannelGroups:
+def _layout(api: Any, pp_group: Any, strategy: str) -> _ChannelGroups:
     ranks = tuple(api.get_process_group_ranks(pp_group))
-    return ChannelGroups(strategy, ranks, ranks.index(api.get_rank()))
+    return _ChannelGroups(strategy, ranks, ranks.index(api.get_rank()))
 
 
 _DESC = {ins.ACT: "ENVPIPE_ACTIVATIONS", ins.GRAD: "ENVPIPE_GRADIENTS", ins.ACT_SHAPE: "ENVPIPE_ACTIVATION_SHAPES",
          ins.GRAD_SHAPE: "ENVPIPE_GRADIENT_SHAPES"}
 
 
-def per_pair_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> ChannelGroups:
+def _per_pair_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> _ChannelGroups:
     """Two ``new_group`` per pair of every pipeline, on every rank (world-wide calls)."""
-    out = _layout(api, pp_group, PER_PAIR)
+    out = _layout(api, pp_group, _PER_PAIR)
     everyone: list[Any] = [None] * api.get_world_size()
     api.all_gather_object(everyone, list(out.ranks))  # every rank must create every pipeline's groups
     for pipeline in sorted({tuple(r) for r in everyone}):
@@ -144,7 +135,7 @@ def per_pair_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: 
     return out
 
 
-def world_direction_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> ChannelGroups:
+def _world_direction_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> _ChannelGroups:
     """One world-sized group per direction; lazy NCCL makes a communicator per pair inside each.
 
     The wrap-around channels get two more: at P = 2 the wrap pair is the
@@ -152,7 +143,7 @@ def world_direction_groups(pp_group: Any, api: Any = dist, wrap: bool = False, s
     put the two ranks' first operations in a cycle. ``shapes``: one more per
     direction for the shape messages (two more with ``wrap``).
     """
-    out = _layout(api, pp_group, WORLD_GROUPS)
+    out = _layout(api, pp_group, _WORLD_GROUPS)
     kinds = (ins.ACT, ins.GRAD, ins.ACT_SHAPE, ins.GRAD_SHAPE) if shapes else (ins.ACT, ins.GRAD)
     groups = {kind: api.new_group(group_desc=_DESC[kind]) for kind in kinds}
     wrapped = {}
@@ -163,7 +154,7 @@ def world_direction_groups(pp_group: Any, api: Any = dist, wrap: bool = False, s
     return out
 
 
-def registered_group_count(api: Any = dist) -> int | None:
+def _registered_group_count(api: Any = dist) -> int | None:
     """How many process groups this rank has registered, or None if torch does not say.
 
     torch (2.13) salts the hashed name of a ``split_group`` group with this
@@ -174,12 +165,12 @@ def registered_group_count(api: Any = dist) -> int | None:
     return len(names) if names is not None else None
 
 
-def split_pipeline_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> ChannelGroups:
+def _split_pipeline_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> _ChannelGroups:
     """Pair groups split from the (eagerly initialised) pipeline group: collectives over the pipeline only."""
-    out = _layout(api, pp_group, SPLIT)
+    out = _layout(api, pp_group, _SPLIT)
     p = len(out.ranks)
     counts: list[Any] = [None] * p
-    api.all_gather_object(counts, registered_group_count(api), group=pp_group)
+    api.all_gather_object(counts, _registered_group_count(api), group=pp_group)
     if None not in counts:
         # Pad with one-rank groups until every stage has registered as many groups as the
         # most: then both ends of every pair hash the same name below.
@@ -205,7 +196,7 @@ def _eager_world(api: Any) -> bool:
     return getattr(world, "bound_device_id", None) is not None
 
 
-def create_channel_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> ChannelGroups:
+def _create_channel_groups(pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> _ChannelGroups:
     """This rank's channel groups, made with as few world-wide calls as torch allows.
 
     Every rank of the world calls it at the same point (the first iteration),
@@ -216,10 +207,10 @@ def create_channel_groups(pp_group: Any, api: Any = dist, wrap: bool = False, sh
     if api.get_world_size(pp_group) < 2:
         return _layout(api, pp_group, "none")
     if not _eager_world(api):
-        return world_direction_groups(pp_group, api, wrap, shapes)
+        return _world_direction_groups(pp_group, api, wrap, shapes)
     if hasattr(api, "split_group") and "nccl" in str(api.get_backend(pp_group)):
-        return split_pipeline_groups(pp_group, api, wrap, shapes)
-    return per_pair_groups(pp_group, api, wrap, shapes)
+        return _split_pipeline_groups(pp_group, api, wrap, shapes)
+    return _per_pair_groups(pp_group, api, wrap, shapes)
 
 
 def _fingerprint(group: Any) -> int:
@@ -253,12 +244,12 @@ class PipelineChannels:
     streams, so neither can queue behind the other (the deadlock of a shared
     per-pair stream, envpipe.md §8.3). Every rank of the world constructs its
     pipeline's channels at the same point (the groups' creation involves all
-    of them, see :func:`create_channel_groups`); :meth:`warm_up` then makes
+    of them, see :func:`_create_channel_groups`); :meth:`warm_up` then makes
     the first use of each channel, in the pipeline's one creation order.
     """
 
     def __init__(self, pp_group: Any, api: Any = dist, wrap: bool = False, shapes: bool = False) -> None:
-        groups = create_channel_groups(pp_group, api, wrap, shapes)
+        groups = _create_channel_groups(pp_group, api, wrap, shapes)
         self.strategy = groups.strategy
         self.wrap, self.shapes = wrap, shapes
         self.ranks, self.stage = groups.ranks, groups.stage
@@ -311,7 +302,7 @@ class PipelineChannels:
 
 
 # (kind, is_send, micro-batch, chunk): one message of one iteration.
-TransferKey = tuple[str, bool, int, int]
+_TransferKey = tuple[str, bool, int, int]
 
 # Shape kind -> the data kind it announces, and the data receive posted once the shape is in.
 _DATA_OF = {ins.ACT_SHAPE: ins.ACT, ins.GRAD_SHAPE: ins.GRAD}
@@ -322,7 +313,7 @@ class P2PTransfers:
     """A stage's in-flight sends and receives of one iteration.
 
     ``start_*`` posts the transfer and returns at once; :meth:`finish` waits for
-    it (at most ``timeout_s``) and returns its tensor. Received tensors are
+    it (at most the transport settings' ``comm_timeout_s``) and returns its tensor. Received tensors are
     allocated here with the P2P shapes; an activation receive requires grad so
     the stage's backward produces the input gradient.
 
@@ -334,18 +325,18 @@ class P2PTransfers:
     in, so data still arrives ahead of use.
     """
 
-    def __init__(self, channels: PipelineChannels, stage: int, num_stages: int, *, timeout_s: float,
+    def __init__(self, channels: PipelineChannels, stage: int, num_stages: int, *, transport: TransportSettings,
                  recv_shape: tuple[int, ...], send_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, shapes: bool = False) -> None:
         self.channels = channels
         self.stage, self.num_stages = stage, num_stages
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout = datetime.timedelta(seconds=transport.comm_timeout_s)
         self.recv_shape, self.send_shape = recv_shape, send_shape
         self.dtype, self.device = dtype, device
-        self.pending: dict[TransferKey, tuple[Any, torch.Tensor]] = {}
-        self.reaped: set[TransferKey] = set()  # activation sends found complete (and freed) early
+        self.pending: dict[_TransferKey, tuple[Any, torch.Tensor]] = {}
+        self.reaped: set[_TransferKey] = set()  # activation sends found complete (and freed) early
         self.shapes = shapes
-        self.early: set[TransferKey] = set()  # shape receives whose data receive was posted early
+        self.early: set[_TransferKey] = set()  # shape receives whose data receive was posted early
         channels.warm_up(device, self.timeout)  # first iteration only: before any program op
 
     def _route(self, instr: ins.CommInstruction) -> tuple[int, Any]:

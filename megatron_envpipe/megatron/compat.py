@@ -29,17 +29,13 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "MegatronFeatures",
     "MegatronUnavailableError",
     "ShimHandle",
     "call_backward_step",
     "call_forward_step",
     "check_megatron_installed",
     "cpu_shims",
-    "features",
-    "install_cpu_shims",
     "model_parallel_manual_seed",
-    "require_megatron",
 ]
 
 _INSTALL_HINT = (
@@ -61,7 +57,7 @@ def check_megatron_installed() -> None:
         raise MegatronUnavailableError(_INSTALL_HINT)
 
 
-def require_megatron() -> types.ModuleType:
+def _require_megatron() -> types.ModuleType:
     """Import ``megatron.core``, turning a missing dependency into a clear error."""
     try:
         return importlib.import_module("megatron.core")
@@ -78,7 +74,7 @@ def require_megatron() -> types.ModuleType:
 
 
 @dataclass(frozen=True)
-class MegatronFeatures:
+class _MegatronFeatures:
     """API facts about the installed megatron-core, found by introspection."""
 
     version: str
@@ -99,13 +95,13 @@ def _param_names(fn: Callable[..., Any]) -> frozenset[str]:
 
 
 @functools.cache
-def features() -> MegatronFeatures:
+def _features() -> _MegatronFeatures:
     """Introspect the installed megatron-core once per process."""
-    core = require_megatron()
+    core = _require_megatron()
     schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
     communicator = getattr(p2p, "P2PCommunicator", None)
-    return MegatronFeatures(
+    return _MegatronFeatures(
         version=str(getattr(core, "__version__", "unknown")),
         forward_step_params=_param_names(schedules.forward_step),
         backward_step_params=_param_names(schedules.backward_step),
@@ -159,7 +155,7 @@ def call_forward_step(
     """
     from megatron.core.pipeline_parallel import schedules
 
-    accepted = features().forward_step_params
+    accepted = _features().forward_step_params
     required: dict[str, Any] = {"cp_group_size": cp_group_size, "is_last_stage": is_last_stage}
     kwargs = {name: value for name, value in required.items() if name in accepted}
     optional: dict[str, Any] = {
@@ -174,7 +170,7 @@ def call_forward_step(
             kwargs[name] = value
         elif value != _FORWARD_STEP_OPTIONAL[name]:
             raise TypeError(
-                f"megatron-core {features().version} forward_step does not accept {name}={value!r}"
+                f"megatron-core {_features().version} forward_step does not accept {name}={value!r}"
             )
     return schedules.forward_step(
         forward_step_func,
@@ -209,7 +205,7 @@ def call_backward_step(
         "output_tensor_grad": output_tensor_grad,
         "config": config,
     }
-    if features().backward_step_takes_model_type:
+    if _features().backward_step_takes_model_type:
         if model_type is None:
             from megatron.core.enums import ModelType
 
@@ -330,7 +326,7 @@ def _no_synchronize(device: Any = None) -> None:
 
 
 class ShimHandle:
-    """The patches one ``install_cpu_shims()`` applied, with the values they replaced."""
+    """The patches one ``_install_cpu_shims()`` applied, with the values they replaced."""
 
     def __init__(self) -> None:
         # (object, attribute, existed before, original value), in application order.
@@ -374,7 +370,7 @@ def _cpu_patches() -> list[tuple[object, str, Any]]:
     ]
 
 
-def install_cpu_shims() -> ShimHandle:
+def _install_cpu_shims() -> ShimHandle:
     """Patch Megatron/torch so Megatron's pipeline code runs on CPU; see ``cpu_shims``."""
     handle = ShimHandle()
     for target, attr, value in _cpu_patches():
@@ -397,7 +393,7 @@ def cpu_shims(device: torch.device | str = "cpu") -> Iterator[ShimHandle | None]
     if torch.device(device).type != "cpu":
         yield None
         return
-    handle = install_cpu_shims()
+    handle = _install_cpu_shims()
     try:
         yield handle
     finally:

@@ -33,20 +33,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_envpipe.config.groups import TransportSettings
 from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.errors import EnvPipeError
 
-__all__ = ["DeviceTimeError", "DeviceTimeLink", "consumer_of", "producer_of", "stamp_tag"]
+__all__ = ["DeviceTimeError", "DeviceTimeLink"]
 
-Peer = tuple[int, int, int, int]  # (stage, kind 0=F 1=B, micro-batch, chunk)
+_Peer = tuple[int, int, int, int]  # (stage, kind 0=F 1=B, micro-batch, chunk)
 
 
 class DeviceTimeError(EnvPipeError, RuntimeError):
     """A device-time stamp did not arrive in time (a peer died or the programs disagree)."""
 
 
-def producer_of(unit: Unit, stage: int, num_stages: int, num_chunks: int) -> Peer | None:
+def _producer_of(unit: Unit, stage: int, num_stages: int, num_chunks: int) -> _Peer | None:
     """The (stage, kind, micro-batch, chunk) whose end ``unit`` on ``stage`` waits for; None: none
     on another rank (the pipeline's first forward, or the last virtual stage's backward)."""
     m, c, last = unit.microbatch, unit.chunk, num_stages - 1
@@ -59,8 +60,8 @@ def producer_of(unit: Unit, stage: int, num_stages: int, num_chunks: int) -> Pee
     return (0, 1, m, c + 1) if c < num_chunks - 1 else None
 
 
-def consumer_of(unit: Unit, stage: int, num_stages: int, num_chunks: int) -> Peer | None:
-    """The unit on another rank that waits for ``unit`` on ``stage`` (the inverse of :func:`producer_of`)."""
+def _consumer_of(unit: Unit, stage: int, num_stages: int, num_chunks: int) -> _Peer | None:
+    """The unit on another rank that waits for ``unit`` on ``stage`` (the inverse of :func:`_producer_of`)."""
     m, c, last = unit.microbatch, unit.chunk, num_stages - 1
     if unit.is_forward:
         if stage < last:
@@ -71,7 +72,7 @@ def consumer_of(unit: Unit, stage: int, num_stages: int, num_chunks: int) -> Pee
     return (last, 1, m, c - 1) if c > 0 else None
 
 
-def stamp_tag(kind: int, microbatch: int, chunk: int, num_chunks: int) -> int:
+def _stamp_tag(kind: int, microbatch: int, chunk: int, num_chunks: int) -> int:
     """The gloo tag of the stamp that unit (kind, micro-batch, chunk) waits for: one per consuming unit."""
     return 1 + 2 * (microbatch * num_chunks + chunk) + kind
 
@@ -100,9 +101,11 @@ class DeviceTimeLink:
         self.dp_wait_s = 0.0  # the last iteration's wait for slower pipelines at the gradient sync
 
     @classmethod
-    def create(cls, clock: VirtualClock, pp_group: Any, num_chunks: int, timeout_s: float = 300.0) -> "DeviceTimeLink":
+    def create(cls, clock: VirtualClock, pp_group: Any, num_chunks: int,
+               transport: TransportSettings) -> "DeviceTimeLink":
         """Make the stamps' gloo group of every pipeline: a collective over the world (every rank calls
-        it once, at set-up, like Megatron's own group creation)."""
+        it once, at set-up, like Megatron's own group creation); a stamp waits at most the transport's
+        ``--envpipe-comm-timeout``."""
         ranks = tuple(dist.get_process_group_ranks(pp_group))
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, list(ranks))
@@ -115,15 +118,15 @@ class DeviceTimeLink:
         # maximum is the slowest pipeline's end: data-parallel groups join every pipeline.
         replicas = (dist.new_group(backend="gloo", group_desc="ENVPIPE_DEVICE_TIME_DP")
                     if dist.get_world_size() > len(ranks) else None)
-        return cls(clock, mine, ranks, ranks.index(dist.get_rank()), num_chunks, timeout_s, replicas)
+        return cls(clock, mine, ranks, ranks.index(dist.get_rank()), num_chunks, transport.comm_timeout_s, replicas)
 
     def before_unit(self, unit: Unit) -> None:
         """Wait for the producer's stamp and advance this device's clock to it (idle meanwhile)."""
-        peer = producer_of(unit, self.stage, self.num_stages, self.num_chunks)
+        peer = _producer_of(unit, self.stage, self.num_stages, self.num_chunks)
         if peer is None:
             return
         stamp = torch.zeros(1, dtype=torch.float64)
-        tag = stamp_tag(0 if unit.is_forward else 1, unit.microbatch, unit.chunk, self.num_chunks)
+        tag = _stamp_tag(0 if unit.is_forward else 1, unit.microbatch, unit.chunk, self.num_chunks)
         work = dist.irecv(stamp, src=self.ranks[peer[0]], group=self.group, tag=tag)
         try:
             work.wait(self.timeout)
@@ -137,11 +140,11 @@ class DeviceTimeLink:
 
     def after_unit(self, unit: Unit) -> None:
         """Send the time this unit's output is ready to the rank whose unit consumes it."""
-        peer = consumer_of(unit, self.stage, self.num_stages, self.num_chunks)
+        peer = _consumer_of(unit, self.stage, self.num_stages, self.num_chunks)
         if peer is None:
             return
         stamp = torch.tensor([self.clock.now()], dtype=torch.float64)
-        tag = stamp_tag(peer[1], peer[2], peer[3], self.num_chunks)
+        tag = _stamp_tag(peer[1], peer[2], peer[3], self.num_chunks)
         self._sends.append((dist.isend(stamp, dst=self.ranks[peer[0]], group=self.group, tag=tag), stamp))
         self._sends = [s for s in self._sends if not s[0].is_completed()]
 

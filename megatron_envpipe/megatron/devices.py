@@ -13,14 +13,18 @@ from typing import Any
 
 import torch
 
-from megatron_envpipe.core.device_backends import backend_traits
+from megatron_envpipe.config.groups import (
+    DeviceSettings,
+    PlanSettings,
+    ScheduleSettings,
+    SimDeviceSettings,
+    TransportSettings,
+)
 from megatron_envpipe.core.kinds import plan_kind
-from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.errors import OutOfOrderError
-from megatron_envpipe.gpu import open_gpu
-from megatron_envpipe.gpu.control.clock_proof import cuda_spin_load
 from megatron_envpipe.gpu.hooks import GpuHooks
-from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, clock_control, combine_stage_devices
+from megatron_envpipe.gpu.stage_gpu import open_stage_gpu
+from megatron_envpipe.gpu.startup import DeviceFacts, StageDevice, combine_stage_devices
 from megatron_envpipe.megatron.device_session import ClockTiming, DeviceSession
 from megatron_envpipe.megatron.device_time import DeviceTimeLink
 from megatron_envpipe.megatron.groups import StageGroups
@@ -64,30 +68,25 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
     runtime = state.runtime
     if runtime is None:
         raise OutOfOrderError("EnvPipe executor called before megatron_envpipe.install()")
-    cfg = runtime.config
+    cfg = runtime.config  # each part below receives only its settings groups
+    dev, sim = cfg.group(DeviceSettings), cfg.group(SimDeviceSettings)
     timing: ClockTiming | None = None
+    device_time: DeviceTimeLink | None = None
     if state.user_hooks:
         mine = StageDevice.absent()
     else:
         cuda = torch_device.type == "cuda"
-        # A simulated GPU in virtual time runs on its own clock, stamped over the pipeline.
-        virtual = VirtualClock() if backend_traits(cfg.gpu).virtual_time and cfg.sim_time == "virtual" else None
-        device = open_gpu(cfg.gpu or "auto", torch.cuda.current_device() if cuda else None,
-                          stage=groups.stage, num_stages=groups.num_stages, time_scale=cfg.sim_time_scale,
-                          p2p_power_w=cfg.p2p_power_w, cuda=cuda, num_chunks=num_chunks, jitter=cfg.sim_jitter,
-                          unit_scale=cfg.sim_unit_scale,
-                          dynamics=cfg.device_dynamics, virtual_clock=virtual)
-        # A real GPU idle during the trial lock may park its clock: keep it busy meanwhile.
-        caps = device.capabilities()
-        load = cuda_spin_load() if cuda and caps.can_lock_clocks and not caps.modelled else None
-        decision = clock_control(device, plan_kind(cfg.plan_type).sets_clocks, cfg.on_no_permission, groups.stage,
-                                 load=load)
-        timing = ClockTiming.of(caps)  # decided once: the hooks lead by it, the planner scores with it
+        plan = cfg.group(PlanSettings)
+        opened = open_stage_gpu(dev, sim, sets_clocks=plan_kind(plan.plan_type).sets_clocks,
+                                p2p_power_w=plan.p2p_power_w, local_rank=torch.cuda.current_device() if cuda else None,
+                                stage=groups.stage, num_stages=groups.num_stages, cuda=cuda, num_chunks=num_chunks)
+        device, decision, virtual = opened.device, opened.decision, opened.virtual_clock
+        timing = ClockTiming.of(opened.capabilities)  # decided once: the hooks lead by it, the planner scores with it
         state.use_hooks(GpuHooks(device, control=decision.control, cuda=cuda, lost=decision.lost,
-                                 time_scale=cfg.sim_time_scale if caps.modelled and virtual is None else 1.0,
-                                 virtual_clock=virtual, clock_lead=timing.clock_lead(cfg.clock_lead == "on")))
+                                 time_scale=opened.hooks_time_scale, virtual_clock=virtual,
+                                 clock_lead=timing.clock_lead(dev.clock_lead == "on")))
         if virtual is not None:
-            state.device_time = DeviceTimeLink.create(virtual, groups.pp_group, num_chunks, cfg.comm_timeout_s)
+            device_time = DeviceTimeLink.create(virtual, groups.pp_group, num_chunks, cfg.group(TransportSettings))
         mine = StageDevice.of(device, decision.control)
     facts = combine_stage_devices(groups.agree(groups.gather_stages(mine)))
     if mine.control and not facts.control:  # the ranks without control said why, each in its own log
@@ -95,7 +94,7 @@ def setup_device(state: ExecutorState, groups: StageGroups, torch_device: torch.
                     "keeps Megatron's own order, no clock plan, clocks left to the driver", groups.stage)
     key = _profile_cache_key(layout_key, facts)
     if timing is None:  # hooks given to install(): no device of ours, the figures the config implies
-        timing = ClockTiming.assumed(facts.modelled, cfg.device_dynamics)
+        timing = ClockTiming.assumed(facts.modelled, sim.device_dynamics())
     runtime.attach_device(facts, key, DeviceSession(facts, timing, key))
-    runtime.attach_memory(memory_source(groups, torch_device, cfg))
-    state.device_ready = True
+    runtime.attach_memory(memory_source(groups, torch_device, cfg.group(ScheduleSettings)))
+    state.device_set_up(device_time)

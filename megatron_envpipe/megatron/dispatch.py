@@ -18,7 +18,7 @@ from megatron_envpipe.core import instructions
 from megatron_envpipe.core.instructions import Instruction
 from megatron_envpipe.errors import EnvPipeError
 
-__all__ = ["Handler", "HandlerTableError", "checked_handler_table", "instruction_classes"]
+__all__ = ["Handler", "HandlerTableError", "checked_handler_table"]
 
 Handler = Callable[[Instruction], None]
 
@@ -28,7 +28,7 @@ class HandlerTableError(EnvPipeError, TypeError):
 
 
 @functools.cache
-def instruction_classes() -> frozenset[type[Instruction]]:
+def _instruction_classes() -> frozenset[type[Instruction]]:
     """Every concrete instruction class :mod:`~megatron_envpipe.core.instructions` defines.
 
     Concrete means no class of that module derives from it: ``Instruction`` and
@@ -48,7 +48,7 @@ def checked_handler_table(handlers: Mapping[type[Instruction], Handler]) -> dict
     any key that is not a concrete instruction class (dispatch is by exact
     type, so a handler for a base class would never run).
     """
-    expected = instruction_classes()
+    expected = _instruction_classes()
     missing = sorted(cls.__name__ for cls in expected - handlers.keys())
     unknown = sorted(getattr(k, "__name__", repr(k)) for k in handlers.keys() - expected)
     if missing or unknown:

@@ -89,8 +89,8 @@ class EnergyLedger:
             return
         local.before.add(energy)
         if phases.is_baseline_iteration(iteration):
-            if local.baseline_generation != phases.refresh.generation:  # measured again: a fresh mean
-                local.baseline, local.baseline_generation = Sums(), phases.refresh.generation
+            if local.baseline_generation != phases.baselines.refresh.generation:  # measured again: a fresh mean
+                local.baseline, local.baseline_generation = Sums(), phases.baselines.refresh.generation
             local.baseline.add(energy)
             local.baseline_last = iteration + 1
 
@@ -116,7 +116,7 @@ class EnergyLedger:
                 not repeat or self.baseline.generation >= generation):
             return
         done = min(s.baseline[2] for s in stages)
-        if repeat and done < phases.refresh.span:
+        if repeat and done < phases.baselines.refresh.span:
             return  # the repeat is still under way (or an iteration of it went unmeasured)
         scale = phases.device.time_scale
         energy_j = sum(s.baseline[0] for s in stages)

@@ -23,10 +23,10 @@ from typing import Any
 
 from megatron_envpipe.core.schedule import Unit
 
-__all__ = ["GradSync", "InterleavedSync", "OneChunkSync", "schedule_table"]
+__all__ = ["GradSync", "InterleavedSync", "OneChunkSync"]
 
 
-def schedule_table(num_microbatches: int, num_chunks: int, group_size: int) -> list[tuple[int, int]]:
+def _schedule_table(num_microbatches: int, num_chunks: int, group_size: int) -> list[tuple[int, int]]:
     """Megatron's ``get_schedule_table``: (micro-batch, chunk) of the k-th forward of every rank.
 
     Micro-batches in groups of ``group_size`` (the last group takes the rest);
@@ -127,7 +127,7 @@ class InterleavedSync(GradSync):
         self.rank = rank
         self.m = num_microbatches
         self.v = len(models)
-        self.table = schedule_table(num_microbatches, self.v, group_size)
+        self.table = _schedule_table(num_microbatches, self.v, group_size)
         self.forwards = 0  # forwards run so far (Megatron's forward virtual micro-batch id)
         self.backwards = 0
         self.left = [num_microbatches] * self.v  # backwards still to run, per chunk

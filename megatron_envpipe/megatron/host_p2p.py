@@ -81,7 +81,7 @@ def _land(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
             target.copy_(host)
 
 
-class StagedWork:
+class _StagedWork:
     """A gloo work object on host buffers, presented as the work on the caller's tensors.
 
     ``wait()`` and ``is_completed()`` keep torch's meaning: once either reports
@@ -130,17 +130,17 @@ class _Transport:
         self.counts = counts
 
     # -- point to point
-    def isend(self, tensor: torch.Tensor, dst: int | None = None, *args: Any, **kwargs: Any) -> StagedWork:
+    def isend(self, tensor: torch.Tensor, dst: int | None = None, *args: Any, **kwargs: Any) -> _StagedWork:
         host = _to_host(tensor)
         self.counts.sends += 1
         self.counts.bytes_staged += host.nbytes
-        return StagedWork(self.real["isend"](host, dst, *args, **kwargs), keep=host)
+        return _StagedWork(self.real["isend"](host, dst, *args, **kwargs), keep=host)
 
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, *args: Any, **kwargs: Any) -> StagedWork:
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, *args: Any, **kwargs: Any) -> _StagedWork:
         host = _host_buffer(tensor)
         self.counts.recvs += 1
         self.counts.bytes_staged += host.nbytes
-        return StagedWork(self.real["irecv"](host, src, *args, **kwargs), landing=[(tensor, host)])
+        return _StagedWork(self.real["irecv"](host, src, *args, **kwargs), landing=[(tensor, host)])
 
     def send(self, tensor: torch.Tensor, dst: int | None = None, *args: Any, **kwargs: Any) -> None:
         host = _to_host(tensor)
@@ -156,7 +156,7 @@ class _Transport:
         _land([(tensor, host)])
         return sender
 
-    def batch_isend_irecv(self, ops: Sequence[Any]) -> list[StagedWork]:
+    def batch_isend_irecv(self, ops: Sequence[Any]) -> list[_StagedWork]:
         """Each op posted on its own: gloo does not coalesce, so this is what torch does for it too."""
         if not ops:
             raise ValueError("batch_isend_irecv: the list of P2POp is empty")
@@ -168,12 +168,12 @@ class _Transport:
 
     # -- collectives (gloo has no CUDA all_gather; the others are staged alike, one code path)
     def _collective(self, call: Callable[..., Any], landing: list[tuple[torch.Tensor, torch.Tensor]],
-                    async_op: bool) -> StagedWork | None:
+                    async_op: bool) -> _StagedWork | None:
         self.counts.collectives += 1
         self.counts.bytes_staged += sum(host.nbytes for _, host in landing)
         work = call()
         if async_op:
-            return StagedWork(work, landing=landing)
+            return _StagedWork(work, landing=landing)
         _land(landing)
         return None
 

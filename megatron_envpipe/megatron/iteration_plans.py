@@ -24,7 +24,7 @@ plan for the average micro-batch wastes slack. Per schedule call ``i`` on every 
    ``hooks.iteration_sizes`` every iteration, the same that the plans are made from.
 3. **Plans in the background.** Once the start-up plan exists (profile agreed), one worker thread builds a
    :class:`~megatron_envpipe.planning.per_iteration.IterationPlanner` for the start-up order (programs then
-   differ only in SetFrequency) with the length model (:func:`length_model_for`), then per call plans
+   differ only in SetFrequency) with the length model (:func:`_length_model_for`), then per call plans
    iteration ``i + 1`` as soon as its sizes arrive. Every rank plans from the same inputs, so the same
    plan; each installs its own stage's clocks. A plan not ready when its iteration starts: the previous
    plan runs (logged once, counted, reported). The straggler follower's and online reconfiguration's
@@ -52,9 +52,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config.groups import PlanSettings, ReportSettings
 from megatron_envpipe.core.device_backends import model_profile
 from megatron_envpipe.core.energy_report import Baseline
 from megatron_envpipe.core.instructions import build_programs
+from megatron_envpipe.core.kinds import plan_kind
 from megatron_envpipe.core.length_costs import (
     LengthCostError,
     LengthCostModel,
@@ -63,7 +65,6 @@ from megatron_envpipe.core.length_costs import (
     fit_length_costs,
 )
 from megatron_envpipe.core.profile import Profile, ProfileError, instruction_of
-from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.lookahead import DataLookahead, LookaheadError
 from megatron_envpipe.megatron.reporting import log_interval
@@ -73,11 +74,11 @@ from megatron_envpipe.planning.basis import planning_profile
 from megatron_envpipe.planning.per_iteration import IterationPlan as PlannedIteration
 from megatron_envpipe.planning.per_iteration import IterationPlanner
 
-__all__ = ["IterationPlans", "PlanStats", "SizeMapping", "costs_source", "length_model_for", "plans_wanted"]
+__all__ = ["IterationPlans", "SizeMapping"]
 
 log = logging.getLogger("megatron_envpipe")
 
-STEADY = "steady"  # the runtime's phase whose plan per-iteration plans replace
+_STEADY = "steady"  # the runtime's phase whose plan per-iteration plans replace
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class SizeMapping:
     @classmethod
     def for_run(cls, config: EnvPipeConfig, seq_length: int, micro_batch_size: int) -> "SizeMapping":
         """Scaled to the shipped profile's default length model where the costs are a shipped profile's."""
-        source = costs_source(config)
+        source = _costs_source(config)
         full_tokens = seq_length * micro_batch_size
         if source is None or full_tokens <= 0:
             return cls()
@@ -117,7 +118,7 @@ class SizeMapping:
                       f"sequence(s) of {k * seq_length:g}")
 
 
-def costs_source(config: EnvPipeConfig) -> str | None:
+def _costs_source(config: EnvPipeConfig) -> str | None:
     """Where the unit costs come from, as config states it: the simulated GPU's profile, else --envpipe-profile."""
     source = model_profile(config.gpu)
     if source is not None:  # a modelled GPU's own profile
@@ -125,13 +126,13 @@ def costs_source(config: EnvPipeConfig) -> str | None:
     return config.profile
 
 
-def length_model_for(profile: Profile, config: EnvPipeConfig) -> LengthCostModel:
+def _length_model_for(profile: Profile, config: EnvPipeConfig) -> LengthCostModel:
     """The profile's own fit where it has rows at >= 2 sizes, else the default model of a shipped profile;
     raises :class:`LengthCostError` saying why there is none."""
     samples = profile.size_samples()
     if profile.reference_size is not None and len({s.size.tokens for s in samples}) >= 2:
         return fit_length_costs(samples, profile.reference_size, source=f"{profile.source} (fitted)")
-    for source in (profile.source, costs_source(config)):
+    for source in (profile.source, _costs_source(config)):
         if source:
             try:
                 return default_length_model_for(source)
@@ -141,14 +142,14 @@ def length_model_for(profile: Profile, config: EnvPipeConfig) -> LengthCostModel
                           "shipped profile's default length model")
 
 
-def plans_wanted(config: EnvPipeConfig) -> bool:
+def _plans_wanted(config: PlanSettings) -> bool:
     """``--envpipe-per-iteration-plans`` (default: on with ``--envpipe-type optimal``); variable lengths apart."""
     wanted = config.per_iteration_plans
-    return config.plan_type == PlanType.OPTIMAL if wanted is None else bool(wanted)
+    return plan_kind(config.plan_type).per_iteration_plans if wanted is None else bool(wanted)
 
 
 @dataclass
-class PlanStats:
+class _PlanStats:
     """What per-iteration planning did so far (and since the last log line)."""
 
     planned: int = 0  # iterations run under their own plan
@@ -170,7 +171,7 @@ class PlanStats:
         self.time_s += planned.iteration_time_s
         self.baseline_time_s += planned.baseline_time_s
 
-    def line(self, total: "PlanStats", label: str) -> str:
+    def line(self, total: "_PlanStats", label: str) -> str:
         n = self.planned
         if n == 0:
             return f"EnvPipe per-iteration plans | {label} | none ran | fallbacks {total.fallbacks} so far"
@@ -190,7 +191,7 @@ class IterationPlans:
     def __init__(self, runtime: EnvPipeRuntime, mapping: SizeMapping) -> None:
         self.runtime = runtime
         self.mapping = mapping
-        self.enabled = plans_wanted(runtime.config)
+        self.enabled = _plans_wanted(runtime.config.group(PlanSettings))
         self.off_reason: str | None = None if self.enabled else "--no-envpipe-per-iteration-plans"
         self._sources: list[Any] | None = None  # the iterators last wrapped (by identity)
         self._lookahead: DataLookahead | None = None
@@ -202,7 +203,7 @@ class IterationPlans:
         self._current: tuple[PlannedIteration, IterationPlan] | None = None
         self._told_late = False
         self._last_call: float | None = None
-        self.stats, self.window = PlanStats(), PlanStats()
+        self.stats, self.window = _PlanStats(), _PlanStats()
         self.sizes: tuple[MicrobatchSize, ...] | None = None  # this iteration's, as the length model sees them
 
     # -- the run's begin/end of an iteration ---------------------------------------------
@@ -275,7 +276,7 @@ class IterationPlans:
         wall_s = now - self._last_call if self._last_call is not None else 0.0
         self._last_call = now
         rt = self.runtime
-        if not self.enabled or plan.phase != STEADY or plan.plan is None or rt.planned_with is None:
+        if not self.enabled or plan.phase != _STEADY or plan.plan is None or rt.planned_with is None:
             self._next = None  # a plan made meanwhile would be for another iteration
             return plan
         first = self._planner is None
@@ -321,7 +322,7 @@ class IterationPlans:
         rt = self.runtime
         profile, m, pcfg = rt.planned_with
         try:
-            model = length_model_for(profile, rt.config)
+            model = _length_model_for(profile, rt.config)
             # Per-iteration deadlines are the stock run's for each iteration's sizes: no timing margin or
             # clock latency (the planner refuses them), the start-up order kept.
             cfg = dataclasses.replace(pcfg, timing_margin=0.0, clock_latency_s=0.0, clock_call_s=0.0,
@@ -379,11 +380,11 @@ class IterationPlans:
 
     def after_iteration(self, groups: StageGroups, iteration: int) -> None:
         """At every energy-log point: the window's line (on the last rank), and a new window (on every rank)."""
-        if self.off_reason is not None or self._planner is None or (iteration + 1) % log_interval(self.runtime.config):
+        if self.off_reason is not None or self._planner is None or (iteration + 1) % log_interval(self.runtime.config.group(ReportSettings)):
             return
         if dist.get_rank() == dist.get_world_size() - 1:
             log.info("%s", self.window.line(self.stats, f"iteration {iteration + 1}"))
-        self.window = PlanStats()  # on every rank: each one's energy line reads its own window
+        self.window = _PlanStats()  # on every rank: each one's energy line reads its own window
 
     def summary(self) -> str | None:
         if self._planner is None:

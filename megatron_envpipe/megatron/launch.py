@@ -23,18 +23,18 @@ from typing import Any
 
 from megatron_envpipe.megatron.pretrain_gpt import node_startup_error
 
-__all__ = ["PROG", "ENTRY_MODULE", "launches_entry", "main", "node_error"]
+__all__ = ["PROG", "main"]
 
 PROG = "envpipe torchrun"
-ENTRY_MODULE = "megatron_envpipe.megatron.pretrain_gpt"
+_ENTRY_MODULE = "megatron_envpipe.megatron.pretrain_gpt"
 EXIT_USAGE = 2
 
 
-def launches_entry(args: Any) -> bool:
+def _launches_entry(args: Any) -> bool:
     """Whether torchrun's parsed ``args`` start EnvPipe's Megatron-LM entry (``-m`` module or its file)."""
     target = str(args.training_script)
     if args.module:
-        return target == ENTRY_MODULE
+        return target == _ENTRY_MODULE
     entry_file = Path(__file__).resolve().with_name("pretrain_gpt.py")
     try:
         return Path(target).resolve() == entry_file
@@ -42,9 +42,9 @@ def launches_entry(args: Any) -> bool:
         return False
 
 
-def node_error(args: Any, env: Mapping[str, str], local_world_size: Any) -> str | None:
+def _node_error(args: Any, env: Mapping[str, str], local_world_size: Any) -> str | None:
     """The one line that stops the launch on this node, or None; ``local_world_size(nproc)``: torchrun's own."""
-    if not launches_entry(args):
+    if not _launches_entry(args):
         return None
     try:
         ranks = int(local_world_size(args.nproc_per_node))
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.prog = PROG
     parser.error = _one_line_error  # torchrun's usage errors as one line, not its 20-line usage block
     args = parser.parse_args(argv)
-    error = node_error(args, os.environ, torchrun.determine_local_world_size)
+    error = _node_error(args, os.environ, torchrun.determine_local_world_size)
     if error is not None:
         print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
         return EXIT_USAGE

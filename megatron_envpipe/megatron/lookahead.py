@@ -19,14 +19,14 @@ iterators are not thread-safe. Cost: up to ``2 M - 1`` micro-batches are held ah
 schedule (the rest of the running iteration and all of the next). Not for a source that refills one
 buffer in place for each ``next()``: the micro-batches held ahead would all be its latest.
 
-**Sizes.** Each micro-batch read is sized at once by ``size_of`` (default :func:`microbatch_size`,
-from :func:`microbatch_seq_lengths`). :meth:`DataLookahead.sizes` and
+**Sizes.** Each micro-batch read is sized at once by ``size_of`` (default :func:`_microbatch_size`,
+from :func:`_microbatch_seq_lengths`). :meth:`DataLookahead.sizes` and
 :meth:`DataLookahead.next_sizes` only read those records under a lock, so a planner thread may call
 them at any time; they never read the source. ``next_sizes()`` is the sizes of the next iteration to
 start (the first whose first micro-batch has not been pulled): known throughout iteration ``i``
 (from its first pull) as the sizes of ``i + 1``, the iteration a background planner prepares. A
 micro-batch that cannot be sized makes its iteration's sizes None and is logged once, with the
-reason in :attr:`LookaheadIterator.problem`; the training goes on unchanged.
+reason in :attr:`_LookaheadIterator.problem`; the training goes on unchanged.
 
 **Which ranks know the sizes.** Only ranks that pull data: in the tiny GPT every stage, in
 Megatron-LM the first and last stages (middle stages pass None, or never pull), and with tensor
@@ -50,9 +50,6 @@ from megatron_envpipe.errors import UsageError
 __all__ = [
     "DataLookahead",
     "LookaheadError",
-    "LookaheadIterator",
-    "microbatch_seq_lengths",
-    "microbatch_size",
 ]
 
 _log = logging.getLogger(__name__)
@@ -72,7 +69,7 @@ def _ints(value: Any) -> list[int]:
     return items
 
 
-def microbatch_seq_lengths(batch: Any) -> list[int]:
+def _microbatch_seq_lengths(batch: Any) -> list[int]:
     """The lengths of the sequences one micro-batch computes, from the batch itself.
 
     The contract for data other than the tiny GPT's:
@@ -103,15 +100,15 @@ def microbatch_seq_lengths(batch: Any) -> list[int]:
     return [length] * rows
 
 
-def microbatch_size(batch: Any) -> MicrobatchSize:
+def _microbatch_size(batch: Any) -> MicrobatchSize:
     """The :class:`MicrobatchSize` of one micro-batch: tokens and attention cost of its sequences."""
-    return MicrobatchSize.from_lengths(microbatch_seq_lengths(batch))
+    return MicrobatchSize.from_lengths(_microbatch_seq_lengths(batch))
 
 
-class LookaheadIterator:
+class _LookaheadIterator:
     """One data iterator, read one iteration ahead (see the module docstring)."""
 
-    def __init__(self, source: Iterator[Any], num_microbatches: int, size_of: SizeOf = microbatch_size,
+    def __init__(self, source: Iterator[Any], num_microbatches: int, size_of: SizeOf = _microbatch_size,
                  lock: threading.Lock | None = None,
                  on_sizes: Callable[[int, list[MicrobatchSize]], None] | None = None) -> None:
         if not hasattr(source, "__next__"):
@@ -128,7 +125,7 @@ class LookaheadIterator:
         self._sizes: dict[int, list[MicrobatchSize | None]] = {}
         self.problem: str | None = None
 
-    def __iter__(self) -> LookaheadIterator:
+    def __iter__(self) -> _LookaheadIterator:
         return self
 
     def __next__(self) -> Any:
@@ -209,20 +206,20 @@ class DataLookahead:
     work to a planner thread).
     """
 
-    def __init__(self, data_iterator: Any, num_microbatches: int, size_of: SizeOf = microbatch_size,
+    def __init__(self, data_iterator: Any, num_microbatches: int, size_of: SizeOf = _microbatch_size,
                  on_sizes: Callable[[int, list[MicrobatchSize]], None] | None = None) -> None:
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise LookaheadError(f"num_microbatches must be a whole number >= 1, got {num_microbatches!r}")
         lock = threading.Lock()
         sources = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-        self.chunks: list[LookaheadIterator | None] = []
+        self.chunks: list[_LookaheadIterator | None] = []
         for source in sources:
             if source is None:
                 self.chunks.append(None)
                 continue
             # Only the first wrapped iterator reports: the chunks read the same micro-batches.
             first = all(chunk is None for chunk in self.chunks)
-            self.chunks.append(LookaheadIterator(source, num_microbatches, size_of, lock, on_sizes if first else None))
+            self.chunks.append(_LookaheadIterator(source, num_microbatches, size_of, lock, on_sizes if first else None))
         self.data_iterator: Any = self.chunks if isinstance(data_iterator, list) else self.chunks[0]
         self._sizer = next((chunk for chunk in self.chunks if chunk is not None), None)
 

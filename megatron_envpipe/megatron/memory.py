@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config.groups import ScheduleSettings
 from megatron_envpipe.core.memory import AUTO, MemoryModel, StageMemory
 from megatron_envpipe.megatron.groups import StageGroups
 
@@ -54,7 +54,7 @@ class MemoryProbe:
         return StageMemory(self.activation_bytes, max(0, free + cached))
 
 
-def memory_source(groups: StageGroups, device: torch.device, config: EnvPipeConfig) -> str | None:
+def memory_source(groups: StageGroups, device: torch.device, config: ScheduleSettings) -> str | None:
     """"cuda" when every stage of the pipeline runs on CUDA and ``auto`` needs it, else None.
 
     Every stage calls this at the same point (device set-up): it gathers over the pipeline

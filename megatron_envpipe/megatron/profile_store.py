@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config.groups import ProfilerSettings
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.gpu.profiler.profile_cache import ProfileCache
 from megatron_envpipe.gpu.profiler.sweep import ClockSweep
@@ -21,13 +21,13 @@ __all__ = ["cached_profile", "store_profile"]
 log = logging.getLogger("megatron_envpipe")
 
 
-def _cache(config: EnvPipeConfig, key: Mapping[str, Any] | None) -> ProfileCache | None:
+def _cache(config: ProfilerSettings, key: Mapping[str, Any] | None) -> ProfileCache | None:
     if config.profile_cache == "off" or key is None:
         return None
     return ProfileCache(config.profile_cache) if config.profile_cache else ProfileCache()
 
 
-def cached_profile(config: EnvPipeConfig, key: Mapping[str, Any] | None) -> tuple[Profile, float | None] | None:
+def cached_profile(config: ProfilerSettings, key: Mapping[str, Any] | None) -> tuple[Profile, float | None] | None:
     """(the cached profile, its P2P power) for ``key``, or None (no cache, nothing cached)."""
     cache = _cache(config, key)
     if cache is None:
@@ -40,7 +40,7 @@ def cached_profile(config: EnvPipeConfig, key: Mapping[str, Any] | None) -> tupl
     return profile, meta.get("p2p_power_w")
 
 
-def store_profile(config: EnvPipeConfig, key: Mapping[str, Any] | None, profile: Profile,
+def store_profile(config: ProfilerSettings, key: Mapping[str, Any] | None, profile: Profile,
                   p2p_power_w: float | None, sweep: ClockSweep, device_name: str | None) -> None:
     """Cache the profile the sweep measured (logged; an unwritable cache is a warning)."""
     cache = _cache(config, key)

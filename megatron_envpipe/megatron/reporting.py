@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config.groups import ReportSettings
 from megatron_envpipe.core.energy_csv import append_report
 from megatron_envpipe.core.energy_report import SLOWER_THAN_PLANNED, EnergyReport, GpuFigure, summary_line
 from megatron_envpipe.core.hooks import ExecutionHooks
@@ -39,9 +39,7 @@ from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.run_parts import IterationStep, RunView
 from megatron_envpipe.megatron.stragglers import StragglerFollow
 
-__all__ = ["EnergyReporting", "Local", "counter_figure", "log_interval", "report_energy", "summarize", "tensorboard_writer", "unmeasured_summary",
-           "slower_than_planned", "summarize_following", "waits_for_straggler",
-           "wandb_writer", "write_tensorboard", "write_wandb"]
+__all__ = ["EnergyReporting", "Local", "log_interval", "summarize"]
 
 log = logging.getLogger("megatron_envpipe")
 
@@ -60,7 +58,7 @@ class _GpuWindow:
 _WARNED: set[str] = set()
 
 
-def log_interval(config: EnvPipeConfig) -> int:
+def log_interval(config: ReportSettings) -> int:
     """Iterations per energy line: --envpipe-log-interval, else Megatron's --log-interval (as parsed in
     this process), else 1."""
     if config.log_interval is not None:
@@ -77,7 +75,7 @@ def _megatron_args() -> Any:
         return None
 
 
-def report_energy(run: RunView, hooks: ExecutionHooks, groups: StageGroups, iteration: int) -> EnergyReport | None:
+def _report_energy(run: RunView, hooks: ExecutionHooks, groups: StageGroups, iteration: int) -> EnergyReport | None:
     """After iteration ``iteration`` (0-based), on every rank: add it up; at a log point, a collective
     over the pipeline that reports the window.
 
@@ -91,12 +89,12 @@ def report_energy(run: RunView, hooks: ExecutionHooks, groups: StageGroups, iter
     status = hooks.energy_status() if isinstance(hooks, GpuHooks) else None
     local = ledger.local
     ledger.add_iteration(status.energy if status is not None else None, iteration)
-    if (iteration + 1) % log_interval(runtime.config):
+    if (iteration + 1) % log_interval(runtime.config.group(ReportSettings)):
         return None
     local.replica = groups.replicas.rank() if groups.replicas is not None else 0
     window = ledger.take_window()
     mine = _GpuWindow(status, window.mean(), window.iterations, _baseline_of(local.baseline),
-                      counter_figure(local, getattr(hooks, "monitor", None), groups.stage, dist.get_rank(),
+                      _counter_figure(local, getattr(hooks, "monitor", None), groups.stage, dist.get_rank(),
                                      iteration + 1))
     parts = _gather_pipeline(groups, mine)
     if any(p is None for p in parts):  # a GPU without energy hooks: nothing to report
@@ -137,31 +135,31 @@ def report_energy(run: RunView, hooks: ExecutionHooks, groups: StageGroups, iter
         missing = ", ".join(f"{s} ({st.status.reason if st.status else 'no hooks'})"
                             for s, st in enumerate(stages) if st.window is None)
         line = f"EnvPipe energy{label} | iteration {iteration + 1} | not measured on stage {missing}"
-    log.info("%s%s", line, unmeasured_summary([e for e in everyone if e is not None]))
+    log.info("%s%s", line, _unmeasured_summary([e for e in everyone if e is not None]))
     if measured_follow:
         log.info("%s", measured_follow)
     if report is not None:
-        told = slower_than_planned(run.stragglers, report, local)
+        told = _slower_than_planned(run.stragglers, report, local)
         if told is not None:
             log.log(*told)
-        _write_outputs(runtime.config, report, everyone)
+        _write_outputs(runtime.config.group(ReportSettings), report, everyone)
     return report
 
 
 def _note_follow_window(run: RunView, groups: StageGroups, report: EnergyReport | None) -> str | None:
     """A pipeline's last stage with data parallelism: the window goes to the straggler ledger; the measured
-    saving of following vs waiting, the first time it is known (stragglers.FollowLedger)."""
+    saving of following vs waiting, the first time it is known (stragglers._FollowLedger)."""
     follow = run.stragglers
     if report is None or follow is None or not groups.last or groups.replicas is None:
         return None
     told = follow.note_window(groups, report, groups.replicas.rank())
     if follow.ledger.claim_exit_summary():
-        atexit.register(summarize_following, follow, run.phases.device.modelled, groups.replicas.rank())
+        atexit.register(_summarize_following, follow, run.phases.device.modelled, groups.replicas.rank())
     label = " (simulated)" if report.simulated else ""
     return f"EnvPipe stragglers{label} | {told}" if told else None
 
 
-def summarize_following(follow: StragglerFollow | None, modelled: bool, replica: int) -> str | None:
+def _summarize_following(follow: StragglerFollow | None, modelled: bool, replica: int) -> str | None:
     """At the run's end, once, on a pipeline that followed a straggler: the measured saving vs waiting."""
     line = follow.ledger.summary(modelled, replica) if follow is not None else None
     if line is None:
@@ -172,7 +170,7 @@ def summarize_following(follow: StragglerFollow | None, modelled: bool, replica:
     return line
 
 
-def waits_for_straggler(follow: StragglerFollow | None, report: EnergyReport) -> bool:
+def _waits_for_straggler(follow: StragglerFollow | None, report: EnergyReport) -> bool:
     """Whether a window's extra time over the plan is the wait for a slower data-parallel pipeline: the last
     agreement found one (``follow.dp_wait``) and the window lasted no longer than its pace (plus the
     warning's tolerance): anything beyond that is this pipeline's own and still warns."""
@@ -180,10 +178,10 @@ def waits_for_straggler(follow: StragglerFollow | None, report: EnergyReport) ->
     return wait is not None and report.time_s <= wait[1] * (1 + SLOWER_THAN_PLANNED)
 
 
-def slower_than_planned(follow: StragglerFollow | None, report: EnergyReport,
+def _slower_than_planned(follow: StragglerFollow | None, report: EnergyReport,
                         local: Local) -> tuple[int, str] | None:
     """(log level, line) for a window slower than planned, or None: a warning, unless the extra time is
-    the wait for a data-parallel straggler (:func:`waits_for_straggler`), which is said once, at INFO."""
+    the wait for a data-parallel straggler (:func:`_waits_for_straggler`), which is said once, at INFO."""
     warning = report.slower_than_planned()
     if not warning:
         return None
@@ -191,7 +189,7 @@ def slower_than_planned(follow: StragglerFollow | None, report: EnergyReport,
         explained, line = follow.explains_slow_window(report, local.replica)
         if explained:
             return (logging.INFO, line) if line else None
-    if not waits_for_straggler(follow, report):
+    if not _waits_for_straggler(follow, report):
         return logging.WARNING, warning
     if local.told_dp_wait:
         return None
@@ -214,7 +212,7 @@ def _baseline_of(sums: Sums) -> tuple[float, float, int] | None:
     return None if mean is None else (mean[0], mean[1], sums.measured)
 
 
-def counter_figure(local: Local, monitor: Any, stage: int, rank: int, done: int) -> GpuFigure | None:
+def _counter_figure(local: Local, monitor: Any, stage: int, rank: int, done: int) -> GpuFigure | None:
     """This GPU's energy counter since the last log point (read after ``done`` iterations), per
     iteration: Megatron's --log-energy figure for this GPU (None at the first log point, or unread)."""
     if monitor is None:
@@ -267,7 +265,7 @@ def summarize(run: RunView | None) -> str | None:
         return None
     ledger, local = run.energy, run.energy.local
     if run.stragglers is not None and run.stragglers.ledger.at_exit:  # it followed a straggler: its summary
-        summarize_following(run.stragglers, run.phases.device.modelled, local.replica)
+        _summarize_following(run.stragglers, run.phases.device.modelled, local.replica)
     if local.summarized or not local.last_rank:
         return None
     local.summarized = True
@@ -285,9 +283,9 @@ def summarize(run: RunView | None) -> str | None:
     return line
 
 
-def _write_outputs(config: EnvPipeConfig, report: EnergyReport, everyone: Sequence[EnergyStatus | None]) -> None:
+def _write_outputs(config: ReportSettings, report: EnergyReport, everyone: Sequence[EnergyStatus | None]) -> None:
     """TensorBoard, W&B and the CSV; a failure (a full disk, a dead W&B connection) never stops training."""
-    outputs = [("tensorboard", tensorboard_writer(), write_tensorboard), ("wandb", wandb_writer(), write_wandb)]
+    outputs = [("tensorboard", _tensorboard_writer(), _write_tensorboard), ("wandb", _wandb_writer(), _write_wandb)]
     for name, writer, write in outputs:
         if writer is None:
             continue
@@ -317,7 +315,7 @@ def _unmeasured_counts(statuses: Sequence[EnergyStatus]) -> dict[str, int]:
     return counts
 
 
-def unmeasured_summary(everyone: Sequence[EnergyStatus]) -> str:
+def _unmeasured_summary(everyone: Sequence[EnergyStatus]) -> str:
     """`` | N of M intervals unmeasured (reason: n, ...)`` and lost clock control; '' when all is well."""
     total = sum(e.intervals for e in everyone)
     counts = _unmeasured_counts(everyone)
@@ -350,22 +348,22 @@ def _scalars(report: EnergyReport, everyone: Sequence[EnergyStatus] = ()) -> dic
     return out
 
 
-def write_tensorboard(writer: Any, report: EnergyReport, step: int,
+def _write_tensorboard(writer: Any, report: EnergyReport, step: int,
                       everyone: Sequence[EnergyStatus] = ()) -> None:
     for name, value in _scalars(report, everyone).items():
         writer.add_scalar(name, value, step)
 
 
-def write_wandb(writer: Any, report: EnergyReport, step: int, everyone: Sequence[EnergyStatus] = ()) -> None:
+def _write_wandb(writer: Any, report: EnergyReport, step: int, everyone: Sequence[EnergyStatus] = ()) -> None:
     writer.log(_scalars(report, everyone), step)
 
 
-def tensorboard_writer() -> Any:
+def _tensorboard_writer() -> Any:
     """Megatron's TensorBoard writer when megatron.training set one up."""
     return _megatron_writer("get_tensorboard_writer")
 
 
-def wandb_writer() -> Any:
+def _wandb_writer() -> Any:
     """Megatron's W&B writer when megatron.training set one up."""
     return _megatron_writer("get_wandb_writer")
 
@@ -383,7 +381,7 @@ def _megatron_writer(getter: str) -> Any:
 
 class EnergyReporting:
     """The energy log as a part of the run (megatron/training_run.py): at every iteration's end, the
-    ledger's sums and, at a log point, the window's line (:func:`report_energy`)."""
+    ledger's sums and, at a log point, the window's line (:func:`_report_energy`)."""
 
     def __init__(self, run: RunView) -> None:
         self.run = run
@@ -392,4 +390,4 @@ class EnergyReporting:
         pass
 
     def end_iteration(self, step: IterationStep) -> None:
-        report_energy(self.run, step.hooks, step.groups, step.iteration)
+        _report_energy(self.run, step.hooks, step.groups, step.iteration)

@@ -30,7 +30,6 @@ executor supplies the data.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,75 +38,52 @@ from megatron_envpipe.config import EnvPipeConfig, load_profile
 from megatron_envpipe.core.gpu_specs import GpuSpec, spec_for_nvml_name
 from megatron_envpipe.core.instructions import build_programs
 from megatron_envpipe.core.interleaved import interleaved_schedule
-from megatron_envpipe.core.kinds import scheduling_kind
+from megatron_envpipe.core.kinds import plan_kind
 from megatron_envpipe.core.measurement import IterationMeasurement
-from megatron_envpipe.core.memory import AUTO, Budget, StageMemory, budget_line, derive_budget, within_budget
+from megatron_envpipe.core.memory import AUTO, Budget, StageMemory, within_budget
 from megatron_envpipe.core.plan import FrequencyPlan, format_envpipe
-from megatron_envpipe.core.profile import Profile, ProfilePoint
+from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import Schedule, one_f_one_b
-from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy
-from megatron_envpipe.gpu.profiler.sweep import ClockSweep, startup_sweep
+from megatron_envpipe.core.vocabulary import ReconfigPolicy
 from megatron_envpipe.gpu.startup import HOOKS_BACKEND, DeviceFacts
-from megatron_envpipe.megatron.baseline_refresh import BaselineRefresh
 from megatron_envpipe.megatron.device_session import ClockTiming, DeviceSession
+from megatron_envpipe.megatron.phase_parts import MEMORY_ITERATIONS, BaselineRuns, MadePlan, MeasuredRuns, RunSetup
 from megatron_envpipe.megatron.plan_state import IterationPlan, PlanState, table_spec
-from megatron_envpipe.megatron.profile_store import cached_profile, store_profile
+from megatron_envpipe.megatron.profile_source import ProfileSource
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult, planner_candidates, planning_profile
 from megatron_envpipe.planning.deadline import DeadlineFrom, deadline_from_1f1b, deadline_summary, reword_warnings
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
 
-__all__ = ["MEGATRON_ORDER", "EnvPipeRuntime", "IterationPlan"]
+__all__ = ["EnvPipeRuntime", "IterationPlan"]
 
 log = logging.getLogger("megatron_envpipe")
 
 # Label of the one clock of a profile timed where the clock is not known (no device facts, or hooks
 # given to install() on no GPU of the table); never logged by a run whose clocks EnvPipe does not set.
-NOMINAL_CLOCK_MHZ = 1000
+_NOMINAL_CLOCK_MHZ = 1000
 # The phase of every iteration without clock control.
-MEGATRON_ORDER = "Megatron's order (no clock control)"
-# 1F1B iterations whose memory the activation budget is derived from. CUDA: two, because
-# optimizer state (Adam's moments) is allocated by the first optimizer step, after iteration 1.
-MEMORY_ITERATIONS = {"cuda": 2, "model": 1}
+_MEGATRON_ORDER = "Megatron's order (no clock control)"
 
 
 class EnvPipeRuntime:
-    """The phase machine of one process (module docstring). It owns every attribute below; the other parts
-    of a run (megatron/training_run.py) read them and hand it what it needs from them as arguments."""
+    """The phase machine of one process (module docstring). Its own state is the iteration count, the plan per
+    pipeline size and the last plan made; what it was set up with is the frozen :attr:`setup`; the profile, the
+    measurements before the plan and the baseline's iterations are its parts' (megatron/phase_parts.py,
+    megatron/profile_source.py). The other parts of a run (megatron/training_run.py) read it and hand it what it
+    needs from them as arguments."""
 
     def __init__(self, config: EnvPipeConfig, gpu: GpuSpec | None = None) -> None:
         self.config = config.validate()
-        self.gpu = gpu if gpu is not None else table_spec(config.gpu)
+        self.setup = RunSetup(gpu if gpu is not None else table_spec(config.gpu))
         # An unreadable or corrupt --envpipe-profile is an EnvPipeConfigError here, at install().
-        self.profile: Profile | None = load_profile(config.profile) if config.profile else None
-        self.profile_p2p_power_w: float | None = None
-        self.session: DeviceSession | None = None  # the device facts and clock latency, decided once
+        self.profiles = ProfileSource(load_profile(config.profile) if config.profile else None)
+        self.measured = MeasuredRuns()
+        self.baselines = BaselineRuns(config.baseline_iterations)
         self.iteration = 0
+        self.made: MadePlan | None = None  # the last plan made
         self._by_m: dict[tuple[int, int], PlanState] = {}
-        self._measured: dict[tuple[int, int], list[IterationMeasurement]] = {}
-        self._sweep: ClockSweep | None = None
-        self._sweep_clock: int | None = None
         self._checked: set[tuple[int, int]] = set()  # pipelines whose sizes passed check_pipeline
-        self.last_result: PlanResult | None = None
-        self.planned_at: int | None = None  # iteration count when the plan took over
-        # 1F1B iterations at the maximum clock before the plan, counted as they are handed out: the energy
-        # ledger (megatron/energy_ledger.py) makes the measured baseline from their energy.
-        self.baseline_runs = 0
-        # The baseline measured again once the plan runs, at the GPU age the log compares (baseline_refresh.py).
-        self.refresh = BaselineRefresh(config.baseline_iterations)
-        self._last_clock_mhz: int | None = None  # the uniform clock of the last pre-plan iteration
-        self.memory_source: str | None = None  # "cuda" when every stage can measure its memory
-        self._memory: dict[tuple[int, int], list[tuple[StageMemory, ...]]] = {}
-        self.budgets: dict[tuple[int, int], Budget] = {}  # the activation budget each plan was made with
-        self._told_no_memory = False
-        # Model chunks per stage (Megatron's virtual pipeline) and its micro-batch group size, from prepare().
-        self.num_chunks: int = 1
-        self.microbatch_group_size: int | None = None
-        # What the last plan was made from (profile, micro-batches, planner config): the straggler follower
-        # and the per-iteration planner plan from it too.
-        self.planned_with: tuple[Profile, int, PlannerConfig] | None = None
-        # --envpipe-deadline-from 1f1b: the deadline the plan was made for, and 1F1B at f_max it came from.
-        self.deadline: DeadlineFrom | None = None
 
     # -- facts from the executor ---------------------------------------------------------
     def attach_device(self, facts: DeviceFacts, cache_key: Mapping[str, Any] | None = None,
@@ -116,32 +92,68 @@ class EnvPipeRuntime:
         session decided at set-up (megatron/devices.py), else one made from the facts and the config."""
         if session is None:
             session = DeviceSession(facts, ClockTiming.assumed(facts.modelled, self.config.device_dynamics), cache_key)
-        self.session = session
-        if self.gpu is None and facts.backend == "nvml":
-            self.gpu = spec_for_nvml_name(facts.name)
-        if self.profile is None and facts.control and not self.config.is_stock:
-            cached = cached_profile(self.config, session.cache_key)
-            if cached is not None:
-                self.profile, self.profile_p2p_power_w = cached
-
-    @property
-    def device(self) -> DeviceFacts | None:
-        """The pipeline's agreed device facts (None before attach_device: offline, or before set-up)."""
-        return self.session.facts if self.session is not None else None
-
-    @property
-    def cache_key(self) -> Mapping[str, Any] | None:
-        return self.session.cache_key if self.session is not None else None
+        gpu = self.setup.gpu
+        if gpu is None and facts.backend == "nvml":
+            gpu = spec_for_nvml_name(facts.name)
+        self.setup = dataclasses.replace(self.setup, session=session, gpu=gpu)
+        if facts.control and not self.config.is_stock:
+            self.profiles.use_cached(self.config, session.cache_key)
 
     def adopt_profile(self, profile: Profile | None, p2p_power_w: float | None) -> None:
         """The profile (and its P2P power) the pipeline agreed on at set-up: the first stage's (each node reads
         its own profile cache)."""
-        self.profile, self.profile_p2p_power_w = profile, p2p_power_w
+        self.profiles.adopt(profile, p2p_power_w)
 
     def attach_memory(self, source: str | None) -> None:
         """How the pipeline measures memory for ``--envpipe-max-inflight auto`` ("cuda" or None),
         agreed by every stage; ``--envpipe-sim-memory`` replaces it."""
-        self.memory_source = source
+        self.setup = dataclasses.replace(self.setup, memory_source=source)
+
+    # -- what the other parts read -------------------------------------------------------
+    @property
+    def device(self) -> DeviceFacts | None:
+        """The pipeline's agreed device facts (None before attach_device: offline, or before set-up)."""
+        return self.setup.device
+
+    @property
+    def gpu(self) -> GpuSpec | None:
+        return self.setup.gpu
+
+    @property
+    def cache_key(self) -> Mapping[str, Any] | None:
+        return self.setup.session.cache_key if self.setup.session is not None else None
+
+    @property
+    def profile(self) -> Profile | None:
+        return self.profiles.profile
+
+    @property
+    def profile_p2p_power_w(self) -> float | None:
+        return self.profiles.p2p_power_w
+
+    @property
+    def last_result(self) -> PlanResult | None:
+        return self.made.result if self.made is not None else None
+
+    @property
+    def planned_with(self) -> tuple[Profile, int, PlannerConfig] | None:
+        """What the last plan was made from (profile, micro-batches, planner config)."""
+        return self.made.planned_with if self.made is not None else None
+
+    @property
+    def planned_at(self) -> int | None:
+        """The iteration count when the plan took over."""
+        return self.made.planned_at if self.made is not None else None
+
+    @property
+    def deadline(self) -> DeadlineFrom | None:
+        """--envpipe-deadline-from 1f1b: the deadline the plan was made for, and 1F1B at f_max it came from."""
+        return self.made.deadline if self.made is not None else None
+
+    @property
+    def budgets(self) -> Mapping[tuple[int, int], Budget]:
+        """The activation budget each plan was made with, per (stages, micro-batches)."""
+        return self.measured.budgets
 
     @property
     def measures_energy(self) -> bool:
@@ -160,11 +172,11 @@ class EnvPipeRuntime:
         """No clock control where the plan would change clocks: run Megatron's own order, plan nothing.
 
         ``baseline`` changes no clock, so it plans its schedule (e.g. ``ours``) as with control."""
-        return not self.sets_clocks and self.config.plan_type != PlanType.BASELINE
+        return not self.sets_clocks and plan_kind(self.config.plan_type).sets_clocks
 
     @property
     def profiling(self) -> bool:
-        return self._sweep is not None and not self._sweep.done
+        return self.profiles.profiling
 
     # -- per iteration ------------------------------------------------------------------
     def check_pipeline(self, num_stages: int, num_microbatches: int) -> None:
@@ -188,55 +200,65 @@ class EnvPipeRuntime:
         From the run's other parts: ``pace_plan``, the plan for a data-parallel straggler's pace that replaces
         the steady plan (megatron/stragglers.py); ``per_iteration_plans``: variable-length micro-batches get
         plans of their own (megatron/iteration_plans.py), so the baseline is not measured again."""
-        if (num_chunks, microbatch_group_size) != (self.num_chunks, self.microbatch_group_size):
-            if self._by_m or self._measured:
-                raise RuntimeError(f"EnvPipe: the model chunks per stage changed from {self.num_chunks} to "
+        setup = self.setup
+        if (num_chunks, microbatch_group_size) != (setup.num_chunks, setup.microbatch_group_size):
+            if self._by_m or self.measured.times:
+                raise RuntimeError(f"EnvPipe: the model chunks per stage changed from {setup.num_chunks} to "
                                    f"{num_chunks} during training")
-            self.num_chunks, self.microbatch_group_size = num_chunks, microbatch_group_size
+            self.setup = dataclasses.replace(setup, num_chunks=num_chunks, microbatch_group_size=microbatch_group_size)
         key = (num_stages, num_microbatches)
         self.check_pipeline(num_stages, num_microbatches)
         state = self._by_m.get(key)
         if state is None and self.keeps_megatron_order:  # nothing to measure or plan
             state = self._by_m[key] = PlanState(self._megatron_schedule(num_stages, num_microbatches), None, None)
         if state is None:
-            memory = self._memory_wanted(num_stages, num_microbatches)
-            if self.profile is None and not self.config.is_stock:
-                if self.device is not None and self.device.control:
-                    sweep = self._sweep_for()
-                    if not sweep.done:
-                        f = sweep.next_clock()
-                        self._sweep_clock = f
-                        return self._uniform(num_stages, num_microbatches, f, measure=True, profiling=True,
-                                             phase=f"profile {f} MHz (iteration {sweep.iterations_used + 1})",
-                                             measure_memory=memory)
-                else:
-                    done = len(self._measured.get(key, []))
-                    if done < self.config.measure_iterations:
-                        return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=True,
-                                             phase=f"measure {done + 1}/{self.config.measure_iterations}",
-                                             measure_memory=memory)
-            if memory:
-                done = len(self._memory.get(key, []))
-                return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=False,
-                                     measure_memory=True, phase=f"measure activation memory {done + 1}/"
-                                     f"{MEMORY_ITERATIONS[self._memory_kind()]}")
-            if self._baseline_wanted():  # the energy lines' baseline, where the phases above ran too few
-                return self._uniform(num_stages, num_microbatches, self.device.clocks_mhz[0], measure=False,
-                                     phase=f"baseline {self.baseline_runs + 1}/{self.config.baseline_iterations}")
+            early = self._before_plan(key)
+            if early is not None:
+                return early
             state = self._make_state(num_stages, num_microbatches)
             self._by_m[key] = state
         rc = state.reconfigurer
         measure = rc is not None and not rc.finished
         if not measure and not per_iteration_plans and self._repeat_baseline():
             return self._uniform(num_stages, num_microbatches, self.device.clocks_mhz[0], measure=False,
-                                 phase=f"baseline again (measurement {self.refresh.generation}, at the plan's GPU age)")
+                                 phase=f"baseline again (measurement {self.baselines.refresh.generation}, "
+                                       "at the plan's GPU age)")
         plan = rc.plan if rc is not None else state.plan
-        phase = "reconfigure" if measure else MEGATRON_ORDER if self.keeps_megatron_order else "steady"
+        phase = "reconfigure" if measure else _MEGATRON_ORDER if self.keeps_megatron_order else "steady"
         if pace_plan is not None and not measure:  # following a straggler: its pace's plan
             plan, phase = pace_plan, "following a straggler"
         programs = state.programs_for(plan, self.config.prefetch)
         schedule = plan.schedule if plan is not None else state.schedule
         return IterationPlan(schedule, plan, programs, measure, phase, unit_times_s=state.unit_times_for(plan))
+
+    def _before_plan(self, key: tuple[int, int]) -> IterationPlan | None:
+        """The iteration before a plan is made for ``key``: profile, measure, measure memory, baseline; None
+        once none is wanted any more."""
+        num_stages, num_microbatches = key
+        memory = self.measured.memory_wanted(self.config, self._memory_kind(), key)
+        if self.profile is None and not self.config.is_stock:
+            if self.device is not None and self.device.control:
+                sweep = self.profiles.sweep_for(self.config, self.gpu, self.device)
+                if not sweep.done:
+                    f = self.profiles.next_clock()
+                    return self._uniform(num_stages, num_microbatches, f, measure=True, profiling=True,
+                                         phase=f"profile {f} MHz (iteration {sweep.iterations_used + 1})",
+                                         measure_memory=memory)
+            else:
+                done = len(self.measured.times.get(key, []))
+                if done < self.config.measure_iterations:
+                    return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=True,
+                                         phase=f"measure {done + 1}/{self.config.measure_iterations}",
+                                         measure_memory=memory)
+        if memory:
+            done = len(self.measured.memory.get(key, []))
+            return self._uniform(num_stages, num_microbatches, self._nominal_clock(), measure=False,
+                                 measure_memory=True, phase=f"measure activation memory {done + 1}/"
+                                 f"{MEMORY_ITERATIONS[self._memory_kind()]}")
+        if self._baseline_wanted():  # the energy lines' baseline, where the phases above ran too few
+            return self._uniform(num_stages, num_microbatches, self.device.clocks_mhz[0], measure=False,
+                                 phase=f"baseline {self.baselines.runs + 1}/{self.config.baseline_iterations}")
+        return None
 
     @property
     def reconfiguring(self) -> bool:
@@ -245,14 +267,13 @@ class EnvPipeRuntime:
 
     def _megatron_schedule(self, p: int, m: int) -> Schedule:
         """Megatron's own order: 1F1B, or interleaved with model chunks."""
-        return (one_f_one_b(p, m) if self.num_chunks == 1
-                else interleaved_schedule(p, m, self.num_chunks, self.microbatch_group_size))
+        setup = self.setup
+        return (one_f_one_b(p, m) if setup.num_chunks == 1
+                else interleaved_schedule(p, m, setup.num_chunks, setup.microbatch_group_size))
 
     def _uniform(self, p: int, m: int, freq: int, *, measure: bool, phase: str, profiling: bool = False,
                  measure_memory: bool = False) -> IterationPlan:
-        self._last_clock_mhz = freq
-        if self._at_max_clock(freq):
-            self.baseline_runs += 1
+        self.baselines.ran_uniform(freq, self._at_max_clock(freq))
         sched = self._megatron_schedule(p, m)
         plan = FrequencyPlan.constant(sched, [freq] * p) if self.sets_clocks else None
         return IterationPlan(sched, plan, tuple(build_programs(sched, plan, self.config.prefetch)),
@@ -269,20 +290,18 @@ class EnvPipeRuntime:
         """After an iteration: every stage's measurement (identical on all stages), if measured,
         in profiling iterations every stage's energy samples, and if asked every stage's memory."""
         self.iteration += 1
+        key = (num_stages, num_microbatches)
         if memory is not None:
-            self._memory.setdefault((num_stages, num_microbatches), []).append(tuple(memory))
-        if samples is not None and self._sweep is not None and not self._sweep.done:
-            self._sweep.record(self._sweep_clock, samples)
-            if self._sweep.done:
-                self._finish_sweep()
+            self.measured.add_memory(key, tuple(memory))
+        if samples is not None and self.profiles.profiling:
+            self.profiles.record(samples, self.config, self.cache_key, self.device.name if self.device else None)
             return
         if measurements is None:
             return
-        key = (num_stages, num_microbatches)
         state = self._by_m.get(key)
         merged = IterationMeasurement(tuple(m.stages[0] for m in measurements))
         if state is None:
-            self._measured.setdefault(key, []).append(merged)
+            self.measured.add_times(key, merged)
             return
         if state.reconfigurer is not None and not state.reconfigurer.finished:
             before = state.reconfigurer.plan
@@ -306,20 +325,21 @@ class EnvPipeRuntime:
         control, energy measured, a plan that changes something, fewer than --envpipe-baseline-iterations."""
         d = self.device
         return (d is not None and d.control and d.energy and bool(d.clocks_mhz) and not self.config.is_stock
-                and self.baseline_runs < self.config.baseline_iterations)
+                and self.baselines.runs < self.config.baseline_iterations)
 
     def is_baseline_iteration(self, iteration: int) -> bool:
         """Whether iteration ``iteration`` (0-based, just finished) ran Megatron's order at the maximum clock
         before the plan took over, or repeated it once the plan ran: one the measured baseline is made of."""
-        if self.refresh.is_repeat(iteration):
+        if self.baselines.refresh.is_repeat(iteration):
             return True
         before_plan = self.planned_at is None or iteration < self.planned_at
-        return before_plan and self._last_clock_mhz is not None and self._at_max_clock(self._last_clock_mhz)
+        last = self.baselines.last_clock_mhz
+        return before_plan and last is not None and self._at_max_clock(last)
 
     def is_planned_iteration(self, iteration: int) -> bool:
         """Whether iteration ``iteration`` (0-based) ran under the plan (the comparison's subject)."""
         return (self.planned_at is not None and iteration >= self.planned_at and self.last_result is not None
-                and not self.refresh.is_repeat(iteration))
+                and not self.baselines.refresh.is_repeat(iteration))
 
     def _repeat_baseline(self) -> bool:
         """Whether this iteration measures the baseline again (megatron/baseline_refresh.py): clocks and energy
@@ -328,47 +348,16 @@ class EnvPipeRuntime:
         d = self.device
         if d is None or not (d.control and d.energy and d.clocks_mhz):
             return False
-        return self.refresh.due(self.iteration)
+        return self.baselines.refresh.due(self.iteration)
 
     def baseline_measured(self, energy_j: float, last_iteration: int) -> None:
         """The energy ledger measured a repeat of the baseline (mean pipeline J per iteration, up to 0-based
         ``last_iteration``): the next repeat is scheduled, or none once two agree (baseline_refresh.py)."""
-        self.refresh.measured(energy_j, last_iteration)
+        self.baselines.refresh.measured(energy_j, last_iteration)
 
     # -- activation budget ---------------------------------------------------------------
     def _memory_kind(self) -> str | None:
-        return "model" if self.config.sim_memory is not None else self.memory_source
-
-    def _memory_wanted(self, num_stages: int, num_microbatches: int) -> bool:
-        """Whether this 1F1B iteration should measure memory: ``ours`` with an auto budget, a way to
-        measure, extra warm-up possible at all (M > P), and fewer measured iterations than needed."""
-        kind = self._memory_kind()
-        if (self.config.max_inflight != AUTO or not scheduling_kind(self.config.scheduling).extra_warmup or kind is None
-                or num_microbatches <= num_stages):
-            return False
-        return len(self._memory.get((num_stages, num_microbatches), [])) < MEMORY_ITERATIONS[kind]
-
-    def _budget(self, num_stages: int, num_microbatches: int) -> Budget:
-        """The activation budget to plan with: the flag's, or under ``auto`` the one derived from the
-        measured memory (logged), or no limit when nothing could be measured (logged once)."""
-        cfg = self.config
-        if not scheduling_kind(cfg.scheduling).extra_warmup:  # only ours plans within a budget (interleaved: checked at start-up)
-            return None
-        if cfg.max_inflight != AUTO:
-            return cfg.max_inflight
-        runs = self._memory.get((num_stages, num_microbatches))
-        if not runs:
-            if scheduling_kind(cfg.scheduling).extra_warmup and num_microbatches > num_stages and not self._told_no_memory:
-                self._told_no_memory = True
-                log.info("EnvPipe: --envpipe-max-inflight auto: this device's memory cannot be measured (not CUDA, "
-                         "no --envpipe-sim-memory): no activation budget, as with --envpipe-max-inflight none")
-            return None
-        merged = [functools.reduce(StageMemory.merge, stage) for stage in zip(*runs, strict=True)]
-        budget = derive_budget(num_microbatches, merged)
-        source = ("memory model --envpipe-sim-memory" if self._memory_kind() == "model"
-                  else f"measured over {len(runs)} 1F1B iteration(s)")
-        log.info("EnvPipe %s", budget_line(budget, merged, source))
-        return budget
+        return "model" if self.config.sim_memory is not None else self.setup.memory_source
 
     def _plan_within(self, profile: Profile, num_microbatches: int, pcfg: PlannerConfig) -> PlanResult:
         """Plan; under ``auto`` plan without the budget first and keep that plan when it fits, so the
@@ -393,79 +382,39 @@ class EnvPipeRuntime:
         if self.device is not None and self.device.clocks_mhz:
             return self.device.clocks_mhz[0]
         known = self.gpu.max_clock_mhz if self.gpu is not None else None
-        return known if known is not None else NOMINAL_CLOCK_MHZ
-
-    def _sweep_for(self) -> ClockSweep:
-        if self._sweep is None:
-            step = self.config.profile_step_mhz or (self.gpu.profile_step_mhz if self.gpu else 90)
-            refine = self.config.reconfig_step_mhz or (self.gpu.reconfig_step_mhz if self.gpu else 30)
-            self._sweep = startup_sweep(self.device.clocks_mhz, step, refine, self.config.profile_iterations,
-                                        self.config.p2p_power_w)
-            candidates = self._sweep.candidates_mhz
-            how = (f"{self.config.profile_iterations} iterations each until two agree, then one; then up to "
-                   f"{self._sweep.refine_clocks} more near the valley, {refine} MHz apart"
-                   if self._sweep.adaptive else f"{self.config.profile_iterations} iteration(s) each")
-            log.info("EnvPipe profiler: sweeping %d clocks %s MHz, %s, from %s", len(candidates), list(candidates),
-                     how, self.device.name)
-        return self._sweep
-
-    def _finish_sweep(self) -> None:
-        sweep = self._sweep
-        if not sweep.results:  # no clock's energy was measured: plan without a profile
-            log.warning("EnvPipe profiler: %s; planning without a profile", sweep.summary())
-            return
-        self.profile = sweep.profile()
-        self.profile_p2p_power_w = sweep.p2p_power_w()
-        log.info("EnvPipe profiler: %s", sweep.summary())
-        store_profile(self.config, self.cache_key, self.profile, self.profile_p2p_power_w, sweep,
-                      self.device.name if self.device else None)
+        return known if known is not None else _NOMINAL_CLOCK_MHZ
 
     def _profile_for(self, num_stages: int, num_microbatches: int) -> Profile:
         if self.profile is not None:  # its stage count passed check_pipeline in prepare()
             return self.profile
-        runs = self._measured.get((num_stages, num_microbatches), [])
-        clock = self._nominal_clock()
-        if not runs:  # stock run without a profile: a one-clock profile of unit times 1 s
-            points = {(s, i): [ProfilePoint(clock, 1.0, 0.0)] for s in range(num_stages) for i in ("forward", "backward")}
-            return Profile(points, source="<uniform>")
-        points = {}
-        for s in range(num_stages):
-            for kind, ins in (("F", "forward"), ("B", "backward")):
-                for chunk in range(self.num_chunks):  # model chunks (interleaved): one row each
-                    times = [t.end_s - t.start_s for run in runs for t in run.stages[s]
-                             if t.unit.kind == kind and t.unit.chunk == chunk]
-                    mean = sum(times) / len(times)
-                    # Energy is unknown at one clock: time only.
-                    points[(s, ins, chunk)] = [ProfilePoint(clock, max(mean, 1e-9), 0.0)]
-        return Profile(points, source=f"<timed at one clock over {len(runs)} iteration(s)>")
+        return self.measured.one_clock_profile((num_stages, num_microbatches), self._nominal_clock(),
+                                               self.setup.num_chunks)
 
     def _make_state(self, num_stages: int, num_microbatches: int) -> PlanState:
-        cfg = self.config
+        cfg, setup = self.config, self.setup
         profile = self._profile_for(num_stages, num_microbatches)
         p2p = cfg.p2p_power_w if cfg.p2p_power_w is not None else self.profile_p2p_power_w
         if p2p is None and self.profile is None:  # timed at one clock, no energy: P2P power cannot matter
             p2p = 0.0
         # Offline we simulate the chosen policy on the profile; online it keeps correcting from measurements.
-        budget = self._budget(num_stages, num_microbatches)
-        self.budgets[(num_stages, num_microbatches)] = budget
-        chunks = {} if self.num_chunks == 1 else {"virtual_stages": self.num_chunks,
-                                                  "microbatch_group_size": self.microbatch_group_size}
+        budget = self.measured.budget(cfg, self._memory_kind(), (num_stages, num_microbatches))
+        chunks = {} if setup.num_chunks == 1 else {"virtual_stages": setup.num_chunks,
+                                                   "microbatch_group_size": setup.microbatch_group_size}
         # The plan is scored with the clock latency the hooks lead raises by, decided once by the device
         # session (megatron/device_session.py); none without a device (offline).
-        timing = self.session.planner_timing(cfg.clock_lead == "on") if self.session is not None else {}
+        timing = setup.session.planner_timing(cfg.clock_lead == "on") if setup.session is not None else {}
         pcfg = cfg.planner_config(self.gpu, p2p_power_w=p2p, max_inflight=budget, **chunks, **timing)
         if self.gpu is not None and not self.gpu.on_ladder(profile.common_frequencies()):
             pcfg = dataclasses.replace(pcfg, gpu=None)  # profile from another ladder: trust it
+        deadline = None
         if cfg.deadline_from is not None:  # 1F1B's f_max time, predicted from this profile (planning/deadline.py)
-            self.deadline = deadline_from_1f1b(profile, num_microbatches, pcfg)
-            pcfg = self.deadline.config
+            deadline = deadline_from_1f1b(profile, num_microbatches, pcfg)
+            pcfg = deadline.config
         result = self._plan_within(profile, num_microbatches, pcfg)
-        if self.deadline is not None:
-            log.info("EnvPipe %s", deadline_summary(reword_warnings(result), self.deadline))
-        self.last_result = result
-        self.planned_with = (profile, num_microbatches, pcfg)
-        self.planned_at = self.iteration
-        self.refresh.plan_started(self.planned_at, result.score.iteration_time_s)  # the repeats' schedule
+        if deadline is not None:
+            log.info("EnvPipe %s", deadline_summary(reword_warnings(result), deadline))
+        self.made = MadePlan(result, (profile, num_microbatches, pcfg), self.iteration, deadline)
+        self.baselines.refresh.plan_started(self.iteration, result.score.iteration_time_s)  # the repeats' schedule
         if not self.sets_clocks:  # baseline without control: a schedule, no clock reaches a GPU
             log.info("EnvPipe schedule %s/%s for %d stages x %d micro-batches from %s: extra warm-up %s, peak "
                      "in-flight activations %s; clocks stay as the driver sets them", cfg.plan_type, cfg.scheduling,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_envpipe.config.groups import TransportSettings
 from megatron_envpipe.core import instructions as ins
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.schedule import B, F, Unit
@@ -109,7 +110,7 @@ class StageIteration:
         channels = STATE.channels_for(pp, tuple(dist.get_process_group_ranks(pp)), wrap=interleaved,
                                       shapes=self.shapes)
         self.transfers = P2PTransfers(
-            channels, self.stage, self.num_stages, timeout_s=run.config.comm_timeout_s,
+            channels, self.stage, self.num_stages, transport=run.config.group(TransportSettings),
             recv_shape=self.recv_shape, send_shape=self.send_shape, dtype=self.dtype, device=self.device,
             shapes=self.shapes,
         )
@@ -221,8 +222,7 @@ class StageIteration:
         warm-up) once per schedule; printed by --envpipe-verbose when it changes."""
         programs = STATE.programs.programs(plan, self.shapes, self.interleaved)
         program = programs[self.stage].instructions
-        if self.runtime.config.verbose and STATE.shown_program != program:
-            STATE.shown_program = program
+        if self.runtime.config.verbose and STATE.show_program(program):
             log.info("EnvPipe stage %d program (%s):\n%s", self.stage, plan.phase, programs[self.stage])
         return program
 

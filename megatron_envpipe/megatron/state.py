@@ -5,7 +5,8 @@ so whatever must outlive one call lives in the one :data:`STATE`: the training r
 (megatron/training_run.py: the phase machine and the run's other parts), the execution hooks (GPU hooks once the device is
 set up), Megatron's own schedule for fallbacks, and the P2P channels per
 pipeline. :mod:`megatron_envpipe.megatron.patch` configures and resets it;
-the executor reads it.
+the executor reads it. It changes only through its own methods (its row in
+tests/test_run_state_ownership.py), device set-up included (:meth:`ExecutorState.device_set_up`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,19 @@ class ExecutorState:
         """Replace the hooks (the first iteration's GPU hooks); the previous ones are closed."""
         old, self.hooks = self.hooks, hooks
         old.close()
+
+    def device_set_up(self, device_time: DeviceTimeLink | None) -> None:
+        """The device was opened and the pipeline agreed on its facts (megatron/devices.py); ``device_time``:
+        a simulated GPU's link in virtual time."""
+        self.device_time = device_time
+        self.device_ready = True
+
+    def show_program(self, program: tuple[Instruction, ...]) -> bool:
+        """Whether ``program`` differs from the one --envpipe-verbose printed last (it is the last one now)."""
+        if self.shown_program == program:
+            return False
+        self.shown_program = program
+        return True
 
     def warn_once(self, reason: str) -> bool:
         """True the first time ``reason`` is seen since ``install()``."""

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config.groups import StragglerSettings
 from megatron_envpipe.core.energy_report import SLOWER_THAN_PLANNED, EnergyReport
+from megatron_envpipe.core.kinds import plan_kind
 from megatron_envpipe.core.plan import FrequencyPlan
-from megatron_envpipe.core.vocabulary import PlanType
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.run_parts import IterationStep
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
@@ -47,25 +47,24 @@ from megatron_envpipe.planning.straggler import (
 )
 from megatron_envpipe.planning.switching import steady_clock_changes
 
-__all__ = ["FollowLedger", "PaceSwitch", "SimStraggler", "StragglerFollow", "apply_sim_straggler", "replica_of",
-           "waiting_energy_j"]
+__all__ = ["SimStraggler", "StragglerFollow"]
 
 log = logging.getLogger("megatron_envpipe")
 
 
-def replica_of(groups: StageGroups) -> tuple[int, int]:
+def _replica_of(groups: StageGroups) -> tuple[int, int]:
     """(this rank's data-parallel replica, the number of replicas)."""
     g = groups.replicas
     return (g.rank(), g.size()) if g is not None else (0, 1)
 
 
-def apply_sim_straggler(config: EnvPipeConfig, hooks: Any, groups: StageGroups, iteration: int) -> None:
+def _apply_sim_straggler(config: StragglerSettings, hooks: Any, groups: StageGroups, iteration: int) -> None:
     """``--envpipe-sim-straggler``: slow this rank's simulated GPU if it belongs to the straggling replica
     and ``iteration`` (0-based) has reached the start iteration; the replica is checked on every rank."""
     sim = config.sim_straggler
     if sim is None:
         return
-    replica, size = replica_of(groups)
+    replica, size = _replica_of(groups)
     config.check_replicas(size)  # the same EnvPipeConfigError on every rank, before any unit runs
     device = getattr(hooks, "device", None)
     modelled = device is not None and hasattr(device, "capabilities") and device.capabilities().modelled
@@ -79,19 +78,19 @@ def apply_sim_straggler(config: EnvPipeConfig, hooks: Any, groups: StageGroups, 
 @dataclass(frozen=True)
 class SimStraggler:
     """``--envpipe-sim-straggler`` as a part of the run: slows the straggling replica's GPU as each iteration
-    begins (:func:`apply_sim_straggler`)."""
+    begins (:func:`_apply_sim_straggler`)."""
 
-    config: EnvPipeConfig
+    settings: StragglerSettings
 
     def begin_iteration(self, step: IterationStep) -> None:
-        apply_sim_straggler(self.config, step.hooks, step.groups, step.iteration)
+        _apply_sim_straggler(self.settings, step.hooks, step.groups, step.iteration)
 
     def end_iteration(self, step: IterationStep) -> None:
         pass
 
 
 @dataclass(frozen=True)
-class PaceSwitch:
+class _PaceSwitch:
     """The last stage's decision, sent to every stage: run ``plan`` (None: back to the own plan)."""
 
     plan: FrequencyPlan | None
@@ -125,7 +124,7 @@ class _Tally:
 
 
 @dataclass
-class FollowLedger:
+class _FollowLedger:
     """What following a straggler measurably saves, in this run: a pipeline's energy per iteration while it
     waited for the slowest replica on its own plan (planned windows slower than the plan) against while it
     ran the plan for that replica's pace. Both at the straggler's pace: said only when their times agree."""
@@ -197,7 +196,7 @@ class StragglerFollow:
         self.pace_setter: tuple[float, float] | None = None  # this pipeline is the slowest: (its pace, the fastest's)
         self.told_pace_setter = False
         self.state_since = 0  # 0-based first iteration under the running plan (own or a pace's)
-        self.ledger = FollowLedger()
+        self.ledger = _FollowLedger()
 
     # -- every rank ---------------------------------------------------------------------
     def begin_iteration(self, step: IterationStep) -> None:
@@ -215,7 +214,7 @@ class StragglerFollow:
         than planned), but never switch plans."""
         rt = self.runtime
         result = rt.last_result
-        return (rt.config.plan_type == PlanType.OPTIMAL
+        return (plan_kind(rt.config.plan_type).follows_stragglers
                 and groups.replicas is not None and rt.sets_clocks
                 and rt.device is not None and rt.device.control and rt.is_planned_iteration(iteration)
                 and result is not None and result.plan is not None and rt.planned_with is not None
@@ -251,7 +250,7 @@ class StragglerFollow:
             self._apply(switch)
             self.state_since = iteration + 1
 
-    def _apply(self, switch: PaceSwitch) -> None:
+    def _apply(self, switch: _PaceSwitch) -> None:
         self.pace_plan, self.pace_note, self.pace_time_s = switch.plan, switch.note, switch.pace_s
         self.running_predicted_s = switch.predicted_time_s
         self.switches += 1
@@ -300,13 +299,13 @@ class StragglerFollow:
             self._pending[0].wait()
 
     # -- the last stage -----------------------------------------------------------------
-    def _decide(self, groups: StageGroups, pace_s: float | None) -> PaceSwitch | None:
+    def _decide(self, groups: StageGroups, pace_s: float | None) -> _PaceSwitch | None:
         """Read last window's gather, launch this window's; the switch to make, or None.
 
         Every replica launched last window's gather at the same iteration and has been through a whole
         window of gradient syncs since, so it is complete: waiting costs nothing and keeps every replica's
         collectives in one order (NCCL needs that: the group is Megatron's data-parallel group)."""
-        replica, size = replica_of(groups)
+        replica, size = _replica_of(groups)
         switch = None
         if self._pending is not None:
             work, buffers, sent = self._pending
@@ -341,14 +340,14 @@ class StragglerFollow:
         return switch
 
     def _switch_for(self, target_s: float | None, slowest_replica: int, own_s: float,
-                    slowest_s: float) -> PaceSwitch | None:
+                    slowest_s: float) -> _PaceSwitch | None:
         """The switch to ``target_s`` (None: the own plan) if it differs from the running one and can be
         made (the frontier is ready; until then the own plan keeps running)."""
         if target_s == self.applied_target_s:
             return None
         if target_s is None:
             self.applied_target_s = None
-            return PaceSwitch(None, None, None, None)
+            return _PaceSwitch(None, None, None, None)
         frontier = self._frontier()
         if frontier is None:
             return None
@@ -357,14 +356,14 @@ class StragglerFollow:
         target_pred = own_pred * target_s / own_s  # in the planner's time base
         pace = frontier.plan_for(target_pred)
         cost_j = self.runtime.planned_with[2].effective_switch_cost_j
-        stretched = waiting_energy_j(result.score.energy_j, result.plan, cost_j, own_pred, target_pred,
+        stretched = _waiting_energy_j(result.score.energy_j, result.plan, cost_j, own_pred, target_pred,
                                      frontier.frontier.p2p_power_w, frontier.frontier.num_stages)
         note = (f"following replica {slowest_replica}'s pace {slowest_s:.3f} s (+{100 * (slowest_s / own_s - 1):.1f} %), "
                 f"saving {stretched - pace.predicted_energy_j:.1f} J/iter vs not following (predicted)")
         log.info("EnvPipe: %s: plan for %.4g s (predicted %.4g s)", note, target_pred, pace.predicted_time_s)
         self.applied_target_s = target_s
         self.ledger.whom = slowest_replica
-        return PaceSwitch(pace.plan, pace.predicted_time_s, target_pred, note)
+        return _PaceSwitch(pace.plan, pace.predicted_time_s, target_pred, note)
 
     def _frontier(self) -> Any:
         handle = self.frontier
@@ -378,7 +377,7 @@ class StragglerFollow:
             return None
 
 
-def waiting_energy_j(energy_j: float, plan: FrequencyPlan, switch_cost_j: float, time_s: float,
+def _waiting_energy_j(energy_j: float, plan: FrequencyPlan, switch_cost_j: float, time_s: float,
                      target_s: float, p2p_power_w: float, num_stages: int) -> float:
     """Energy per iteration of not following: the own plan's (``energy_j`` in ``time_s``) plus the clock
     changes it keeps, as the frontier's plans count theirs, then every stage blocking at P2P power until

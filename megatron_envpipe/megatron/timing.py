@@ -19,10 +19,10 @@ import torch
 from megatron_envpipe.core.measurement import IterationMeasurement, UnitTiming
 from megatron_envpipe.core.schedule import Unit
 
-__all__ = ["UnitClock", "UnitTimer"]
+__all__ = ["UnitTimer"]
 
 
-class UnitClock:
+class _UnitClock:
     """Marks of unit boundaries.
 
     CUDA: events on the compute stream (no synchronization), except in
@@ -69,11 +69,11 @@ class UnitClock:
 
 
 class UnitTimer:
-    """Per unit: (wait begin, compute begin, compute end) marks on a :class:`UnitClock`."""
+    """Per unit: (wait begin, compute begin, compute end) marks on a :class:`_UnitClock`."""
 
     def __init__(self, device: torch.device, host_sync: bool = False,
                  clock: Callable[[], float] | None = None) -> None:
-        self.clock = UnitClock(device, host_sync=host_sync, clock=clock)
+        self.clock = _UnitClock(device, host_sync=host_sync, clock=clock)
         self.marks: list[tuple[int, int, int]] = []
         self._wait: int | None = None
         self._seconds: list[float] | None = None

@@ -3,9 +3,10 @@
 :class:`TrainingRun` (one per ``install()``, in the executor state) holds
 
 * ``phases``: the phase machine (:class:`~megatron_envpipe.megatron.runtime.EnvPipeRuntime`): profile,
-  measure, plan, reconfigure, steady; it owns the plan and the device session
-  (:class:`~megatron_envpipe.megatron.device_session.DeviceSession`: the agreed device facts and the
-  clock latency, decided once at set-up and handed to the hooks and the planner alike);
+  measure, plan, reconfigure, steady; it owns the plan, its frozen set-up (``phases.setup``, with the
+  device session, :class:`~megatron_envpipe.megatron.device_session.DeviceSession`: the agreed device facts
+  and the clock latency, decided once at set-up and handed to the hooks and the planner alike) and its
+  parts (``profiles``, ``measured``, ``baselines``: megatron/profile_source.py, megatron/phase_parts.py);
 * ``energy``: the energy ledger (:class:`~megatron_envpipe.megatron.energy_ledger.EnergyLedger`): sums,
   measured baseline, reports; the log lines are :mod:`~megatron_envpipe.megatron.reporting`'s;
 * ``stragglers``: data-parallel straggler following (:class:`~megatron_envpipe.megatron.stragglers.StragglerFollow`),
@@ -13,8 +14,8 @@
 * ``iteration_plans``: per-iteration plans for variable-length micro-batches
   (:class:`~megatron_envpipe.megatron.iteration_plans.IterationPlans`), made at the first such call.
 
-Each part reads the others through their public attributes and writes only its own state
-(tests/test_run_state_ownership.py checks it). They join each iteration through
+Each part reads the others through their public attributes and changes only its own state, its
+containers included (tests/test_run_state_ownership.py checks it). They join each iteration through
 :class:`~megatron_envpipe.megatron.run_parts.RunPart`: :meth:`TrainingRun.begin_iteration` before the
 phase machine prepares the iteration, :meth:`TrainingRun.end_iteration` after it finished, each in one
 fixed order on every rank (the parts run collectives).
@@ -23,6 +24,7 @@ fixed order on every rank (the parts run collectives).
 from __future__ import annotations
 
 from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config.groups import StragglerSettings
 from megatron_envpipe.core.gpu_specs import GpuSpec
 from megatron_envpipe.megatron.energy_ledger import EnergyLedger
 from megatron_envpipe.megatron.iteration_plans import IterationPlans, SizeMapping
@@ -43,7 +45,7 @@ class TrainingRun:
         self.energy = EnergyLedger(self.phases)
         self.stragglers: StragglerFollow | None = None  # made at the first iteration's end
         self.iteration_plans: IterationPlans | None = None  # variable lengths: made at the first such call
-        self._sim_straggler = SimStraggler(self.phases.config)
+        self._sim_straggler = SimStraggler(self.phases.config.group(StragglerSettings))
         self._reporting = EnergyReporting(self)
 
     @property

@@ -3,7 +3,7 @@
 ``planner.plan_envpipe`` is the entry point for every plan type: EnvPipe's
 initial plans and offline reconfiguration (``envpipe``), the optimal per-unit
 clock plan (``optimal/``), their shared basis (``basis``), the online
-``Reconfigurer`` (``reconfig``), noisy offline runs of a plan under unit-time
-jitter (``noisy_run``), the exact MILP reference, the time-energy frontier and the
-Perseus-compatible EnvPipe re-implementation.
+``Reconfigurer`` (``reconfig``), the time-energy frontier and the
+Perseus-compatible EnvPipe re-implementation (noisy offline runs of a plan and the
+exact MILP reference are test support: ``testing.noisy_run``, ``testing.milp``).
 """

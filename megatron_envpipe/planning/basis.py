@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.gpu_specs import GpuSpec
 from megatron_envpipe.core.instructions import paired_hold_dependencies
-from megatron_envpipe.core.kinds import plan_kind, plan_type_names
+from megatron_envpipe.core.kinds import build_schedule, plan_kind, plan_type_names, scheduling_kind
 from megatron_envpipe.core.memory import AUTO
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile, ProfileError
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, one_f_one_b
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, one_f_one_b
 from megatron_envpipe.core.timeline import Dependency, PlanEvaluator, PlanScore, Timeline
 from megatron_envpipe.core.vocabulary import (
     RECONFIG_POLICIES,
@@ -39,8 +39,8 @@ from megatron_envpipe.planning.switching import (
     switch_energy_j,
 )
 
-DEFAULT_RECONFIG_STEP_MHZ = 30
-MAX_VIRTUAL_STAGES = 64  # model chunks per rank; Megatron needs at least one layer per chunk
+_DEFAULT_RECONFIG_STEP_MHZ = 30
+_MAX_VIRTUAL_STAGES = 64  # model chunks per rank; Megatron needs at least one layer per chunk
 SLOWDOWN_WARNING = 0.01  # a plan slower than baseline by more than this carries a warning
 
 
@@ -49,7 +49,7 @@ class PlannerError(UsageError, ValueError):
 
 
 # Beyond half a unit's time the margin would stop every clock change: a mistaken unit, not jitter.
-MAX_TIMING_MARGIN = 0.5
+_MAX_TIMING_MARGIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -143,12 +143,14 @@ class PlannerConfig:
         if not plan_kind(self.plan_type).has_deadline and (self.max_slowdown or self.target_time_s is not None):
             raise PlannerError("a maximum slowdown or target iteration time needs plan type 'optimal'")
         check_switching(self.switch_cost_j, self.max_clock_changes)
-        if self.scheduling == Scheduling.ONE_F_ONE_B and self.max_inflight is not None:
+        order = scheduling_kind(self.scheduling)
+        if not order.extra_warmup and not order.model_chunks and self.max_inflight is not None:
+            # (model chunks refuse a budget below, with their own reason)
             # 1F1B's own order holds at most P - s activations on stage s: a budget would silently do nothing.
             raise PlannerError("--max-inflight (an activation budget) applies to --scheduling ours, whose extra "
                                "warm-up it limits; 1f1b keeps Megatron's order and memory: drop --max-inflight")
-        if not 0 <= self.timing_margin <= MAX_TIMING_MARGIN:
-            raise PlannerError(f"timing margin must be a fraction between 0 and {MAX_TIMING_MARGIN:g} of a unit's "
+        if not 0 <= self.timing_margin <= _MAX_TIMING_MARGIN:
+            raise PlannerError(f"timing margin must be a fraction between 0 and {_MAX_TIMING_MARGIN:g} of a unit's "
                                f"time (0.02 = 2 %), got {self.timing_margin}")
         ClockLead(self.clock_latency_s, self.clock_lead)  # ClockLeadError (a UsageError): what is wrong
         if not isinstance(self.clock_call_s, int | float) or not 0 <= self.clock_call_s <= self.clock_latency_s:
@@ -166,10 +168,10 @@ class PlannerConfig:
     def _validate_virtual_stages(self) -> None:
         """Interleaved needs V >= 2 chunks per rank and keeps Megatron's order; 1f1b and ours plan one chunk."""
         v = self.virtual_stages
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VIRTUAL_STAGES:
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MAX_VIRTUAL_STAGES:
             raise PlannerError(f"virtual stages (model chunks per rank, --virtual-stages) must be a whole number "
-                               f"between 1 and {MAX_VIRTUAL_STAGES}, got {v!r}")
-        if self.scheduling != Scheduling.INTERLEAVED:
+                               f"between 1 and {_MAX_VIRTUAL_STAGES}, got {v!r}")
+        if not scheduling_kind(self.scheduling).model_chunks:
             if self.microbatch_group_size is not None:
                 raise PlannerError("a micro-batch group size applies to --scheduling interleaved only")
             if v != 1:
@@ -191,7 +193,7 @@ class PlannerConfig:
     @property
     def baseline_name(self) -> str:
         """What plans are scored against: the same order at f_max (interleaved) or 1F1B at f_max."""
-        if self.scheduling == Scheduling.INTERLEAVED:
+        if scheduling_kind(self.scheduling).own_baseline:
             return f"interleaved V={self.virtual_stages} at f_max"
         return "1F1B at f_max"
 
@@ -210,7 +212,7 @@ class PlannerConfig:
         for EnvPipe's plan types."""
         if self.switch_cost_j is not None:
             return float(self.switch_cost_j)
-        if self.plan_type != PlanType.OPTIMAL:
+        if not plan_kind(self.plan_type).optimized:  # only the LP charges clock changes
             return 0.0
         if self.gpu is not None:
             return default_switch_cost_j(self.effective_p2p_power_w, self.gpu.clock_latency)
@@ -220,7 +222,7 @@ class PlannerConfig:
     def effective_reconfig_step_mhz(self) -> int:
         if self.reconfig_step_mhz is not None:
             return self.reconfig_step_mhz
-        return self.gpu.reconfig_step_mhz if self.gpu is not None else DEFAULT_RECONFIG_STEP_MHZ
+        return self.gpu.reconfig_step_mhz if self.gpu is not None else _DEFAULT_RECONFIG_STEP_MHZ
 
     def dependencies(self, schedule: Schedule) -> tuple[Dependency, ...]:
         """Edges beyond the iteration DAG that plans of ``schedule`` are scored with."""
@@ -314,7 +316,7 @@ class PlanResult:
         return text
 
 
-def stage_valley_clocks(
+def _stage_valley_clocks(
     profile: Profile, candidates_mhz: Sequence[int], p2p_power_w: float
 ) -> tuple[int, ...]:
     """Per stage, the clock minimising one micro-batch's F+B energy at fixed iteration time.
@@ -393,8 +395,8 @@ def planning_basis(
             f"the profile stops at {f_max} MHz, below {config.gpu.key}'s maximum {config.gpu.max_clock_mhz} MHz: "
             f"the baseline runs at {f_max} MHz"
         )
-    valley = stage_valley_clocks(profile, candidates, p2p_power)
-    if config.scheduling == Scheduling.INTERLEAVED:  # the same order at f_max: interleaved shortens 1F1B's bubble itself
+    valley = _stage_valley_clocks(profile, candidates, p2p_power)
+    if scheduling_kind(config.scheduling).own_baseline:  # the same order at f_max: interleaved shortens 1F1B's bubble itself
         try:
             baseline_schedule = build_schedule(config.scheduling, p, num_microbatches,
                                                num_chunks=config.virtual_stages,

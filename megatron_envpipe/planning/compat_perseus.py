@@ -75,7 +75,7 @@ API
   applied), ``step_mhz``, ``unit_time_s``, ``p2p_power_w`` (effective),
   ``critical_path`` (the last chosen path, ``(stage, Unit)`` from ``F(0,0)``).
 
-:func:`plan_envpipe_perseus_emulation` applies Perseus's emulation scaling
+:func:`_plan_envpipe_perseus_emulation` applies Perseus's emulation scaling
 (time x10, energy x80, blocking power x8) and calls the planner.
 """
 
@@ -103,14 +103,14 @@ from megatron_envpipe.planning.compat_perseus_options import (  # noqa: F401 (re
 
 # Perseus's large-scale emulation (evaluation.ipynb, SOURCES.md): profiles are
 # scaled by time x10 and energy x10*tp (tp = 8).
-PERSEUS_EMULATION_TIME_SCALE = 10.0
-PERSEUS_EMULATION_ENERGY_SCALE = 80.0
+_PERSEUS_EMULATION_TIME_SCALE = 10.0
+_PERSEUS_EMULATION_ENERGY_SCALE = 80.0
 # Raw P2P blocking power hard-coded in the artifact scripts, W.
-PERSEUS_P2P_POWER_W = {"a40": 70.38, "a100": 83.64}
-PERSEUS_UNIT_TIME_S = 1e-3
-PERSEUS_MAX_ITERATIONS = 10_000  # the script's own cap (it has no stall guard)
+_PERSEUS_P2P_POWER_W = {"a40": 70.38, "a100": 83.64}
+_PERSEUS_UNIT_TIME_S = 1e-3
+_PERSEUS_MAX_ITERATIONS = 10_000  # the script's own cap (it has no stall guard)
 
-STOP_ENVELOPE = "outer envelope reached"
+_STOP_ENVELOPE = "outer envelope reached"
 
 
 @dataclass
@@ -156,7 +156,7 @@ class PerseusCompatResult:
         )
 
 
-class PerseusDag:
+class _PerseusDag:
     """The 1F1B DAG with Perseus's durations, critical path and report."""
 
     def __init__(self, graph: PipelineGraph) -> None:
@@ -225,7 +225,7 @@ def plan_envpipe_perseus(
     profile: Profile,
     num_microbatches: int,
     p2p_power_w: float,
-    unit_time_s: float = PERSEUS_UNIT_TIME_S,
+    unit_time_s: float = _PERSEUS_UNIT_TIME_S,
     step_mhz: int | None = None,
     p2p_power_scale: float = 1.0,
     max_iterations: int = 100_000,
@@ -285,7 +285,7 @@ def plan_envpipe_perseus(
 
     schedule = one_f_one_b(num_stages, num_microbatches)
     graph = PipelineGraph(schedule)
-    dag = PerseusDag(graph)
+    dag = _PerseusDag(graph)
     keys = list(zip(graph.stage_of, graph.instruction_of))
     knob = [f_max if env else starts[key] for key, env in zip(keys, dag.is_envelope)]
     dur = [quants[key][f] for key, f in zip(keys, knob)]
@@ -316,7 +316,7 @@ def plan_envpipe_perseus(
                     knob[v] = new
                     dur[v] = quants[keys[v]][new]
         if all(dag.is_envelope[v] for v in path):
-            converged, stop_reason = True, STOP_ENVELOPE
+            converged, stop_reason = True, _STOP_ENVELOPE
             break
         if not last_raise:
             off = [graph.nodes[v] for v in path if not dag.is_envelope[v]]
@@ -329,7 +329,7 @@ def plan_envpipe_perseus(
             )
             stop_reason = (
                 f"stalled: the critical path leaves the outer envelope (at {shown}) but {why}; "
-                f"Perseus's script would repeat this state until its {PERSEUS_MAX_ITERATIONS}-iteration cap"
+                f"Perseus's script would repeat this state until its {_PERSEUS_MAX_ITERATIONS}-iteration cap"
             )
             break
         if iteration + 1 >= max_iterations:
@@ -436,12 +436,12 @@ def _perseus_energy(
     return total
 
 
-def plan_envpipe_perseus_emulation(
+def _plan_envpipe_perseus_emulation(
     profile: Profile,
     num_microbatches: int,
-    p2p_power_w: float = PERSEUS_P2P_POWER_W["a40"],
-    time_scale: float = PERSEUS_EMULATION_TIME_SCALE,
-    energy_scale: float = PERSEUS_EMULATION_ENERGY_SCALE,
+    p2p_power_w: float = _PERSEUS_P2P_POWER_W["a40"],
+    time_scale: float = _PERSEUS_EMULATION_TIME_SCALE,
+    energy_scale: float = _PERSEUS_EMULATION_ENERGY_SCALE,
     **kwargs: object,
 ) -> PerseusCompatResult:
     """Perseus's large-scale emulation: profile scaled by (time, energy), P_p2p by energy/time."""

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_envpipe.core.interleaved import interleaved_schedule
+from megatron_envpipe.core.kinds import plan_kind, scheduling_kind
 from megatron_envpipe.core.memory import Budget, show_budget
 from megatron_envpipe.core.profile import Profile, ProfileError, ProfilePoint
 from megatron_envpipe.core.schedule import Schedule, ScheduleError
@@ -52,7 +53,7 @@ class DeadlineFrom:
         return self.reference.iteration_time_s
 
 
-def whole_stages(profile: Profile) -> Profile:
+def _whole_stages(profile: Profile) -> Profile:
     """``profile`` with one row per stage: a profile with model chunks summed over each stage's chunks
     (time and energy, at the clocks every chunk was profiled at); a profile of whole stages as it is."""
     if profile.num_chunks == 1:
@@ -76,7 +77,7 @@ def whole_stages(profile: Profile) -> Profile:
         raise PlannerError(str(exc)) from None
 
 
-def one_f_one_b_config(config: PlannerConfig) -> PlannerConfig:
+def _one_f_one_b_config(config: PlannerConfig) -> PlannerConfig:
     """``config`` for 1F1B at f_max: the same GPU, P2P power and latency, switch cost; no chunks, budget or deadline."""
     return dataclasses.replace(config, plan_type=PlanType.BASELINE, scheduling=Scheduling.ONE_F_ONE_B,
                                reconfig=ReconfigPolicy.DEFAULT, virtual_stages=1, microbatch_group_size=None,
@@ -87,8 +88,8 @@ def one_f_one_b_config(config: PlannerConfig) -> PlannerConfig:
 def one_f_one_b_reference(profile: Profile, num_microbatches: int, config: PlannerConfig,
                           num_stages: int | None = None) -> Reference:
     """1F1B at f_max on ``profile`` (chunks summed per stage), scored as the planner scores its baseline."""
-    cfg = one_f_one_b_config(config).validate()
-    basis = planning_basis(whole_stages(profile), num_microbatches, cfg, num_stages)
+    cfg = _one_f_one_b_config(config).validate()
+    basis = planning_basis(_whole_stages(profile), num_microbatches, cfg, num_stages)
     # As PlanResult.baseline_energy_j: simulated energy plus the clock changes' cost (none at one clock).
     energy = basis.baseline.energy_j + switch_energy_j(basis.baseline_plan, config.effective_switch_cost_j)
     return Reference(basis.baseline.iteration_time_s, energy, tuple(basis.baseline_plan.schedule.peak_inflight()),
@@ -101,7 +102,7 @@ def deadline_from_1f1b(profile: Profile, num_microbatches: int, config: PlannerC
 
     PlannerError (one line) where the schedule cannot run in 1F1B's time at f_max, where the config already
     sets a deadline, or for another plan type."""
-    if config.plan_type != PlanType.OPTIMAL:
+    if not plan_kind(config.plan_type).has_deadline:
         raise PlannerError(f"a deadline from 1F1B needs plan type optimal (the minimum-energy plan for a deadline), "
                            f"not {config.plan_type}: use --type optimal")
     if config.max_slowdown or config.target_time_s is not None:
@@ -109,7 +110,7 @@ def deadline_from_1f1b(profile: Profile, num_microbatches: int, config: PlannerC
                            "iteration time")
     config.validate()
     reference = one_f_one_b_reference(profile, num_microbatches, config, num_stages)
-    if config.scheduling != Scheduling.INTERLEAVED:  # the planner's own baseline is 1F1B at f_max already
+    if not scheduling_kind(config.scheduling).own_baseline:  # the planner's own baseline is 1F1B at f_max already
         return DeadlineFrom(config, reference, reference.iteration_time_s)
     own = planning_basis(planning_profile(profile, config), num_microbatches, config, num_stages).baseline
     if own.iteration_time_s > reference.iteration_time_s:
@@ -178,7 +179,7 @@ def deadline_summary(result: PlanResult, deadline: DeadlineFrom) -> str:
     peaks = stage_equivalents(result.schedule)
     cfg = result.config
     own = (f"; interleaved V={cfg.virtual_stages} at f_max {deadline.own_fastest_s:.4f} s, so planned to "
-           f"+{100 * cfg.max_slowdown:.2f} % of it" if cfg.scheduling == Scheduling.INTERLEAVED else "")
+           f"+{100 * cfg.max_slowdown:.2f} % of it" if scheduling_kind(cfg.scheduling).own_baseline else "")
     return (f"deadline from 1F1B at f_max: {ref.iteration_time_s:.4f} s, {ref.energy_j:.1f} J (predicted from "
             f"{ref.profile_source}){own}; plan {result.score.iteration_time_s:.4f} s, {result.energy_j:.1f} J: energy "
             f"saving {100 * saving_against(result, ref):.2f} % against 1F1B at f_max; peak in-flight "

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_envpipe.core.interleaved import check_interleaved_sizes
+from megatron_envpipe.core.kinds import scheduling_kind
 from megatron_envpipe.core.memory import show_budget
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import ScheduleError
@@ -33,13 +34,13 @@ from megatron_envpipe.planning.planner import plan_envpipe
 
 MENU_SCHEDULES = ("1f1b", "ours", "interleaved")
 AT_1F1B = "1F1B's time"
-AT_OWN = "own fastest"
+_AT_OWN = "own fastest"
 
 
 @dataclass(frozen=True)
 class MenuRow:
     schedule: str  # "1F1B at f_max" (the reference), "1f1b", "ours", "interleaved V=2"
-    deadline: str  # "f_max", AT_1F1B (for 1f1b and ours also their own fastest), AT_OWN
+    deadline: str  # "f_max", AT_1F1B (for 1f1b and ours also their own fastest), _AT_OWN
     iteration_time_s: float
     energy_j: float
     saving: float  # against 1F1B at f_max
@@ -94,11 +95,12 @@ def build_menu(profile: Profile, num_microbatches: int, config: PlannerConfig, n
                    tuple(float(n) for n in reference.peak_inflight), 1.0, "--type baseline --scheduling 1f1b")
     rows = [fmax]
     shown_budget = f" --max-inflight {show_budget(budget)}" if budget is not None else ""
-    for name in ("1f1b", "ours"):
+    for name in (n for n in MENU_SCHEDULES if not scheduling_kind(n).model_chunks):  # interleaved: below
         if name in schedules:
-            cfg = dataclasses.replace(base, scheduling=name, max_inflight=budget if name == "ours" else None)
+            warmup = scheduling_kind(name).extra_warmup  # the activation budget limits the extra warm-up
+            cfg = dataclasses.replace(base, scheduling=name, max_inflight=budget if warmup else None)
             result = plan_envpipe(profile, num_microbatches, cfg, num_stages)
-            flags = f"--type optimal --scheduling {name}" + (shown_budget if name == "ours" else "")
+            flags = f"--type optimal --scheduling {name}" + (shown_budget if warmup else "")
             rows.append(_row(name, AT_1F1B, result, reference, flags))
     if interleaved:
         cfg = dataclasses.replace(base, scheduling=Scheduling.INTERLEAVED, virtual_stages=virtual_stages,
@@ -109,5 +111,5 @@ def build_menu(profile: Profile, num_microbatches: int, config: PlannerConfig, n
         at_1f1b = reword_warnings(plan_envpipe(profile, num_microbatches, deadline.config, num_stages))
         rows.append(_row(label, AT_1F1B, at_1f1b, reference, flags + " --deadline-from 1f1b"))
         own = plan_envpipe(profile, num_microbatches, cfg, num_stages)
-        rows.append(_row(label, AT_OWN, own, reference, flags))
+        rows.append(_row(label, _AT_OWN, own, reference, flags))
     return Menu(profile.source, p, num_microbatches, reference, tuple(rows), tuple(notes))

@@ -25,12 +25,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron_envpipe.core.kinds import plan_kind
 from megatron_envpipe.core.length_costs import LengthCostError, LengthCostModel, MicrobatchSize
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import Schedule
 from megatron_envpipe.core.timeline import PlanEvaluator, PlanScore
-from megatron_envpipe.core.vocabulary import INSTRUCTIONS, PlanType
+from megatron_envpipe.core.vocabulary import INSTRUCTIONS
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
 from megatron_envpipe.planning.optimal.deadline import InfeasibleDeadline
 from megatron_envpipe.planning.optimal.entry import optimal_setup, plan_optimal
@@ -76,7 +77,7 @@ class IterationPlanner:
         """``schedule``: the order to plan (e.g. the run-time's start-up plan's, so that programs differ only
         in their clocks); None: the one the optimal planner chooses at the reference size."""
         config.validate()
-        if config.plan_type != PlanType.OPTIMAL:
+        if not plan_kind(config.plan_type).per_iteration_plans:
             raise PlannerError(f"per-iteration plans use --type optimal's clock planner, got --type "
                                f"{config.plan_type}: use --type optimal with variable-length micro-batches")
         unsupported = [name for name, off in (("a target iteration time", config.target_time_s is None),
@@ -172,14 +173,3 @@ def _worth_scaling(profile: Profile, model: LengthCostModel, candidates_mhz: Seq
                     points = tuple(p for p in points if p.freq_mhz in worth)
                 kept[(stage, ins, chunk)] = points
     return Profile(kept, source=profile.source)
-
-
-def average_size(sizes: Sequence[MicrobatchSize]) -> MicrobatchSize:
-    """The mean micro-batch of ``sizes`` (rounded to whole tokens): what one plan for every iteration assumes.
-    Its attention term is capped at tokens**2 (one sequence): a mean of uneven micro-batches can exceed it."""
-    if not sizes:
-        raise LengthCostError("no micro-batch sizes to average")
-    n = len(sizes)
-    tokens = round(sum(s.tokens for s in sizes) / n)
-    return MicrobatchSize(tokens, min(tokens * tokens, round(sum(s.attention_tokens2 for s in sizes) / n)))
-

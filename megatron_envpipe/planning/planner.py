@@ -17,7 +17,7 @@ import dataclasses
 import time
 
 from megatron_envpipe.core.clock_transitions import predict_with_latency
-from megatron_envpipe.core.kinds import plan_kind
+from megatron_envpipe.core.kinds import plan_kind, scheduling_kind
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.core.timeline import PlanEvaluator
@@ -62,29 +62,29 @@ def plan_envpipe(
         result = plan_optimal(planned_on, num_microbatches, config, num_stages)
     else:
         result = plan_reconfigured(planned_on, num_microbatches, config, num_stages)
-    result = with_fewer_clock_changes(result, planned_on)
-    if config.plan_type == PlanType.OPTIMAL and counts_changes(config):
+    result = _with_fewer_clock_changes(result, planned_on)
+    if plan_kind(config.plan_type).optimized and counts_changes(config):
         # Changes priced inside the choice (per-rank DP over clock segments), then the better of this plan
         # and EnvPipe's envelope plan of the same schedule and memory, both counted the same way.
-        result = with_segments(result, planned_on)
-        result = better_than_envelope(result, planned_on, num_microbatches, num_stages)
-        refresh_switching_summary(result)
+        result = _with_segments(result, planned_on)
+        result = _better_than_envelope(result, planned_on, num_microbatches, num_stages)
+        _refresh_switching_summary(result)
     if result.deadline_s is not None:
         # Gap, stop reason and energies at the target from the plan the pass left (planned on the margin's
         # profile when there is one: the LP bound is that problem's).
         account_optimal(result)
     if planned_on is not profile:
-        rescore_without_margin(result, profile)
+        _rescore_without_margin(result, profile)
         if result.deadline_s is not None:  # energies at the target: the nominal prediction, as energy_saving
             account_optimal(result, lp_gap=False)
     if config.clock_lead_rule is not None:
-        rescore_with_clock_latency(result, profile)
+        _rescore_with_clock_latency(result, profile)
         if result.deadline_s is not None:  # the LP gap stays its own problem's (no latency in the bound)
             account_optimal(result, lp_gap=False)
     return result
 
 
-def rescore_with_clock_latency(result: PlanResult, profile: Profile) -> None:
+def _rescore_with_clock_latency(result: PlanResult, profile: Profile) -> None:
     """Score ``result``'s plan and baseline as they run when clock changes land ``clock_latency_s`` late
     (core/clock_transitions.py): the prediction, energy and saving then include what the lead (or a late
     clock) costs; ``details['clock_latency']`` keeps the figures without latency beside it."""
@@ -110,7 +110,7 @@ def rescore_with_clock_latency(result: PlanResult, profile: Profile) -> None:
     result.planner_seconds += time.perf_counter() - t0
 
 
-def rescore_without_margin(result: PlanResult, profile: Profile) -> None:
+def _rescore_without_margin(result: PlanResult, profile: Profile) -> None:
     """Score ``result``'s plan on the profile itself: the prediction a run is measured against
     (nominal unit times); the margin stays in the plan as slack."""
     t0 = time.perf_counter()
@@ -125,7 +125,7 @@ def rescore_without_margin(result: PlanResult, profile: Profile) -> None:
     result.planner_seconds += time.perf_counter() - t0
 
 
-def with_fewer_clock_changes(result: PlanResult, profile: Profile) -> PlanResult:
+def _with_fewer_clock_changes(result: PlanResult, profile: Profile) -> PlanResult:
     """``result`` after the switching pass its config asks for (``details['clock_switching']`` says what
     it did); unchanged when the switch cost is 0 and there is no clock-change budget."""
     cfg = result.config
@@ -149,12 +149,12 @@ def with_fewer_clock_changes(result: PlanResult, profile: Profile) -> PlanResult
     return result
 
 
-# The envelope rival (better_than_envelope) gets the segment DP when, after the merge pass, it is worth at
+# The envelope rival (_better_than_envelope) gets the segment DP when, after the merge pass, it is worth at
 # most this much more than the optimal plan: the DP has not gained more than about 1 % of a plan's energy.
-RIVAL_DP_WITHIN = 0.02
+_RIVAL_DP_WITHIN = 0.02
 
 
-def refresh_switching_summary(result: PlanResult) -> None:
+def _refresh_switching_summary(result: PlanResult) -> None:
     """``details['clock_switching']`` from the plan before the merge pass to the plan returned, whatever
     came between (segment DP, the merge pass again, EnvPipe's plan kept)."""
     summary = result.details.get("clock_switching")
@@ -174,7 +174,7 @@ def counts_changes(config: PlannerConfig) -> bool:
     return config.effective_switch_cost_j > 0 or config.clock_latency_s > 0
 
 
-def counted_energy_j(result: PlanResult) -> float:
+def _counted_energy_j(result: PlanResult) -> float:
     """What a plan is worth with its clock changes counted (:attr:`PlanResult.energy_j`), until the target
     iteration time when the plan is padded to one (faster plans block at P2P power until then)."""
     energy = result.energy_j
@@ -184,7 +184,7 @@ def counted_energy_j(result: PlanResult) -> float:
     return energy
 
 
-def latency_summary(result: PlanResult, profile: Profile) -> dict:
+def _latency_summary(result: PlanResult, profile: Profile) -> dict:
     """Segments too short for the clock latency (planning/switching_dp.short_segments) and changes per rank."""
     evaluator_durations = result.timeline.duration_s
     short, k = 0, 0
@@ -194,7 +194,7 @@ def latency_summary(result: PlanResult, profile: Profile) -> dict:
     return {"short_segments": short, "charged_clock_changes": sum(steady_clock_changes(result.plan))}
 
 
-def with_segments(result: PlanResult, profile: Profile) -> PlanResult:
+def _with_segments(result: PlanResult, profile: Profile) -> PlanResult:
     """``result`` after the per-rank segment DP (planning/switching_dp.py) and the merge pass again; the DP
     holds every segment to the clock latency (``config.clock_latency_s``); ``details['clock_segments']``
     says what it did, ``details['clock_changes_removed_by_latency']`` how many changes the latency removed."""
@@ -205,7 +205,7 @@ def with_segments(result: PlanResult, profile: Profile) -> PlanResult:
     evaluator = PlanEvaluator(result.schedule, profile, cfg.effective_p2p_power_w, graph=result.timeline.graph)
     deadline = result.deadline_s if padded and result.deadline_s is not None else result.score.iteration_time_s
     latency = cfg.clock_latency_s
-    before = latency_summary(result, profile) if latency > 0 else None
+    before = _latency_summary(result, profile) if latency > 0 else None
     dp = plan_segments(result.plan, evaluator, deadline, cost, min_segment_s=latency)
     # The same DP without the latency bound says how many changes the latency removed.
     free = plan_segments(result.plan, evaluator, deadline, cost) if latency > 0 else dp
@@ -222,7 +222,7 @@ def with_segments(result: PlanResult, profile: Profile) -> PlanResult:
         "ranks_replanned": dp.ranks_improved, "sweeps": dp.sweeps, "min_segment_s": latency,
     }
     if before is not None:
-        after = latency_summary(result, profile)
+        after = _latency_summary(result, profile)
         result.details["clock_segments"].update(short_segments_before=before["short_segments"],
                                                 short_segments_after=after["short_segments"])
         result.details["clock_changes_removed_by_latency"] = max(
@@ -231,17 +231,17 @@ def with_segments(result: PlanResult, profile: Profile) -> PlanResult:
     return result
 
 
-def better_than_envelope(result: PlanResult, profile: Profile, num_microbatches: int,
+def _better_than_envelope(result: PlanResult, profile: Profile, num_microbatches: int,
                          num_stages: int | None) -> PlanResult:
     """The better of the optimal ``result`` and EnvPipe's envelope plan of the same scheduling and memory
     (balanced reconfiguration, the same switch cost, merge pass and segment DP), counted the same way
-    (:func:`counted_energy_j`); the rival must meet the optimal plan's deadline. ``details['kept_plan']``
+    (:func:`_counted_energy_j`); the rival must meet the optimal plan's deadline. ``details['kept_plan']``
     says which was kept, ``details['envelope_rival']`` what the other was worth."""
     cfg = result.config
     t0 = time.perf_counter()
     rival_cfg = dataclasses.replace(cfg, plan_type=PlanType.ENVELOPE, reconfig="balanced",
                                     switch_cost_j=cfg.effective_switch_cost_j, target_time_s=None)
-    mine = counted_energy_j(result)
+    mine = _counted_energy_j(result)
     result.details["kept_plan"] = "optimal"
     # The rival starts from the optimal plan's basis (clocks, baseline): the same problem, planned once.
     # (Its warnings are not reported, only its plan: the basis's own warnings are the optimal plan's.)
@@ -253,12 +253,12 @@ def better_than_envelope(result: PlanResult, profile: Profile, num_microbatches:
                                   (result.schedule, result.baseline_plan.schedule))
     except EnvPipeError:
         return result
-    rival = with_fewer_clock_changes(rival, profile)
+    rival = _with_fewer_clock_changes(rival, profile)
     rival.details["padded_to_deadline"] = result.details.get("padded_to_deadline", False)
     rival.deadline_s = result.deadline_s
-    if counted_energy_j(rival) < mine * (1 + RIVAL_DP_WITHIN) or cfg.clock_latency_s > 0:
-        rival = with_segments(rival, profile)  # only where it may win: the DP takes about as long as the plan
-    theirs = counted_energy_j(rival)
+    if _counted_energy_j(rival) < mine * (1 + _RIVAL_DP_WITHIN) or cfg.clock_latency_s > 0:
+        rival = _with_segments(rival, profile)  # only where it may win: the DP takes about as long as the plan
+    theirs = _counted_energy_j(rival)
     fits = result.deadline_s is None or rival.score.iteration_time_s <= result.deadline_s * (1 + 1e-9)
     result.details["envelope_rival"] = {"energy_j": theirs, "meets_deadline": fits,
                                         "charged_clock_changes": sum(rival.charged_clock_changes)}
@@ -268,7 +268,7 @@ def better_than_envelope(result: PlanResult, profile: Profile, num_microbatches:
             if key in rival.details:
                 result.details[key] = rival.details[key]
         result.details["kept_plan"] = "envelope"
-        if cfg.scheduling == "ours" and result.details.get("extra_warmup_chosen") is not None:
+        if scheduling_kind(cfg.scheduling).extra_warmup and result.details.get("extra_warmup_chosen") is not None:
             result.details["extra_warmup_chosen"] = "envelope"
     result.planner_seconds += time.perf_counter() - t0
     return result

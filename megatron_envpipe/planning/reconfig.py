@@ -27,12 +27,12 @@ from megatron_envpipe.core.timeline import outer_envelope
 from megatron_envpipe.core.vocabulary import RECONFIG_POLICIES, ReconfigPolicy
 from megatron_envpipe.planning.basis import PlannerError
 
-GREEDY_STEP_FACTOR = 3  # EnvPipe: greedy raises 3 steps so it moves as fast as balanced
-DEFAULT_FINISH_LIMIT = 10
+_GREEDY_STEP_FACTOR = 3  # EnvPipe: greedy raises 3 steps so it moves as fast as balanced
+_DEFAULT_FINISH_LIMIT = 10
 # Iterations whose median decides one online correction: 3 outvotes one outlier (a data-loader
 # stall, a NCCL hiccup) yet reacts within 3 iterations. 1 is EnvPipe's own one-iteration rule.
 DEFAULT_WINDOW = 3
-THRESHOLD_CAP = 0.01  # of the last stage's median unit time (measured_critical_path)
+_THRESHOLD_CAP = 0.01  # of the last stage's median unit time (measured_critical_path)
 
 
 class ClockLadder:
@@ -59,7 +59,7 @@ class ClockLadder:
 
 
 @dataclass(frozen=True)
-class Correction:
+class _Correction:
     """One online raise: which units (stage, position in its order) went from which clock to which."""
 
     changes: tuple[tuple[int, int, int, int], ...]  # (stage, index, old MHz, new MHz)
@@ -79,7 +79,7 @@ class Reconfigurer:
         plan: FrequencyPlan,
         policy: str,
         ladder: ClockLadder,
-        finish_limit: int = DEFAULT_FINISH_LIMIT,
+        finish_limit: int = _DEFAULT_FINISH_LIMIT,
         threshold_scale: float = 4.0,
         target_time_s: float | None = None,
         time_tolerance: float = 0.01,
@@ -114,7 +114,7 @@ class Reconfigurer:
         self.iterations = 0
         self.raises = 0
         self.lowers = 0
-        self.stack: list[Correction] = []  # online raises still in force, oldest first
+        self.stack: list[_Correction] = []  # online raises still in force, oldest first
         self._recent: list[tuple[list[list[float]], float]] = []  # (receive waits, time) since the last change
         self._lowered_since_raise = False
         self._last_unit_s: float | None = None  # last stage's median unit time, until the threshold is fixed
@@ -184,14 +184,22 @@ class Reconfigurer:
             for s, i in positions:
                 if freqs[s][i] < f_max:
                     old = freqs[s][i]
-                    freqs[s][i] = self._raised(s, orders[s][i], old, GREEDY_STEP_FACTOR)
+                    freqs[s][i] = self._raised(s, orders[s][i], old, _GREEDY_STEP_FACTOR)
                     return ((s, i, old, freqs[s][i]),)
             return ()
         # balanced: every unit of the path at the path's lowest clock, one step up
-        f_min = min(freqs[s][i] for s, i in positions)
+        f_min = min([freqs[s][i] for s, i in positions])
         if f_min >= f_max:
             return ()
         changes = []
+        if self.profile is None:  # the plain step depends on the clock only: one target for the whole path
+            new = self.ladder.raised(f_min, 1)
+            for s, i in positions:
+                row = freqs[s]
+                if row[i] == f_min:
+                    row[i] = new
+                    changes.append((s, i, f_min, new))
+            return tuple(changes)
         for s, i in positions:
             if freqs[s][i] == f_min:
                 freqs[s][i] = new = self._raised(s, orders[s][i], f_min, 1)
@@ -271,8 +279,8 @@ class Reconfigurer:
             if changes:
                 pin = self._lowered_since_raise
                 if pin:  # a lowering went too far: what is in force now stays
-                    self.stack = [Correction(c.changes, pinned=True) for c in self.stack]
-                self.stack.append(Correction(changes, pinned=pin))
+                    self.stack = [_Correction(c.changes, pinned=True) for c in self.stack]
+                self.stack.append(_Correction(changes, pinned=pin))
                 self._lowered_since_raise = False
                 self.raises += 1
                 changed = True
@@ -310,7 +318,7 @@ class Reconfigurer:
         if self.threshold_s is None:
             nonzero = [w for w in recv_wait_s[last][1:] if w > 0]
             floor = self.threshold_scale * statistics.median(nonzero) if nonzero else 0.0
-            self.threshold_s = floor if unit_time_s is None else min(floor, THRESHOLD_CAP * unit_time_s)
+            self.threshold_s = floor if unit_time_s is None else min(floor, _THRESHOLD_CAP * unit_time_s)
         threshold = self.threshold_s
         index = self._index
         s, i = 0, len(sched.orders[0]) - 1

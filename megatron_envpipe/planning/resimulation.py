@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_envpipe.core.graph import EdgeLists, ready_pair_s
+from megatron_envpipe.core.graph import EdgeLists, earliest_steps_from
 from megatron_envpipe.core.timeline import PipelineGraph, Timeline
 
 
 class Resimulator:
     """``graph.simulate(durations)`` after a few units' durations changed: the walk resumes at the first changed
     unit in the graph's topological order (the units before it keep their times: none of their inputs changed),
-    with :func:`~megatron_envpipe.core.graph.earliest_times`' own steps and relaxation (``ready_pair_s``), so the times are
-    the same to the bit."""
+    with :func:`~megatron_envpipe.core.graph.earliest_times`' own steps and walk (``earliest_steps_from``), so the times
+    are the same to the bit."""
 
     def __init__(self, graph: PipelineGraph) -> None:
         self.graph = graph
@@ -32,8 +32,6 @@ class Resimulator:
         start = list(before.start_s)
         end = list(before.end_s)
         end.append(0.0)  # the absent edge's slot (core/graph.py's flat steps)
-        for v, a, lat_a, b, lat_b in steps[min(self.position[v] for v in changed):]:
-            start[v] = t = ready_pair_s(end, a, lat_a, b, lat_b)
-            end[v] = t + durations_s[v]
+        earliest_steps_from(steps, min(self.position[v] for v in changed), start, end, durations_s)
         end.pop()
         return Timeline(self.graph, start, end, list(durations_s))

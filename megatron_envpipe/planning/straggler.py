@@ -237,7 +237,7 @@ class FrontierPlans:
         return PacePlan(point.plan, point.time_s, energy_j)
 
 
-def compute_frontier_plans(
+def _compute_frontier_plans(
     profile: Profile,
     num_microbatches: int,
     config: PlannerConfig = PlannerConfig("optimal", "ours", "default"),
@@ -248,7 +248,7 @@ def compute_frontier_plans(
     return FrontierPlans(compute_frontier(profile, num_microbatches, config, points=points, num_stages=num_stages))
 
 
-def replan_for_pace(
+def _replan_for_pace(
     profile: Profile,
     num_microbatches: int,
     target_time_s: float,
@@ -303,25 +303,11 @@ class BackgroundResult(Generic[T]):
 FrontierHandle = BackgroundResult  # what start_background returns: BackgroundResult[FrontierPlans]
 
 
-def run_in_background(compute: Callable[[], T], name: str = "envpipe-frontier") -> BackgroundResult[T]:
+def _run_in_background(compute: Callable[[], T], name: str = "envpipe-frontier") -> BackgroundResult[T]:
     """Run ``compute`` in a daemon thread; return its handle at once."""
     handle: BackgroundResult[T] = BackgroundResult()
     threading.Thread(target=handle._run, args=(compute,), name=name, daemon=True).start()
     return handle
-
-
-def replan_in_background(
-    profile: Profile,
-    num_microbatches: int,
-    target_time_s: float,
-    config: PlannerConfig = PlannerConfig("optimal", "ours", "default"),
-    num_stages: int | None = None,
-) -> BackgroundResult[PacePlan]:
-    """:func:`replan_for_pace` in a daemon thread: follow with the frontier's plan at once, then switch to
-    this one when it is ready (if it is better)."""
-    _check_pace("target iteration time", target_time_s)
-    return run_in_background(lambda: replan_for_pace(profile, num_microbatches, target_time_s, config, num_stages),
-                             name="envpipe-replan")
 
 
 def start_background(
@@ -335,4 +321,4 @@ def start_background(
 
     Pure Python planning holds the GIL most of the time, so the training thread's Python work is
     slowed while it runs (seconds at start-up, see docs/stragglers.md); GPU work is not."""
-    return run_in_background(lambda: compute_frontier_plans(profile, num_microbatches, config, points, num_stages))
+    return _run_in_background(lambda: _compute_frontier_plans(profile, num_microbatches, config, points, num_stages))

@@ -63,7 +63,7 @@ from megatron_envpipe.errors import UsageError
 from megatron_envpipe.planning.switching_state import ClockRun, SwitchingState
 
 DEFAULT_SWITCH_LATENCY_S = DEFAULT_CLOCK_LATENCY.settle_s  # time lost per clock change (module docstring)
-MAX_SWITCH_COST_J = 1e6
+_MAX_SWITCH_COST_J = 1e6
 
 
 class SwitchingError(UsageError, ValueError):
@@ -90,9 +90,9 @@ def switch_energy_j(plan: FrequencyPlan, switch_cost_j: float) -> float:
 def check_switching(switch_cost_j: float | None, max_clock_changes: int | None) -> None:
     """Range and kind of the two knobs (None: not given); SwitchingError naming the flag otherwise."""
     if switch_cost_j is not None and (isinstance(switch_cost_j, bool) or not isinstance(switch_cost_j, int | float)
-                                      or not 0 <= switch_cost_j <= MAX_SWITCH_COST_J):
+                                      or not 0 <= switch_cost_j <= _MAX_SWITCH_COST_J):
         raise SwitchingError(f"switch cost (--switch-cost-j) must be a finite number of joules between 0 and "
-                             f"{MAX_SWITCH_COST_J:g} per clock change, got {switch_cost_j!r}")
+                             f"{_MAX_SWITCH_COST_J:g} per clock change, got {switch_cost_j!r}")
     if max_clock_changes is not None and (isinstance(max_clock_changes, bool) or not isinstance(max_clock_changes, int)
                                           or max_clock_changes < 1):
         raise SwitchingError(f"clock-change budget (--max-clock-changes) must be a whole number >= 1 per rank per "
@@ -207,7 +207,7 @@ def _by_budget(state: SwitchingState, max_changes: int) -> None:
 
 
 # The last few passes, by their inputs (reduce_clock_changes_remembered): the optimal planner prices its candidates'
-# changes with the pass (optimal/entry.py counted_extra_j) and then runs it again on the plan it keeps. Keyed by the identity of the
+# changes with the pass (optimal/entry.py _counted_extra_j) and then runs it again on the plan it keeps. Keyed by the identity of the
 # schedule, graph and profile (immutable; the entry holds them, so the ids stay theirs) and the plan's clocks.
 _RECENT_PASSES: dict[tuple, tuple[tuple, SwitchingResult]] = {}
 _RECENT_PASSES_MAX = 4

@@ -40,10 +40,11 @@ from megatron_envpipe.core.timeline import PlanEvaluator, PlanScore, Timeline
 
 # Pareto entries kept per (unit, clock). issue 34 bench, 24 cells: 3 -> 16 raised the counted saving by 0.16
 # points per cell on average (the entry a later bound needs is kept more often) for ~10 % more planning time.
-DEFAULT_KEEP = 16
-DEFAULT_MAX_CLOCKS = 6  # clocks a rank uses most, tried for each of its units
-DEFAULT_SWEEPS = 2
+_DEFAULT_KEEP = 16
+_DEFAULT_MAX_CLOCKS = 6  # clocks a rank uses most, tried for each of its units
+_DEFAULT_SWEEPS = 2
 _END_COST = itemgetter(0, 1)
+_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class SegmentResult:
     sweeps: int
 
 
-def steady_changes_of(row: list[int]) -> int:
+def _steady_changes_of(row: list[int]) -> int:
     """The changes one rank makes per iteration when iterations repeat (switching.steady_clock_changes)."""
     return sum(1 for a, b in zip(row, (*row[1:], *row[:1])) if a != b)
 
@@ -74,23 +75,6 @@ def short_segments(row: list[int], durations_s: list[float], min_segment_s: floa
             count += busy < min_segment_s
             busy = 0.0
     return count
-
-
-def _pareto(entries: list[tuple], keep: int) -> list[tuple]:
-    """Entries ``(end, cost, ...)`` not dominated in (end, cost), earliest end first; at most ``keep``:
-    the earliest end and the ``keep - 1`` cheapest."""
-    if len(entries) < 2:
-        return entries
-    entries.sort(key=_END_COST)
-    out = []
-    best = float("inf")
-    for e in entries:
-        if e[1] < best - 1e-12:
-            out.append(e)
-            best = e[1]
-    if len(out) > keep:
-        out = out[:1] + out[len(out) - keep + 1:]
-    return out
 
 
 class _Tables:
@@ -110,9 +94,15 @@ def _stage_dp(units: range, allowed: list[list[int]], tables: _Tables, ready: li
               switch_cost_j: float, keep: int, min_segment_s: float) -> tuple[float, list[int]] | None:
     """The cheapest clocks for the rank's ``units`` (in execution order) under the bounds; None: none found."""
     at = tables.at
+    sc = switch_cost_j
+    cut = keep - 1
     prev: dict[int, list[tuple]] | None = None
-    layers: list[dict[int, list[tuple]]] = []
-    # Entry: (end, cost, first clock, busy time of its segment so far, back = (prev clock, entry index) or None)
+    # Entry: (end, cost, first clock, busy time of its segment so far, clock, the previous unit's entry or None).
+    # Per (unit, clock) the same lists as a Pareto filter over every candidate (own clock's entries, then a change
+    # from the best entries of any clock; kept: the earliest end and the ``keep - 1`` cheapest, costs falling by
+    # more than 1e-12; test_segment_dp_exact's _plain_pareto), built with less work: candidates are made in end
+    # order, so the first too late ends the scan; of those ending at the same time (all that wait for the input,
+    # at r + t) only the first cheapest can survive it, so only it is kept (the lists are the same to the bit).
     for i, v in enumerate(units):
         r, c_lim, tab = ready[i], cap[i], at[v]
         cur: dict[int, list[tuple]] = {}
@@ -120,49 +110,104 @@ def _stage_dp(units: range, allowed: list[list[int]], tables: _Tables, ready: li
             for f in allowed[i]:
                 t, eff = tab[f]
                 if r + t <= c_lim:
-                    cur[f] = [(r + t, eff, f, t, None)]
+                    cur[f] = [(r + t, eff, f, t, f, None)]
         else:
-            pool = []
-            for pf, lst in prev.items():
-                for k, e in enumerate(lst):
-                    if e[3] >= min_segment_s:  # the segment it ends lasted long enough for a change
-                        pool.append((e[0], e[1], e[2], pf, k))
-            glob = _pareto(pool, keep)
+            if min_segment_s > 0:  # only a segment that lasted long enough for a change may end
+                every = [e for lst in prev.values() for e in lst if e[3] >= min_segment_s]
+            else:
+                every = [e for lst in prev.values() for e in lst]
+            every.sort(key=_END_COST)
+            glob = []  # the Pareto filter of every (keep entries), as (end, cost with the change, clock, entry)
+            thr = _INF
+            for g in every:
+                if g[1] < thr:
+                    thr = g[1] - 1e-12
+                    glob.append((g[0], g[1] + sc, g[4], g))
+            if len(glob) > keep:
+                glob = glob[:1] + glob[len(glob) - cut:]
             for f in allowed[i]:
                 t, eff = tab[f]
-                cands = []
-                for k, e in enumerate(prev.get(f, ())):
-                    s = e[0] if e[0] > r else r
-                    if s + t <= c_lim:
-                        cands.append((s + t, e[1] + eff, e[2], e[3] + t, (f, k)))
-                for e_end, e_cost, first, pf, k in glob:
-                    if pf == f:
+                rt = r + t
+                if rt > c_lim:  # every candidate ends at r + t or later
+                    continue
+                own: list[tuple] = []  # (end, cost, entry before, busy): staying at f
+                last_end = None
+                for e in prev.get(f, ()):
+                    e0 = e[0]
+                    end = e0 + t if e0 > r else rt
+                    if end > c_lim:
+                        break
+                    c = e[1] + eff
+                    if end == last_end:
+                        if c < own[-1][1]:
+                            own[-1] = (end, c, e, e[3] + t)
+                    else:
+                        last_end = end
+                        own.append((end, c, e, e[3] + t))
+                moved: list[tuple] = []  # changing to f
+                last_end = None
+                for g0, gc, gf, g in glob:
+                    if gf == f:
                         continue
-                    s = e_end if e_end > r else r
-                    if s + t <= c_lim:
-                        cands.append((s + t, e_cost + switch_cost_j + eff, first, t, (pf, k)))
-                if cands:
-                    cur[f] = _pareto(cands, keep)
+                    end = g0 + t if g0 > r else rt
+                    if end > c_lim:
+                        break
+                    c = gc + eff
+                    if end == last_end:
+                        if c < moved[-1][1]:
+                            moved[-1] = (end, c, g, t)
+                    else:
+                        last_end = end
+                        moved.append((end, c, g, t))
+                out = []
+                thr = _INF  # the last cost kept - 1e-12 (the Pareto filter's test)
+                if moved and own:
+                    # the Pareto filter's scan over own + moved in (end, cost) order, staying first among equals
+                    # (a stable sort's order): both lists are in strictly increasing end order already, so a merge.
+                    i_o = i_m = 0
+                    n_o, n_m = len(own), len(moved)
+                    while i_o < n_o and i_m < n_m:
+                        xo, xm = own[i_o], moved[i_m]
+                        if xm[0] < xo[0] or (xm[0] == xo[0] and xm[1] < xo[1]):
+                            x = xm
+                            i_m += 1
+                        else:
+                            x = xo
+                            i_o += 1
+                        if x[1] < thr:
+                            thr = x[1] - 1e-12
+                            e = x[2]
+                            out.append((x[0], x[1], e[2], x[3], f, e))
+                    own = own[i_o:] if i_o < n_o else moved[i_m:]
+                elif moved:
+                    own = moved
+                for x in own:  # the Pareto filter's scan (of what the merge left)
+                    if x[1] < thr:
+                        thr = x[1] - 1e-12
+                        e = x[2]
+                        out.append((x[0], x[1], e[2], x[3], f, e))
+                if out:
+                    if len(out) > keep:
+                        out = out[:1] + out[len(out) - cut:]
+                    cur[f] = out
         if not cur:
             return None
-        layers.append(cur)
         prev = cur
     assert prev is not None
-    best: tuple[float, int, int] | None = None
+    found: tuple | None = None
+    total = 0.0
     for f, lst in prev.items():
-        for k, e in enumerate(lst):
-            total = e[1] + (switch_cost_j if f != e[2] else 0.0)
-            if best is None or total < best[0]:
-                best = (total, f, k)
-    if best is None:
+        for e in lst:
+            x = e[1] + (sc if f != e[2] else 0.0)
+            if found is None or x < total:
+                total, found = x, e
+    if found is None:
         return None
-    total, f, k = best
-    clocks = [0] * len(layers)
-    for i in range(len(layers) - 1, -1, -1):
-        clocks[i] = f
-        back = layers[i][f][k][4]
-        if back is not None:
-            f, k = back
+    clocks = []
+    while found is not None:
+        clocks.append(found[4])
+        found = found[5]
+    clocks.reverse()
     return total, clocks
 
 
@@ -209,8 +254,8 @@ class _RankEnds:
 
 
 def plan_segments(plan: FrequencyPlan, evaluator: PlanEvaluator, deadline_s: float, switch_cost_j: float,
-                  min_segment_s: float = 0.0, keep: int = DEFAULT_KEEP, max_clocks: int = DEFAULT_MAX_CLOCKS,
-                  max_sweeps: int = DEFAULT_SWEEPS, hints: FrequencyPlan | None = None) -> SegmentResult:
+                  min_segment_s: float = 0.0, keep: int = _DEFAULT_KEEP, max_clocks: int = _DEFAULT_MAX_CLOCKS,
+                  max_sweeps: int = _DEFAULT_SWEEPS, hints: FrequencyPlan | None = None) -> SegmentResult:
     """Re-plan each rank's clocks by the DP (module docstring) until a sweep improves none; never ends later
     than ``max(deadline_s, the plan's own iteration time)`` and never worth more (energy + changes x cost)."""
     graph = evaluator.graph
@@ -218,7 +263,7 @@ def plan_segments(plan: FrequencyPlan, evaluator: PlanEvaluator, deadline_s: flo
     freqs = plan.flat()
     timeline = evaluator.simulate(freqs)
     score = evaluator.score(freqs, timeline)
-    before = score.energy_j + switch_cost_j * sum(steady_changes_of(list(r)) for r in plan.freqs_mhz)
+    before = score.energy_j + switch_cost_j * sum(_steady_changes_of(list(r)) for r in plan.freqs_mhz)
     limit = max(float(deadline_s), timeline.iteration_time_s)
     offsets, k = [], 0
     for order in plan.schedule.orders:
@@ -244,7 +289,7 @@ def plan_segments(plan: FrequencyPlan, evaluator: PlanEvaluator, deadline_s: flo
                 continue
             row = freqs[units.start:units.stop]
             allowed = _allowed(units, row, tables, max_clocks, hints.freqs_mhz[s] if hints is not None else ())
-            current = sum(tables.at[v][f][1] for v, f in zip(units, row)) + switch_cost_j * steady_changes_of(row)
+            current = sum(tables.at[v][f][1] for v, f in zip(units, row)) + switch_cost_j * _steady_changes_of(row)
             # A rank with a segment too short for the clock latency takes the DP's answer whatever it costs.
             forced = min_segment_s > 0 and short_segments(row, [tables.at[v][f][0] for v, f in zip(units, row)],
                                                           min_segment_s) > 0
@@ -277,7 +322,7 @@ def plan_segments(plan: FrequencyPlan, evaluator: PlanEvaluator, deadline_s: flo
             break
     new_plan = FrequencyPlan.from_flat(plan.schedule, freqs)
     new_score = evaluator.score(freqs, timeline)
-    after = new_score.energy_j + switch_cost_j * sum(steady_changes_of(list(r)) for r in new_plan.freqs_mhz)
+    after = new_score.energy_j + switch_cost_j * sum(_steady_changes_of(list(r)) for r in new_plan.freqs_mhz)
     if timeline.iteration_time_s > limit * (1 + 1e-9) or (after > before and min_segment_s <= 0):
         # The bounds make neither possible; should rounding ever tip it, the plan stays as it was.
         return SegmentResult(plan, evaluator.simulate(plan.flat()), score, before, before, 0, sweeps)

@@ -18,6 +18,7 @@ simulation's:
 from __future__ import annotations
 
 import math
+import threading
 from itertools import accumulate
 
 from megatron_envpipe.core.graph import (
@@ -32,8 +33,12 @@ from megatron_envpipe.core.graph import (
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.timeline import PlanEvaluator, Timeline
 
-RTOL = 1e-12  # a plan meets its deadline when its makespan is at most deadline x (1 + RTOL)
-PRUNE_RTOL = 1e-9  # slack (x deadline) that rounding along any path cannot eat: SwitchingState.ends_by_deadline
+# Per graph (keyed by its id, holding it so the id stays its own): successors, topological positions, flat steps.
+_GRAPH_PARTS: dict[tuple[int, int], tuple] = {}
+_GRAPH_PARTS_MAX = 8
+_GRAPH_PARTS_LOCK = threading.Lock()
+_RTOL = 1e-12  # a plan meets its deadline when its makespan is at most deadline x (1 + _RTOL)
+_PRUNE_RTOL = 1e-9  # slack (x deadline) that rounding along any path cannot eat: SwitchingState.ends_by_deadline
 
 
 class ClockRun:
@@ -70,11 +75,23 @@ class SwitchingState:
         self.n = n = k
         self._build_tables(evaluator)
         self.preds = graph.preds
-        self.succs = successors(graph.preds)
         self.order = order = graph.order
-        self.topo_pos = pos = [0] * n
-        for i, v in enumerate(order):
-            pos[v] = i
+        # The graph's parts the walks read (never written): built once per graph (the pass runs several times
+        # per plan, on the graph PipelineGraph.shared hands out).
+        key = (id(graph), n)
+        with _GRAPH_PARTS_LOCK:
+            parts = _GRAPH_PARTS.get(key)
+        if parts is None or parts[0] is not graph:
+            self.succs = successors(graph.preds)
+            self.topo_pos = pos = [0] * n
+            for i, v in enumerate(order):
+                pos[v] = i
+            parts = (graph, self.succs, pos, self._two_edge_steps())
+            with _GRAPH_PARTS_LOCK:
+                while len(_GRAPH_PARTS) >= _GRAPH_PARTS_MAX:
+                    del _GRAPH_PARTS[next(iter(_GRAPH_PARTS))]  # the oldest
+                _GRAPH_PARTS[key] = parts
+        _, self.succs, self.topo_pos, self._steps = parts
         if timeline is None:
             timeline = evaluator.simulate(self.freqs)
         self.dur = list(timeline.duration_s)
@@ -83,7 +100,6 @@ class SwitchingState:
         # neither ever wins its comparison), so the walks below can take every unit as two edges.
         self.end = [*timeline.end_s, 0.0]
         self.latest_start.append(deadline_s)
-        self._steps = self._two_edge_steps()
         self.runs: list[list[ClockRun]] = []
         for s, row in enumerate(plan.freqs_mhz):
             runs: list[ClockRun] = []
@@ -191,7 +207,7 @@ class SwitchingState:
             for v in range(first, last):
                 chain = ready_s(preds[v], ends) + dur[v] + (new_dur[v - first] - old_dur[v - first])
                 ends.chain = chain
-                if chain > lf[v] * (1 + RTOL):
+                if chain > lf[v] * (1 + _RTOL):
                     self._refused[(run, freq)] = (run.version, self._epoch)
                     return False
         self.settle(math.inf, -math.inf)
@@ -301,11 +317,11 @@ class SwitchingState:
             self._bwd_hi = lo - 1
 
     def ends_by_deadline(self, first: int, last: int, longer: bool) -> bool:
-        """Whether every unit still ends by the deadline (x (1 + RTOL)) with the durations of ``first..last-1``
+        """Whether every unit still ends by the deadline (x (1 + _RTOL)) with the durations of ``first..last-1``
         just changed (everything else settled); leaves the timeline as it was.
 
         Propagates earliest times downstream in topological order, with a margin far above rounding
-        (PRUNE_RTOL x deadline) either way. It stops at a unit that ends past its latest finish by the
+        (_PRUNE_RTOL x deadline) either way. It stops at a unit that ends past its latest finish by the
         margin (a path on from it ends too late): any unit when all changed units are ``longer`` (latest
         finishes then only fall), else one after the run (no ancestor of it: its latest finish stands).
         It does not go on from a unit after the run whose end grew but stays below its latest finish less
@@ -315,8 +331,8 @@ class SwitchingState:
         """
         dur, end, lf, order = self.dur, self.end, self.latest_finish, self.order
         pos, preds, succs, n = self.topo_pos, self.preds, self.succs, self.n
-        limit = self.deadline_s * (1 + RTOL)
-        margin = self.deadline_s * PRUNE_RTOL
+        limit = self.deadline_s * (1 + _RTOL)
+        margin = self.deadline_s * _PRUNE_RTOL
         boundary = pos[last - 1]
         # A unit is walked at most once (its dependants come later in the order); slot n: the absent edge's.
         marked = bytearray(n + 1)

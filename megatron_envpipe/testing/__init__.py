@@ -8,6 +8,12 @@ first use (PEP 562), so the pure test helpers here (``milp``: the exact MILP
 reference planner, ``synthetic``: deeper profiles from the shipped ones) import
 without torch; the harness imports torch but not megatron; ranks import megatron
 themselves.
+
+Other test support lives in modules of its own: ``forked_ranks`` (a torchrun stand-in that forks
+the ranks of a launch from one interpreter that imported torch and megatron-core once),
+``switch_bound`` (a lower bound on energy that counts clock changes, for bench/switch_bound.py),
+``noisy_run``, ``graph_choosing``, ``clock_probe_gpu`` and ``microbatch_sizes`` (helpers only tests
+and benches use).
 """
 
 import importlib

@@ -28,7 +28,7 @@ from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.core.hooks import RecordingHooks
 from megatron_envpipe.core.instructions import with_shape_messages
-from megatron_envpipe.core.vocabulary import Scheduling
+from megatron_envpipe.core.kinds import scheduling_kind
 from megatron_envpipe.megatron.executor import envpipe_forward_backward, envpipe_interleaved_forward_backward
 from megatron_envpipe.megatron.patch import install
 from megatron_envpipe.megatron.shape_exchange import uses_shape_messages
@@ -96,7 +96,7 @@ def _run(config: EnvPipeConfig, record_dir: str | None, repeat: int = 1, stall_r
     p, stage = _pipeline_position()
     executor = _executor(kwargs)
     # Model chunks under another scheduling fall back to Megatron's schedule: no program to expect.
-    runs_program = _chunks(kwargs) == 1 or config.scheduling == Scheduling.INTERLEAVED
+    runs_program = _chunks(kwargs) == 1 or scheduling_kind(config.scheduling).model_chunks
     plan = _prepare(runtime, p, m, kwargs) if runs_program else None
     store = run_schedule(executor, **kwargs)
     live = [_live_tensors()]

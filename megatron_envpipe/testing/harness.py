@@ -22,12 +22,18 @@ EnvPipe with itself.
 Starting ranks is dominated by importing torch and megatron (5 s per process,
 several times that when P processes import at once on two cores). Ranks are
 therefore forked from a forkserver that preloads both, paid once per parent
-process, and several runs can share one set of ranks.
+process (:func:`start_ranks`, also for tests' own gloo ranks), and several runs
+can share one set of ranks. Every rank forked from it is still a fresh process:
+nothing one rank does (``install()``) reaches the next. The parent stops and
+waits for its forkserver at exit, so that the ranks' CPU time is counted in
+the parent's (``/usr/bin/time pytest``) like that of any child it waits for.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import multiprocessing
 import os
 import sys
@@ -35,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,11 +69,14 @@ __all__ = [
     "StageResult",
     "compare_results",
     "identify",
+    "join_ranks",
     "megatron_1f1b",
     "megatron_interleaved",
     "rank_batches",
     "run_pipeline",
     "run_schedule",
+    "start_ranks",
+    "stop_forkserver",
 ]
 
 # Megatron-core's own non-interleaved 1F1B and interleaved schedules, by module and qualified name.
@@ -241,19 +251,11 @@ def run_pipeline(
     # The parent owns the rendezvous store: binding port 0 here and handing the
     # chosen port to the ranks leaves no window for another process to take it.
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
-    # Only takes effect if this process has not started its forkserver yet.
-    multiprocessing.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="envpipe-harness-") as tmp:
         out_dir = Path(tmp)
-        context = mp.start_processes(
-            _rank_main,
-            args=(world_size, store.port, runs, spec, str(out_dir), pipeline_size, tensor_parallel_size,
-                  virtual_pipeline_size),
-            nprocs=world_size,
-            join=False,
-            start_method="forkserver",
-        )
-        _join(context, timeout_s)
+        context = start_ranks(_rank_main, (world_size, store.port, runs, spec, str(out_dir), pipeline_size,
+                                           tensor_parallel_size, virtual_pipeline_size), world_size)
+        join_ranks(context, timeout_s)
         per_rank = [
             torch.load(out_dir / f"rank{rank}.pt", weights_only=False)
             for rank in range(world_size)
@@ -261,7 +263,41 @@ def run_pipeline(
     return [[per_rank[rank][i] for rank in range(world_size)] for i in range(len(runs))]
 
 
-def _join(context: mp.ProcessContext, timeout_s: float) -> None:
+def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> mp.ProcessContext:
+    """Start ``fn(rank, *args)`` in ``nprocs`` fresh processes forked from this process's forkserver.
+
+    Like ``torch.multiprocessing.start_processes(..., start_method="spawn")`` (``fn`` and ``args`` are
+    pickled; each process starts clean), without each process importing torch and megatron-core again:
+    the forkserver imported them once. Wait with :func:`join_ranks`.
+    """
+    # Only takes effect if this process has not started its forkserver yet.
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    atexit.unregister(_stop_at_exit)  # registered once, however many times ranks start
+    atexit.register(_stop_at_exit, os.getpid())
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
+
+
+def stop_forkserver() -> None:
+    """Stop this process's forkserver, if it started one, and wait for it (registered at exit by start_ranks).
+
+    The forkserver waits for the ranks it forks, so their CPU time is in its own children's; a parent
+    that never waits for the forkserver (multiprocessing leaves it to exit on its own) would not count it.
+    """
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()  # closes its 'alive' pipe, then waitpid()s it
+
+
+def _stop_at_exit(parent_pid: int) -> None:
+    if os.getpid() == parent_pid:  # not in a child that os.fork() copied the handler into
+        stop_forkserver()
+
+
+def join_ranks(context: mp.ProcessContext, timeout_s: float) -> None:
+    """Wait for every process of ``context``; a rank's error is raised here with its traceback.
+
+    Ranks still alive after ``timeout_s`` (e.g. a P2P deadlock) are killed and ``TimeoutError`` is raised.
+    """
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
@@ -284,6 +320,10 @@ def _rank_main(
     tensor_parallel_size: int,
     virtual_pipeline_size: int | None,
 ) -> None:
+    # What the forkserver imported lives as long as the rank: keep the garbage collector off it, so that a
+    # collection (or a live-tensor count) walks only what the rank made, not torch's and megatron's ~400k
+    # objects (0.3 CPU-s each time, and a copy of every page it touches).
+    gc.freeze()
     # One intra-op thread per rank: P ranks would oversubscribe a small machine,
     # and CPU kernels' reduction splits must not depend on its core count.
     torch.set_num_threads(1)

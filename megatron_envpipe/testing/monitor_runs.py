@@ -23,9 +23,8 @@ from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.atomic import write_json_atomic
 from megatron_envpipe.core.hooks import ExecutionHooks
 from megatron_envpipe.core.schedule import Unit
-from megatron_envpipe.gpu import open_gpu
+from megatron_envpipe.gpu import open_gpu, stage_gpu
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
-from megatron_envpipe.megatron import devices
 from megatron_envpipe.megatron.executor import envpipe_forward_backward
 from megatron_envpipe.megatron.patch import install
 from megatron_envpipe.megatron.state import STATE
@@ -67,7 +66,7 @@ def _run(config: EnvPipeConfig, record_dir: str, iterations: int, refuse_locks: 
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     if refuse_locks is not None:
-        devices.open_gpu = functools.partial(_refusing_open_gpu, refuse_locks)
+        stage_gpu.open_gpu = functools.partial(_refusing_open_gpu, refuse_locks)
     install(config)  # no hooks: the executor opens this rank's device itself
     executed: list[str] = []
     _record_units(executed)

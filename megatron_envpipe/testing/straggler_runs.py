@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_envpipe.config import EnvPipeConfig
 from megatron_envpipe.core.profile import Profile
@@ -27,6 +26,7 @@ from megatron_envpipe.gpu.startup import DeviceFacts
 from megatron_envpipe.megatron.groups import StageGroups
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.megatron.stragglers import StragglerFollow
+from megatron_envpipe.testing.harness import join_ranks, start_ranks
 
 __all__ = ["follow_run"]
 
@@ -70,5 +70,6 @@ def follow_run(out_dir: str | os.PathLike, factor: float = 1.15, recover_at: int
     out = str(out_dir)
     # The shipped 8-stage A40 profile, merged into this pipeline's stages.
     Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(STAGES).to_csv(Path(out, "profile.csv"))
-    mp.spawn(_worker, args=(out, factor, recover_at, iterations, follow), nprocs=2, join=True)
+    # Fresh processes, forked from the harness's forkserver: torch is imported once, not per process.
+    join_ranks(start_ranks(_worker, (out, factor, recover_at, iterations, follow), 2), timeout_s=300)
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]

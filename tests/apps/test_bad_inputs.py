@@ -389,18 +389,18 @@ def test_bad_input_exits_2_with_one_line_and_leaves_nothing(case: Case, tmp_path
 
 
 # -- through a real interpreter: what reaches the terminal -------------------------------
+# One error argparse raises and one a reader raises deep in a command: the interpreter's entry
+# (`python -m megatron_envpipe.apps.cli`: sys.exit(main())) is one path for every error, and each
+# message is the table's above, in process (the extra warm-up, image format, plan key and demo --out
+# cases that ran here too have their twins there: plan-warmup-short, frontier-csv-and-bad-plot,
+# show-missing-key, demo-out-is-file).
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (PLAN + " --extra-warmup 3,2,1", "envpipe plan: error: --extra-warmup 3,2,1: extra warm-up has 3 value(s)"),
         (PLAN + " --p2p-power nan", "envpipe plan: error: argument --p2p-power: must be a finite number"),
-        ("frontier --profile a40/gpt3-175b -m 12 --csv {tmp}/a.csv --plot {tmp}/f.xyz",
-         "envpipe frontier: error: --plot {tmp}/f.xyz: unknown image format"),
-        ("show {tmp}/p.json", "envpipe show: error: {tmp}/p.json: baseline.energy_j is missing"),
         ("plan --profile {tmp}/p.bin -m 4", "envpipe plan: error: {tmp}/p.bin:1: not UTF-8 text"),
-        ("demo --out {tmp}/p.bin", "envpipe demo: error: --out {tmp}/p.bin: is a file, not a directory"),
     ],
-    ids=["warmup-length", "nan-flag", "plot-format", "plan-missing-key", "binary-profile", "demo-out-file"],
+    ids=["nan-flag", "binary-profile"],
 )
 def test_no_traceback_reaches_the_terminal(argv, needle, tmp_path):
     tmp = str(tmp_path)

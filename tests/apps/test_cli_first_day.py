@@ -17,7 +17,7 @@ import re
 import pytest
 
 from megatron_envpipe.apps.cli import main
-from megatron_envpipe.apps.cli.common import warmup_clamp_text
+from megatron_envpipe.apps.cli.common import _warmup_clamp_text
 from megatron_envpipe.apps.cli.rows import ROW_LIMIT_CHARS
 from megatron_envpipe.core.schedule import clamp_extra_warmup, clamp_extra_warmup_explained
 
@@ -106,7 +106,7 @@ def test_the_note_always_states_what_the_clamp_does():
         raw = [rng.randint(0, 12) for _ in range(p)]
         budget = rng.choice([None, [rng.randint(min(m, p - s), 20) for s in range(p)]])
         clamped = clamp_extra_warmup(p, m, raw, budget)
-        text = warmup_clamp_text(p, m, clamp_extra_warmup_explained(p, m, raw, budget))
+        text = _warmup_clamp_text(p, m, clamp_extra_warmup_explained(p, m, raw, budget))
         if list(clamped) == raw:
             assert text is None
             continue

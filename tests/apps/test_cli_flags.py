@@ -17,9 +17,9 @@ import pytest
 from megatron_envpipe.apps.cli import build_parser, main
 from megatron_envpipe.core.flag_ranges import RANGES
 from megatron_envpipe.core.gpu_specs import MAX_P2P_POWER_W
-from megatron_envpipe.flag_types import check_no_empty_entry, int_list, max_inflight_arg, memory_model_arg
-from megatron_envpipe.planning.basis import MAX_TIMING_MARGIN, MAX_VIRTUAL_STAGES, PlannerConfig, PlannerError
-from megatron_envpipe.planning.switching import MAX_SWITCH_COST_J
+from megatron_envpipe.flag_types import _check_no_empty_entry, int_list, max_inflight_arg, memory_model_arg
+from megatron_envpipe.planning.basis import _MAX_TIMING_MARGIN, _MAX_VIRTUAL_STAGES, PlannerConfig, PlannerError
+from megatron_envpipe.planning.switching import _MAX_SWITCH_COST_J
 
 PLAN = "plan --profile a40/gpt3-175b -m 12"
 FRONTIER = "frontier --profile a40/gpt3-175b -m 12 --points 3"
@@ -124,9 +124,9 @@ def test_flags_that_apply_still_pass(argv, capsys):
 # -- the one table ------------------------------------------------------------------------
 def test_the_planners_own_limits_are_the_tables():
     """The planner's constants sit in a later layer than core.flag_ranges: they must agree with it."""
-    assert RANGES["timing_margin"].high == MAX_TIMING_MARGIN
-    assert RANGES["virtual_stages"].high == MAX_VIRTUAL_STAGES
-    assert RANGES["switch_cost_j"].high == MAX_SWITCH_COST_J
+    assert RANGES["timing_margin"].high == _MAX_TIMING_MARGIN
+    assert RANGES["virtual_stages"].high == _MAX_VIRTUAL_STAGES
+    assert RANGES["switch_cost_j"].high == _MAX_SWITCH_COST_J
     assert RANGES["p2p_power_w"].high == MAX_P2P_POWER_W
 
 
@@ -163,7 +163,7 @@ def test_cli_flag_takes_its_range_from_the_table(key, argv, capsys):
 
 
 # -- the list parsers on their own (Python API) -------------------------------------------
-@pytest.mark.parametrize("parse", [int_list, max_inflight_arg, memory_model_arg, check_no_empty_entry])
+@pytest.mark.parametrize("parse", [int_list, max_inflight_arg, memory_model_arg, _check_no_empty_entry])
 @pytest.mark.parametrize("text,entry", [("4,,4", 2), (",4", 1), ("4,", 2), ("4, ,4", 2), ("1,2,3,,", 4)])
 def test_list_parsers_name_the_empty_entry(parse, text, entry):
     with pytest.raises(argparse.ArgumentTypeError, match=f"entry {entry} of .* is empty"):

@@ -150,7 +150,7 @@ def test_special_files_are_refused_at_once(argv, needle, files, env, tmp_path, m
     ids=["plan", "profile", "demo-config"],
 )
 def test_files_over_their_limit_are_refused(role, argv, needle, files, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(textfile.MAX_BYTES, role, 1000)  # the real limits are MiBs: not worth writing in a test
+    monkeypatch.setitem(textfile._MAX_BYTES, role, 1000)  # the real limits are MiBs: not worth writing in a test
     run_case(tmp_path, monkeypatch, capsys, argv, needle, files)
 
 

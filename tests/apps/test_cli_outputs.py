@@ -30,7 +30,7 @@ import pytest
 from megatron_envpipe.apps import cli
 from megatron_envpipe.apps.cli import EXIT_INTERRUPTED, main
 from megatron_envpipe.core import atomic
-from megatron_envpipe.core.atomic import same_file, signals_deferred, write_all_atomic, write_atomic, write_json_atomic
+from megatron_envpipe.core.atomic import _signals_deferred, same_file, write_all_atomic, write_atomic, write_json_atomic
 from megatron_envpipe.core.gpu_specs import default_table_path
 from megatron_envpipe.core.resources import shipped_profile
 
@@ -270,7 +270,7 @@ def test_signals_are_blocked_in_a_worker_thread_commit(tmp_path, monkeypatch):
 def test_signals_deferred_keeps_an_ignored_signal_ignored():
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with signals_deferred():
+        with _signals_deferred():
             signal.raise_signal(signal.SIGINT)  # ignored: neither held nor re-raised
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:

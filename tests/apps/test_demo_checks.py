@@ -17,7 +17,7 @@ import pytest
 
 from megatron_envpipe.apps import demo
 from megatron_envpipe.apps.cli import main
-from megatron_envpipe.apps.demo import DemoConfig, check_training_flags, training_runs
+from megatron_envpipe.apps.demo import _check_training_flags, _DemoConfig, _training_runs
 from megatron_envpipe.apps.demo_errors import DemoError, training_failure
 from megatron_envpipe.core.resources import configs_dir, shipped_profile
 
@@ -54,7 +54,7 @@ def _demo(argv: list[str], capsys) -> tuple[int, str, str]:
 # -- the config, through the training's own checks -----------------------------------------
 def test_load_refuses_a_scheduling_the_demo_cannot_train(tmp_path):
     with pytest.raises(DemoError) as exc:
-        DemoConfig.load(_config(tmp_path, **{'scheduling = "ours"': 'scheduling = "interleaved"'}))
+        _DemoConfig.load(_config(tmp_path, **{'scheduling = "ours"': 'scheduling = "interleaved"'}))
     assert "[demo] scheduling = 'interleaved'" in str(exc.value) and "--" not in str(exc.value)
 
 
@@ -65,17 +65,17 @@ def test_load_refuses_a_scheduling_the_demo_cannot_train(tmp_path):
     ({"sim_jitter": 0.5}, "sim_jitter"),  # above --envpipe-sim-jitter's range
 ])
 def test_training_checks_name_the_demo_keys_not_training_flags(changes, key):
-    cfg = DemoConfig(**changes)
+    cfg = _DemoConfig(**changes)
     with pytest.raises(DemoError) as exc:
-        check_training_flags(cfg, "x.toml", training_runs(cfg, f"simulated:{cfg.profile}", Path("out")), cfg.stages)
+        _check_training_flags(cfg, "x.toml", _training_runs(cfg, f"simulated:{cfg.profile}", Path("out")), cfg.stages)
     message = str(exc.value)
     assert message.startswith(f"x.toml: [demo] {key} = ") and "training run would refuse it" in message
     assert "--envpipe-" not in message, message
 
 
 def test_the_shipped_config_passes_the_training_checks():
-    cfg = DemoConfig.load()
-    check_training_flags(cfg, "demo.toml", training_runs(cfg, "simulated:a40/gpt3-175b", Path("out")), cfg.stages)
+    cfg = _DemoConfig.load()
+    _check_training_flags(cfg, "demo.toml", _training_runs(cfg, "simulated:a40/gpt3-175b", Path("out")), cfg.stages)
 
 
 def test_cli_refuses_such_a_config_before_creating_anything(tmp_path, no_torchrun, capsys):
@@ -109,7 +109,7 @@ def test_a_garbage_simulated_profile_fails_before_anything_starts(body, needle, 
 
 
 def test_a_good_simulated_profile_passes_the_check():
-    cfg = DemoConfig.load()
+    cfg = _DemoConfig.load()
     demo._check_gpu(f"simulated:{shipped_profile('a40/gpt3-175b')}", cfg)
 
 
@@ -205,7 +205,7 @@ def test_ctrl_c_during_training_stops_torchrun(tmp_path, monkeypatch):
 
     monkeypatch.setattr(demo.subprocess, "Popen", FakeTorchrun)
     with pytest.raises(KeyboardInterrupt):
-        demo._train(DemoConfig(), tmp_path, "baseline", [], 1, "cpu", 2)
+        demo._train(_DemoConfig(), tmp_path, "baseline", [], 1, "cpu", 2)
     assert sent == [signal.SIGTERM]  # its ranks are stopped with it, none left running
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_envpipe.apps.demo import DemoConfig
+from megatron_envpipe.apps.demo import _DemoConfig
 from megatron_envpipe.apps.demo_errors import DemoError
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.planning.basis import PlannerConfig
 
 
 def test_shipped_demo_config_loads():
-    cfg = DemoConfig.load()
+    cfg = _DemoConfig.load()
     assert cfg.stages == 4 and cfg.profile == "a40/gpt3-175b"
     assert (cfg.plan_type, cfg.scheduling, cfg.reconfig) == ("envelope", "ours", "balanced")
 
@@ -31,12 +31,12 @@ def test_bad_demo_config_names_file_and_key(tmp_path, body, needle):
     path = tmp_path / "demo.toml"
     path.write_text(body)
     with pytest.raises(DemoError, match=needle) as info:
-        DemoConfig.load(path)
+        _DemoConfig.load(path)
     assert str(path) in str(info.value)
 
 
 def test_demo_plans_through_envpipe_config():
-    cfg = DemoConfig.load()
+    cfg = _DemoConfig.load()
     gpu = get_gpu_spec("a40")
     # The demo plans as training does: with training's default timing margin (1 %).
     assert cfg.envpipe_config().planner_config(gpu) == PlannerConfig(cfg.plan_type, cfg.scheduling, cfg.reconfig,
@@ -46,5 +46,5 @@ def test_demo_plans_through_envpipe_config():
 def test_jitter_demo_config_loads():
     from megatron_envpipe.core.resources import configs_dir
 
-    cfg = DemoConfig.load(configs_dir() / "demo-jitter.toml")
-    assert (cfg.iterations, cfg.sim_jitter) == (50, 0.03) and DemoConfig.load().sim_jitter == 0.0
+    cfg = _DemoConfig.load(configs_dir() / "demo-jitter.toml")
+    assert (cfg.iterations, cfg.sim_jitter) == (50, 0.03) and _DemoConfig.load().sim_jitter == 0.0

@@ -27,8 +27,8 @@ sys.exit(main(["demo", "--out", sys.argv[1]]))
 
 def test_missing_packages_are_named_without_importing_them():
     absent = {"torch", "sentencepiece"}
-    assert demo.missing_training_packages(lambda name: None if name in absent else object()) == ["torch", "sentencepiece"]
-    assert demo.missing_training_packages(lambda name: object()) == []
+    assert demo._missing_training_packages(lambda name: None if name in absent else object()) == ["torch", "sentencepiece"]
+    assert demo._missing_training_packages(lambda name: object()) == []
 
 
 def test_demo_without_torch_says_so_in_one_line_within_5_s(tmp_path):

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,8 +23,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 
+from launching import torchrun
+
 from megatron_envpipe.apps import tiny_data
-from megatron_envpipe.megatron.localhost import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_tiny_gpt.py"
@@ -67,7 +65,7 @@ def test_shipped_corpus_is_small_plain_text_with_sources() -> None:
 
 
 def test_tokenizer_is_cached_under_a_content_key(cache_dir: Path, tokenizer: tiny_data.TinyTokenizer) -> None:
-    path = tiny_data.tokenizer_path(cache_dir=cache_dir)
+    path = tiny_data._tokenizer_path(cache_dir=cache_dir)
     assert tokenizer.path == path and path.is_file()
     assert f"-v{tiny_data.DEFAULT_VOCAB_SIZE}-" in path.name
     stamp = path.stat().st_mtime_ns
@@ -75,7 +73,7 @@ def test_tokenizer_is_cached_under_a_content_key(cache_dir: Path, tokenizer: tin
     assert path.stat().st_mtime_ns == stamp
     assert sorted(p.name for p in cache_dir.iterdir()) == [path.name, path.name + ".lock"]
     # Another vocabulary size is another file.
-    assert tiny_data.tokenizer_path(256, cache_dir=cache_dir) != path
+    assert tiny_data._tokenizer_path(256, cache_dir=cache_dir) != path
 
 
 def test_tokenizer_training_is_deterministic(tokenizer: tiny_data.TinyTokenizer) -> None:
@@ -204,20 +202,15 @@ def test_example_arguments() -> None:
             example.parse_args(bad)
 
 
-def _run_example(flags: list[str], cache: Path, out: Path, iters: int = ITERS) -> tuple[dict, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(EXAMPLE), "--pipeline-model-parallel-size", str(NPROC), "--device", "cpu",
-        "--train-iters", str(iters), "--cache-dir", str(cache), "--losses-out", str(out),
-        *flags,
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
-    return json.loads(out.read_text()), output
+def _run_example(flags: list[str], cache: Path, out: Path, iters: int = ITERS, *,
+                 forked: bool = True) -> tuple[dict, str]:
+    """The example on NPROC ranks. ``forked``: ranks forked from one interpreter that imported torch,
+    megatron-core and the example's module, never EnvPipe's patch or executor (tests/launching.py); the
+    stock reference runs under real torchrun, so one run of the example is launched as users launch it."""
+    result = torchrun(["--nproc-per-node", NPROC, EXAMPLE, "--pipeline-model-parallel-size", NPROC,
+                       "--device", "cpu", "--train-iters", iters, "--cache-dir", cache, "--losses-out", out,
+                       *flags], cwd=REPO, log_dir=out.parent / f"{out.stem}-log", timeout_s=300, forked=forked)
+    return json.loads(out.read_text()), result.log
 
 
 def assert_stock(schedule: list[dict]) -> None:
@@ -242,7 +235,8 @@ def example_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stock(example_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     """The reference: stock Megatron-core, SIM_ITERS iterations (a shorter run's losses are a prefix)."""
-    return _run_example(["--no-envpipe"], example_cache, tmp_path_factory.mktemp("stock") / "stock.json", SIM_ITERS)
+    return _run_example(["--no-envpipe"], example_cache, tmp_path_factory.mktemp("stock") / "stock.json", SIM_ITERS,
+                        forked=False)
 
 
 def test_stock_run_is_megatron_without_envpipe(stock: tuple[dict, str]) -> None:
@@ -344,13 +338,15 @@ def test_example_virtual_pipeline_arguments() -> None:
 
 def test_interleaved_envpipe_trains_bitwise_like_stock_interleaved_megatron(example_cache: Path, tmp_path: Path) -> None:
     """Issue 14's acceptance: V = 2 chunks per stage, EnvPipe's optimal plan on the interleaved order,
-    losses equal to stock Megatron's interleaved schedule run in processes that never installed EnvPipe."""
-    stock, stock_log = _run_example(["--no-envpipe", *VPP], example_cache, tmp_path / "stock.json")
+    losses equal to stock Megatron's interleaved schedule, trained first in the same ranks before EnvPipe
+    was installed (--stock-reference-iters; that such a reference is what a process that never installed
+    EnvPipe computes is test_envpipe_schedule_trains_bitwise_like_stock_megatron's to prove)."""
+    envpipe, log = _run_example(["--envpipe-type", "optimal", "--envpipe-scheduling", "interleaved", *VPP,
+                                 "--stock-reference-iters", str(ITERS)], example_cache, tmp_path / "envpipe.json")
+    stock = envpipe["stock_reference"]
     assert stock["schedule"] == [{"functions": [MEGATRON_INTERLEAVED], "envpipe_installed": False,
                                   "executor_imported": False}] * NPROC
-    assert "4 stages x 2 model chunks" in stock_log
-    envpipe, log = _run_example(["--envpipe-type", "optimal", "--envpipe-scheduling", "interleaved", *VPP],
-                                example_cache, tmp_path / "envpipe.json")
+    assert "4 stages x 2 model chunks" in log
     assert envpipe["schedule"] == [{"functions": [INTERLEAVED_EXECUTOR], "envpipe_installed": True,
                                     "executor_imported": True}] * NPROC
     assert envpipe["virtual_pipeline_model_parallel_size"] == 2

@@ -4,7 +4,7 @@ stock Megatron (bit for bit, trained first in the same ranks: --stock-reference-
 energy report that names what was not measured.
 
 The faults come from tests/gpu/fault_double.py, wrapped around the GPU each rank's
-executor opens (a launcher patches ``megatron_envpipe.megatron.devices.open_gpu``
+executor opens (a launcher patches ``megatron_envpipe.gpu.stage_gpu.open_gpu``
 before training; ``$ENVPIPE_TEST_FAULTS`` says which stage gets what, counted in
 units, 16 per iteration: 8 micro-batches x F and B).
 """
@@ -12,10 +12,7 @@ units, 16 per iteration: 8 micro-batches x F and B).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +20,7 @@ import pytest
 pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 
-from megatron_envpipe.megatron.localhost import free_port  # noqa: E402
+from launching import child_env, torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e]  # tiny-GPT trainings under torchrun (test tiers: docs/testing.md)
 REPO = Path(__file__).resolve().parents[2]
@@ -55,23 +52,19 @@ FAULTS = [
 
 def _run(tmp_path: Path, name: str, flags: list[str], faults: list[dict] | None = None) -> tuple[dict, str]:
     script = REPO / "examples" / "train_tiny_gpt.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    extra: dict[str, str] = {}
     if faults is not None:
         script = tmp_path / "faulty_train_tiny_gpt.py"
         script.write_text(LAUNCHER.format(tests_gpu=str(REPO / "tests" / "gpu")))
-        env["ENVPIPE_TEST_FAULTS"] = json.dumps(faults)
+        extra["ENVPIPE_TEST_FAULTS"] = json.dumps(faults)
     out = tmp_path / f"{name}.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(script), "--pipeline-model-parallel-size", str(NPROC), "--device", "cpu",
-        "--train-iters", str(ITERS), "--cache-dir", str(tmp_path / "cache"), "--losses-out", str(out), *flags,
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-8000:]}"
-    return json.loads(out.read_text()), output
+    # Forked ranks (tests/launching.py): the faults and what the ranks report are tested, not the launch.
+    # The preload imports the example's module, not the executor: the launcher's patch of the GPU the
+    # executor opens still comes first (the fault messages asserted below show it took).
+    result = torchrun(["--nproc-per-node", NPROC, script, "--pipeline-model-parallel-size", NPROC, "--device", "cpu",
+                       "--train-iters", ITERS, "--cache-dir", tmp_path / "cache", "--losses-out", out, *flags],
+                      cwd=REPO, log_dir=tmp_path / f"{name}-log", timeout_s=400, env=child_env(**extra), forked=True)
+    return json.loads(out.read_text()), result.log
 
 
 def test_faults_on_every_stage_never_stop_training(tmp_path: Path) -> None:

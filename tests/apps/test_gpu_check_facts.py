@@ -27,7 +27,7 @@ def _ctx(tmp_path: Path, device: str = "cuda") -> StepContext:
 def double(tmp_path, monkeypatch):
     """double(permission=..., **gpu_changes): one fake A40 as pynvml; CUDA reported absent."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(facts_step, "cuda_status", lambda index: (False, "torch without CUDA (test)"))
+    monkeypatch.setattr(facts_step, "_cuda_status", lambda index: (False, "torch without CUDA (test)"))
     (tmp_path / "state").mkdir(mode=0o700)
 
     def make(permission: bool = True, **changes) -> NvmlDouble:

@@ -78,10 +78,10 @@ def test_blocking_step_takes_the_period_from_step_2(tmp_path):
 
 
 def test_window_plan_fits_tolerance_and_budget():
-    shortest = window_length_s(0.1, blocking_step.TOLERANCE, 1e-4)
-    assert blocking_step.window_plan_s(0.1, 1e-4, left_s=5.0) == pytest.approx(shortest)
-    assert blocking_step.window_plan_s(0.1, 1e-4, left_s=1000.0) == blocking_step.MAX_WINDOW_S
-    mid = blocking_step.window_plan_s(0.1, 1e-4, left_s=20.0)
+    shortest = window_length_s(0.1, blocking_step._TOLERANCE, 1e-4)
+    assert blocking_step._window_plan_s(0.1, 1e-4, left_s=5.0) == pytest.approx(shortest)
+    assert blocking_step._window_plan_s(0.1, 1e-4, left_s=1000.0) == blocking_step.MAX_WINDOW_S
+    mid = blocking_step._window_plan_s(0.1, 1e-4, left_s=20.0)
     assert shortest < mid < blocking_step.MAX_WINDOW_S
 
 

@@ -26,12 +26,12 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 from nvml_double import STATE_ENV, NvmlDouble, node  # noqa: E402
 
 from megatron_envpipe.apps.cli import main as envpipe_main  # noqa: E402
-from megatron_envpipe.apps.gpu_check.child import run_entry  # noqa: E402
+from megatron_envpipe.apps.gpu_check.child import _run_entry  # noqa: E402
 from megatron_envpipe.apps.gpu_check.gating import Machine, unmet_needs  # noqa: E402
 from megatron_envpipe.apps.gpu_check.runner import CheckOptions, GpuCheckError, parse_steps, run_check  # noqa: E402
 from megatron_envpipe.apps.gpu_check.step_api import OUTPUT_FILES, Step, StepContext, StepResult  # noqa: E402
-from megatron_envpipe.apps.gpu_check.steps import MAX_TOTAL_S, STEPS, planned_total_s  # noqa: E402
-from megatron_envpipe.apps.gpu_check.summary import format_duration, plan_lines  # noqa: E402
+from megatron_envpipe.apps.gpu_check.steps import _MAX_TOTAL_S, STEPS, _planned_total_s  # noqa: E402
+from megatron_envpipe.apps.gpu_check.summary import _format_duration, plan_lines  # noqa: E402
 from megatron_envpipe.gpu.control.safety import ClockGuard  # noqa: E402
 from megatron_envpipe.gpu.devices.nvml import NvmlGpu  # noqa: E402
 
@@ -90,7 +90,7 @@ def _only_output_files(out: Path) -> None:
 
 def test_plan_is_eight_steps_under_eight_minutes_printed_first():
     assert [s.number for s in STEPS] == list(range(1, 9))
-    assert planned_total_s() == 455 <= MAX_TOTAL_S
+    assert _planned_total_s() == 455 <= _MAX_TOTAL_S
     lines = plan_lines(STEPS)
     assert lines[0] == "envpipe gpu-check: 8 steps, planned total 7 min 35 s (each step stopped at its limit)"
     assert all(f" {s.name} " in lines[s.number] and f"{s.planned_s:g} s" in lines[s.number] for s in STEPS)
@@ -101,7 +101,7 @@ def test_the_planned_total_is_of_the_steps_selected():
     selected = parse_steps("1,2")
     lines = plan_lines(STEPS, selected)
     total = sum(s.planned_s for s in STEPS if s.name in selected)
-    assert lines[0] == (f"envpipe gpu-check: 2 of 8 steps (--steps), planned total {format_duration(total)} "
+    assert lines[0] == (f"envpipe gpu-check: 2 of 8 steps (--steps), planned total {_format_duration(total)} "
                         "(each step stopped at its limit)")
     assert [s.number for s in STEPS if lines[s.number].endswith("(not selected)")] == [3, 4, 5, 6, 7, 8]
 
@@ -276,9 +276,9 @@ def test_gating_names_every_unmet_need():
 
 def test_a_step_that_raises_or_is_missing_is_a_failed_result_not_a_crash(tmp_path):
     ctx = StepContext(out_dir=tmp_path, device="cpu", device_index=0, limit_s=5, started_monotonic=time.monotonic())
-    missing = run_entry("megatron_envpipe.apps.gpu_check.no_such_step:run", ctx)
+    missing = _run_entry("megatron_envpipe.apps.gpu_check.no_such_step:run", ctx)
     assert missing.status == "failed" and missing.reason.startswith("ModuleNotFoundError: No module named")
-    wrong = run_entry("test_gpu_check_runner:not_a_result", ctx)
+    wrong = _run_entry("test_gpu_check_runner:not_a_result", ctx)
     assert (wrong.status, wrong.reason) == ("failed", "TypeError: test_gpu_check_runner:not_a_result returned dict, "
                                                       "not a StepResult")
 

@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launching import torchrun
 
 torch = pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 
 from megatron_envpipe.apps import tiny_data, tiny_samples
 from megatron_envpipe.apps.tiny_samples import LengthDistribution, VariableLengthDataset
-from megatron_envpipe.megatron.localhost import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_tiny_gpt.py"
@@ -168,16 +165,12 @@ def test_bad_variable_length_flags_are_one_clear_line(flags: list[str], says: st
 
 
 def _run(flags: list[str], out: Path, cache: Path, nproc: int = 2, iters: int = 6) -> tuple[dict, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
-           "--pipeline-model-parallel-size", str(nproc), "--device", "cpu", "--train-iters", str(iters),
-           "--cache-dir", str(cache), "--losses-out", str(out), "--variable-seq-lengths", *flags]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{log[-6000:]}"
-    return json.loads(out.read_text()), log
+    # Forked ranks (tests/launching.py): what the ranks train is tested, not the launch.
+    result = torchrun(["--nproc-per-node", nproc, EXAMPLE, "--pipeline-model-parallel-size", nproc,
+                       "--device", "cpu", "--train-iters", iters, "--cache-dir", cache, "--losses-out", out,
+                       "--variable-seq-lengths", *flags],
+                      cwd=REPO, log_dir=out.parent / f"{out.stem}-log", timeout_s=300, forked=True)
+    return json.loads(out.read_text()), result.log
 
 
 def test_stock_megatron_pipeline_trains_on_variable_length_micro_batches(tmp_path: Path) -> None:

@@ -7,15 +7,14 @@ lasts exactly the plan's deadline and saves exactly the planned energy, however 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from launching import torchrun  # noqa: E402
 
 from megatron_envpipe.core.profile import Profile  # noqa: E402
 from megatron_envpipe.core.resources import shipped_profile  # noqa: E402
@@ -23,8 +22,7 @@ from megatron_envpipe.core.schedule import B, F  # noqa: E402
 from megatron_envpipe.core.virtual_clock import VirtualClock  # noqa: E402
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu  # noqa: E402
 from megatron_envpipe.gpu.energy.monitor import EnergyMonitor  # noqa: E402
-from megatron_envpipe.megatron.device_time import consumer_of, producer_of, stamp_tag  # noqa: E402
-from megatron_envpipe.megatron.localhost import free_port  # noqa: E402
+from megatron_envpipe.megatron.device_time import _consumer_of, _producer_of, _stamp_tag  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_tiny_gpt.py"
@@ -32,20 +30,20 @@ EXAMPLE = REPO / "examples" / "train_tiny_gpt.py"
 
 @pytest.mark.parametrize(("stages", "chunks"), [(4, 1), (4, 2), (2, 3)])
 def test_every_stamp_has_one_producer_and_one_consumer(stages: int, chunks: int) -> None:
-    """consumer_of is producer_of's inverse over every unit; tags are unique per message."""
+    """_consumer_of is _producer_of's inverse over every unit; tags are unique per message."""
     units = [(s, u) for s in range(stages) for m in range(6) for c in range(chunks) for u in (F(m, c), B(m, c))]
     tags: set[tuple[int, int, int]] = set()
     waits = 0
     for s, unit in units:
-        peer = producer_of(unit, s, stages, chunks)
+        peer = _producer_of(unit, s, stages, chunks)
         if peer is None:
             continue
         waits += 1
         src, kind, m, c = peer
         producer = F(m, c) if kind == 0 else B(m, c)
-        me = consumer_of(producer, src, stages, chunks)
+        me = _consumer_of(producer, src, stages, chunks)
         assert me == (s, 0 if unit.is_forward else 1, unit.microbatch, unit.chunk), (s, unit, peer)
-        tag = stamp_tag(me[1], me[2], me[3], chunks)
+        tag = _stamp_tag(me[1], me[2], me[3], chunks)
         assert (src, s, tag) not in tags
         tags.add((src, s, tag))
     # Every unit waits but the first virtual stage's forwards and the last virtual stage's backwards.
@@ -74,15 +72,11 @@ def test_energy_monitor_on_a_virtual_clock_is_exact_and_never_stalls() -> None:
 
 
 def _energy_lines(flags: list[str], tmp_path: Path, iters: int) -> list[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(EXAMPLE), "--pipeline-model-parallel-size", "4",
-           "--device", "cpu", "--train-iters", str(iters), "--losses-out", str(tmp_path / "out.json"), *flags]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
-    return [line for line in output.splitlines() if "EnvPipe energy (simulated)" in line]
+    # Forked ranks (tests/launching.py): what is tested is what the ranks print, not the launch.
+    result = torchrun(["--nproc-per-node", 4, EXAMPLE, "--pipeline-model-parallel-size", 4, "--device", "cpu",
+                       "--train-iters", iters, "--losses-out", tmp_path / "out.json", *flags],
+                      cwd=REPO, log_dir=tmp_path, timeout_s=300, forked=True)
+    return [line for line in result.log.splitlines() if "EnvPipe energy (simulated)" in line]
 
 
 def test_training_in_virtual_time_holds_the_plan_exactly(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_envpipe.core.file_numbers import MAX_FILE_INT, cell_number, file_number, loads_json, loads_toml, short
+from megatron_envpipe.core.file_numbers import _MAX_FILE_INT, cell_number, file_number, loads_json, loads_toml, short
 from megatron_envpipe.core.flag_ranges import FlagRange
 from megatron_envpipe.errors import UsageError
 
@@ -64,7 +64,7 @@ def test_loads_toml_uses_a_keys_own_range():
     with pytest.raises(Bad) as info:
         loads_toml(f"[dynamics]\nclock_latency_ms = {BIG}\n", "f.toml", Bad, {"dynamics.clock_latency_ms": RANGE})
     _one_line(info, "f.toml: [dynamics] clock_latency_ms", "must be at most 1000 ms")
-    assert loads_toml(f"[t]\nx = {MAX_FILE_INT}\n", "f.toml", Bad) == {"t": {"x": MAX_FILE_INT}}
+    assert loads_toml(f"[t]\nx = {_MAX_FILE_INT}\n", "f.toml", Bad) == {"t": {"x": _MAX_FILE_INT}}
 
 
 @pytest.mark.parametrize("text, words", [
@@ -73,11 +73,11 @@ def test_loads_toml_uses_a_keys_own_range():
     ('{"a": NaN}', ["NaN", "finite"]),
     ('{"a": -Infinity}', ["Infinity"]),
     ('{"a": 1e400}', ["a", "finite"]),
-    ('{"a": [[' + str(MAX_FILE_INT) + "]]}", []),  # the largest a file may hold
+    ('{"a": [[' + str(_MAX_FILE_INT) + "]]}", []),  # the largest a file may hold
 ])
 def test_loads_json_bounds_numbers(text, words):
     if not words:
-        assert loads_json(text, "p.json", Bad) == {"a": [[MAX_FILE_INT]]}
+        assert loads_json(text, "p.json", Bad) == {"a": [[_MAX_FILE_INT]]}
         return
     with pytest.raises(Bad) as info:
         loads_json(text, "p.json", Bad)

@@ -22,7 +22,7 @@ import pytest
 from megatron_envpipe.apps.cli import main
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError
 from megatron_envpipe.core.gpu_specs import (
-    P2P_UNKNOWN,
+    _P2P_UNKNOWN,
     GpuSpecError,
     P2PPowerUnknownError,
     default_table_path,
@@ -59,7 +59,7 @@ def test_every_gpu_has_a_cited_value_or_says_unknown():
         cited = [s for s in spec.sources if f"{spec.p2p_power_w:g} W" in s]
         assert cited and all("Perseus" in s or "kronos" in s for s in cited), (key, spec.sources)
     text = default_table_path().read_text()
-    assert text.count(f'p2p_power_w = "{P2P_UNKNOWN}"') == len(UNKNOWN)
+    assert text.count(f'p2p_power_w = "{_P2P_UNKNOWN}"') == len(UNKNOWN)
     assert "p2p_power_w = 0" not in text  # 0 W is never written for "not measured"
 
 
@@ -166,7 +166,7 @@ def test_runtime_plans_without_a_table_value_where_none_is_needed(csv_profile):
     assert runtime.prepare(4, 8).phase == "steady" and runtime.last_result.config.p2p_power_w == 0.0
     # The start-up profiler's measurement is used when the table has none.
     runtime = EnvPipeRuntime(EnvPipeConfig(plan_type="envelope", profile=csv_profile), gpu=h100)
-    runtime.profile_p2p_power_w = 75.0
+    runtime.adopt_profile(runtime.profile, 75.0)
     assert runtime.prepare(4, 8).plan is not None and runtime.last_result.config.p2p_power_w == 75.0
     # A profile CSV, no measurement, no flag: the same error as the planner's, before any plan.
     with pytest.raises(P2PPowerUnknownError, match="P2P blocking power of H100 is unknown"):

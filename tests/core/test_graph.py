@@ -5,12 +5,11 @@ from __future__ import annotations
 from megatron_envpipe.core.graph import (
     critical_path,
     earliest_times,
-    earliest_times_choosing,
     latest_times,
-    latest_times_choosing,
     successors,
     topological_order,
 )
+from megatron_envpipe.testing.graph_choosing import earliest_times_choosing, latest_times_choosing
 
 # 0 -> 1 -> 3, 0 -> 2 -> 3 (the 2 -> 3 edge with 0.5 s latency)
 PREDS = [(), ((0, 0.0),), ((0, 0.0),), ((1, 0.0), (2, 0.5))]

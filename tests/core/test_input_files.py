@@ -106,8 +106,8 @@ def test_a_file_over_its_limit_is_refused(tmp_path):
 
 def test_role_limits_are_documented_and_used(tmp_path, monkeypatch):
     """Profiles get the profile limit, GPU tables theirs: a 5 MB TOML is refused, a 5 MB profile is not."""
-    assert textfile.MAX_BYTES["profile"] == 64 * textfile.MIB
-    assert textfile.MAX_BYTES["GPU table"] <= 4 * textfile.MIB
+    assert textfile._MAX_BYTES["profile"] == 64 * textfile.MIB
+    assert textfile._MAX_BYTES["GPU table"] <= 4 * textfile.MIB
     big = tmp_path / "gpus.toml"
     big.write_text("# padding\n" * 500_000 + default_table_path().read_text())
     with pytest.raises(GpuSpecError, match="the limit of a GPU table file"):

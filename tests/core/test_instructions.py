@@ -23,9 +23,9 @@ from megatron_envpipe.core.instructions import (
     SendGradStart,
     SetFrequency,
     StageProgram,
+    _parse_instruction,
     build_programs,
     paired_hold_dependencies,
-    parse_instruction,
 )
 from megatron_envpipe.core.schedule import Schedule, _stage_order, envpipe_schedule, one_f_one_b
 from megatron_envpipe.planning.envpipe import initial_plan
@@ -173,9 +173,9 @@ def test_print_and_parse():
     for prog in progs:
         text = str(prog)
         assert text.startswith(f"S{prog.stage}: ") and "SetFrequency(" in text
-        parsed = tuple(parse_instruction(t) for t in text.split(": ", 1)[1].split())
+        parsed = tuple(_parse_instruction(t) for t in text.split(": ", 1)[1].split())
         assert parsed == prog.instructions
-    assert parse_instruction("SendGradFinish(4)") == SendGradFinish(4)
+    assert _parse_instruction("SendGradFinish(4)") == SendGradFinish(4)
     assert SendGradFinish(4).channel(2) == (2, 1, "grad")
 
 
@@ -285,10 +285,10 @@ def test_chunk_instructions_print_parse_and_name_the_wrap_around_peer():
     assert str(Forward(3)) == "Forward(3)" and str(Forward(3, 1)) == "Forward(3,1)"
     assert str(SetFrequency(1410)) == "SetFrequency(1410)"
     for text in ("Forward(3,1)", "Backward(0,2)", "RecvActivationStart(5,1)", "SendGradFinish(4)", "Free(2,1)"):
-        assert str(parse_instruction(text)) == text
+        assert str(_parse_instruction(text)) == text
     for bad in ("SetFrequency(1,2)", "Forward(1,2,3)", "Forward(a)", "Forward()"):
         with pytest.raises(Exception, match="cannot parse"):
-            parse_instruction(bad)
+            _parse_instruction(bad)
     # Rank P-1's chunk 0 sends to rank 0's chunk 1: one message, named alike on both ends.
     send, recv = SendActivationStart(2, 0), RecvActivationStart(2, 1)
     assert send.channel(3, 4) == recv.channel(0, 4) == (3, 0, "act")

@@ -29,8 +29,8 @@ from megatron_envpipe.core.instructions import (
     SendActivationShapeStart,
     SendGradShapeFinish,
     StageProgram,
+    _parse_instruction,
     build_programs,
-    parse_instruction,
     with_shape_messages,
 )
 from megatron_envpipe.core.interleaved import interleaved_schedule
@@ -100,7 +100,7 @@ def test_fixed_length_programs_have_no_shape_messages() -> None:
 def test_shape_instructions_print_and_parse() -> None:
     for instr in (RecvActivationShapeStart(3), RecvGradShapeStart(2, 1), SendActivationShapeStart(0, 1),
                   SendGradShapeFinish(5)):
-        assert parse_instruction(str(instr)) == instr
+        assert _parse_instruction(str(instr)) == instr
     assert str(RecvActivationShapeStart(3)) == "RecvActivationShapeStart(3)"
     assert str(SendGradShapeFinish(2, 1)) == "SendGradShapeFinish(2,1)"
     # Shape and data of one message: same peer and direction, channels of their own.

@@ -13,17 +13,21 @@ import pytest
 from megatron_envpipe.apps.cli import build_parser
 from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
 from megatron_envpipe.core import kind_registry
+from megatron_envpipe.core.interleaved import interleaved_schedule
 from megatron_envpipe.core.kinds import (
     KindError,
     PlanTypeKind,
+    SchedulingKind,
+    build_schedule,
     plan_kind,
     register_plan_type,
+    register_scheduling,
     scheduling_kind,
 )
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
-from megatron_envpipe.core.schedule import Schedule, build_schedule
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, envpipe_schedule, one_f_one_b
 from megatron_envpipe.flag_types import EnvPipeConfigError
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
@@ -52,14 +56,30 @@ def test_builtin_capabilities_replace_name_comparisons():
     assert plan_kind("optimal").per_iteration_plans and plan_kind("optimal").follows_stragglers
     assert not any(plan_kind(t).has_deadline for t in ("baseline", "uniform", "envelope"))
     assert scheduling_kind("ours").extra_warmup and not scheduling_kind("1f1b").extra_warmup
-    assert scheduling_kind("interleaved").model_chunks
+    assert scheduling_kind("interleaved").model_chunks and scheduling_kind("interleaved").own_baseline
+    assert not any(scheduling_kind(s).model_chunks or scheduling_kind(s).own_baseline for s in ("1f1b", "ours"))
     assert scheduling_kind("interleaved").replaces == "forward_backward_pipelining_with_interleaving"
     assert scheduling_kind("1f1b").replaces == "forward_backward_pipelining_without_interleaving"
 
 
 @pytest.mark.parametrize("name, r, chunks", [("1f1b", None, 1), ("ours", (2, 1, 1, 0), 1), ("interleaved", None, 2)])
-def test_a_scheduling_builds_what_build_schedule_builds(name, r, chunks):
-    assert scheduling_kind(name).build(4, 8, r, chunks, None) == build_schedule(name, 4, 8, r, chunks)
+def test_build_schedule_builds_the_registered_orders(name, r, chunks):
+    direct = {"1f1b": lambda: one_f_one_b(4, 8), "ours": lambda: envpipe_schedule(4, 8, r),
+              "interleaved": lambda: interleaved_schedule(4, 8, 2)}[name]()
+    assert build_schedule(name, 4, 8, r, chunks) == direct
+
+
+def test_build_schedule_asks_a_new_schedulings_capabilities(monkeypatch):
+    monkeypatch.setattr(kind_registry, "_SCHEDULINGS", dict(kind_registry._SCHEDULINGS))
+    register_scheduling(SchedulingKind("1f1b-again", "1F1B, registered again", lambda p, m, r, v, g: one_f_one_b(p, m),
+                                       "forward_backward_pipelining_without_interleaving"))
+    assert build_schedule("1f1b-again", 4, 8) == one_f_one_b(4, 8)
+    with pytest.raises(ScheduleError, match="runs one model chunk per stage"):
+        build_schedule("1f1b-again", 4, 8, num_chunks=2)
+    with pytest.raises(ScheduleError, match="has no extra warm-up"):
+        build_schedule("1f1b-again", 4, 8, (1, 0, 0, 0))
+    with pytest.raises(ScheduleError, match="unknown scheduling 'zb'; choose one of 1f1b, ours, interleaved, 1f1b-again"):
+        build_schedule("zb", 4, 8)
 
 
 def test_unknown_names_and_conflicting_registrations_are_refused(fixed):

@@ -14,7 +14,7 @@ from megatron_envpipe.core.length_costs import (
     LengthSample,
     MicrobatchSize,
     UnitLengthCost,
-    default_length_model,
+    _default_length_model,
     default_length_model_for,
     fit_length_costs,
     size_classes,
@@ -100,7 +100,7 @@ def test_the_model_reproduces_the_profile_rows_at_the_reference_size_bit_for_bit
 
 
 def test_default_model_is_the_flop_count_with_a_fixed_share():
-    model = default_length_model("gpt3-175b")
+    model = _default_length_model("gpt3-175b")
     h, s = 12288, 2048
     dense, attention = 24 * h * h * s, 4 * h * s * s
     full = dense + attention
@@ -195,7 +195,7 @@ def test_evaluator_without_sizes_is_unchanged_and_reference_sizes_cost_the_same(
     sched = one_f_one_b(4, 6)
     freqs = [1740 if i % 3 else 1200 for i in range(sum(len(o) for o in sched.orders))]
     plain = PlanEvaluator(sched, prof, 80.0)
-    model = default_length_model("gpt3-175b")
+    model = _default_length_model("gpt3-175b")
     sized = PlanEvaluator(sched, prof, 80.0, microbatch_sizes=[model.reference] * 6, length_model=model)
     assert plain.cost_keys[0] == (0, 0, "forward")
     assert sized.cost_keys[0] == (0, 0, "forward", 0)
@@ -206,7 +206,7 @@ def test_evaluator_without_sizes_is_unchanged_and_reference_sizes_cost_the_same(
 def test_evaluator_costs_each_microbatch_at_its_size(gpt3_profile):
     prof = gpt3_profile.for_pipeline(4)
     sched = one_f_one_b(4, 3)
-    model = default_length_model("gpt3-175b")
+    model = _default_length_model("gpt3-175b")
     sizes = [MicrobatchSize.from_lengths([2048]), MicrobatchSize.from_lengths([512, 300]),
              MicrobatchSize.from_lengths([2048])]
     ev = PlanEvaluator(sched, prof, 80.0, microbatch_sizes=sizes, length_model=model)
@@ -231,7 +231,7 @@ def test_clock_latency_prediction_costs_units_at_their_size(gpt3_profile):
 
     prof = gpt3_profile.for_pipeline(4)
     sched = one_f_one_b(4, 3)
-    model = default_length_model("gpt3-175b")
+    model = _default_length_model("gpt3-175b")
     sizes = [MicrobatchSize.from_lengths([2048]), MicrobatchSize.from_lengths([512, 300]),
              MicrobatchSize.from_lengths([1024])]
     ev = PlanEvaluator(sched, prof, 80.0, microbatch_sizes=sizes, length_model=model)

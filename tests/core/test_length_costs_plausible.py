@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from megatron_envpipe.core.length_costs import (
-    PLAUSIBLE_RTOL,
+    _PLAUSIBLE_RTOL,
     LengthCostError,
     LengthSample,
     MicrobatchSize,
-    default_length_model,
+    _default_length_model,
     fit_length_costs,
 )
 from megatron_envpipe.core.profile import Profile, ProfileError
@@ -71,7 +71,7 @@ def test_implausible_samples_are_refused_when_read(what, time_factor, energy_fac
 def test_the_bound_is_the_size_ratio_with_measurement_noise_allowed():
     """Half the tokens, a quarter of the attention: no less than 0.25x the time, give or take the noise."""
     s, ins, f, t, e = PLAIN[0]
-    low = 0.25 / (1 + PLAUSIBLE_RTOL)
+    low = 0.25 / (1 + _PLAUSIBLE_RTOL)
     _profile([(s, ins, f, t * low * 1.001, e * 0.5, HALF)])  # just inside
     with pytest.raises(ProfileError):
         _profile([(s, ins, f, t * low * 0.99, e * 0.5, HALF)])  # just outside
@@ -79,7 +79,7 @@ def test_the_bound_is_the_size_ratio_with_measurement_noise_allowed():
 
 def test_a_fit_from_samples_checks_them_too():
     """Samples that never were a file (the start-up profiler's) meet the same rule in the fit."""
-    model = default_length_model("gpt3-175b")
+    model = _default_length_model("gpt3-175b")
     samples = []
     for size in (REF, HALF, MicrobatchSize(512, 512 ** 2)):
         t_factor, e_factor = model.factors(0, 0, "forward", 1740, size)

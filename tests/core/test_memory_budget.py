@@ -7,15 +7,15 @@ import itertools
 import pytest
 
 from megatron_envpipe.core.memory import (
+    _GIB,
     AUTO,
-    GIB,
     MIB,
     MemoryModel,
     StageMemory,
+    _one_f_one_b_need,
     budget_line,
     budget_problem,
     derive_budget,
-    one_f_one_b_need,
     parse_max_inflight,
     show_budget,
     within_budget,
@@ -48,8 +48,8 @@ def test_show_budget_spells_the_flag():
 
 def test_one_f_one_b_need_is_the_1f1b_peak():
     for p, m in itertools.product(range(1, 9), range(1, 20)):
-        assert one_f_one_b_need(p, m) == one_f_one_b(p, m).peak_inflight()
-    assert one_f_one_b_need(4, None) == (4, 3, 2, 1)
+        assert _one_f_one_b_need(p, m) == one_f_one_b(p, m).peak_inflight()
+    assert _one_f_one_b_need(4, None) == (4, 3, 2, 1)
 
 
 def test_budget_problem_names_the_stage_and_the_fix():
@@ -72,7 +72,7 @@ def test_within_budget():
 def test_memory_model_parses_and_checks():
     model = MemoryModel.parse("0.75, 256")
     assert model == MemoryModel(0.75, 256.0)
-    assert model.stage_memory() == StageMemory(256 * MIB, int(0.75 * GIB))
+    assert model.stage_memory() == StageMemory(256 * MIB, int(0.75 * _GIB))
     for bad, needle in (("2", "GIB_FREE,MIB_PER_MICROBATCH"), ("2,x", "GIB_FREE"), ("1,2,3", "GIB_FREE"),
                         ("-1,256", "free memory"), ("nan,256", "free memory"), ("2,0", "activation memory"),
                         ("2,inf", "activation memory")):
@@ -83,19 +83,19 @@ def test_memory_model_parses_and_checks():
 def test_derive_budget_fits_the_free_memory_above_1f1b():
     # 4 GiB free at 1F1B's peak, 256 MiB per micro-batch: margin max(512 MiB, 410 MiB) = 512 MiB,
     # (4096 - 512) / 256 = 14 more activations on every stage, capped at M.
-    mem = [StageMemory(256 * MIB, 4 * GIB)] * 4
+    mem = [StageMemory(256 * MIB, 4 * _GIB)] * 4
     assert derive_budget(8, mem) == (8, 8, 8, 8)
     assert derive_budget(32, mem) == (18, 17, 16, 15)
     # 20 GiB free: a 10 % margin (2 GiB) -> 18 GiB / 1 GiB = 18 more.
-    assert derive_budget(64, [StageMemory(GIB, 20 * GIB)] * 2) == (20, 19)
+    assert derive_budget(64, [StageMemory(_GIB, 20 * _GIB)] * 2) == (20, 19)
     # Too little free memory: never below 1F1B's own need.
     assert derive_budget(8, [StageMemory(256 * MIB, 0)] * 4) == (4, 3, 2, 1)
     assert derive_budget(8, [StageMemory(256 * MIB, 600 * MIB)] * 4) == (4, 3, 2, 1)
     # Per stage: later stages have more room (and here also smaller activations).
-    mem = [StageMemory(512 * MIB, GIB), StageMemory(256 * MIB, GIB), StageMemory(256 * MIB, 2 * GIB)]
+    mem = [StageMemory(512 * MIB, _GIB), StageMemory(256 * MIB, _GIB), StageMemory(256 * MIB, 2 * _GIB)]
     assert derive_budget(24, mem) == (4, 4, 7)
     # Nothing measured on a stage: no limit there.
-    assert derive_budget(8, [StageMemory(0, GIB), StageMemory(256 * MIB, GIB)]) == (None, 3)
+    assert derive_budget(8, [StageMemory(0, _GIB), StageMemory(256 * MIB, _GIB)]) == (None, 3)
 
 
 def test_stage_memory_merges_pessimistically():
@@ -104,10 +104,10 @@ def test_stage_memory_merges_pessimistically():
 
 
 def test_budget_line_format():
-    mem = [StageMemory(256 * MIB, int(0.75 * GIB))] * 4
+    mem = [StageMemory(256 * MIB, int(0.75 * _GIB))] * 4
     line = budget_line((5, 4, 3, 2), mem, "memory model")
     assert line.startswith("activation budget per stage [5, 4, 3, 2] (256 MiB per micro-batch, 0.75 GiB free")
-    mem = [StageMemory(300 * MIB, 20 * GIB), StageMemory(250 * MIB, 30 * GIB)]
+    mem = [StageMemory(300 * MIB, 20 * _GIB), StageMemory(250 * MIB, 30 * _GIB)]
     assert "([300, 250] MiB per micro-batch, [20, 30] GiB free" in budget_line((9, None), mem, "x")
     assert "[9, none]" in budget_line((9, None), mem, "x")
 
@@ -115,7 +115,7 @@ def test_budget_line_format():
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 16), (8, 12), (8, 24), (8, 96), (3, 3)])
 def test_clamped_schedule_never_exceeds_a_per_stage_budget(p, m):
     """Every per-stage budget >= 1F1B's need, any raw r: the schedule's peak per stage fits."""
-    need = one_f_one_b_need(p, m)
+    need = _one_f_one_b_need(p, m)
     raw = [m] * (p - 1) + [0]
     for extra in itertools.product(range(3), repeat=p):
         budget = tuple(n + e for n, e in zip(need, extra, strict=True))

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.schedule import (
     B,
     F,
     Schedule,
     ScheduleError,
-    build_schedule,
     check_extra_warmup,
     clamp_extra_warmup,
     envpipe_schedule,

@@ -144,10 +144,10 @@ class FaultyGpu(GpuDevice):
 
 def install_from_env() -> list[dict[str, Any]]:
     """Wrap the GPUs the executor opens, per ``$ENVPIPE_TEST_FAULTS``; returns the faults."""
-    from megatron_envpipe.megatron import devices
+    from megatron_envpipe.gpu import stage_gpu  # where the executor's set-up opens each stage's GPU
 
     faults = json.loads(os.environ.get(FAULTS_ENV) or "[]")
-    real_open = devices.open_gpu
+    real_open = stage_gpu.open_gpu
 
     def open_faulty(*args: Any, stage: int = 0, **kwargs: Any) -> GpuDevice:
         device = real_open(*args, stage=stage, **kwargs)
@@ -160,5 +160,5 @@ def install_from_env() -> list[dict[str, Any]]:
             gpu.inject(f.pop("fault"), **f)
         return gpu
 
-    devices.open_gpu = open_faulty
+    stage_gpu.open_gpu = open_faulty
     return faults

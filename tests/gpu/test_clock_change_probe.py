@@ -25,9 +25,8 @@ from megatron_envpipe.apps.gpu_check.clock_change_probe import (  # noqa: E402
     SimKernelTrain,
     ThreadedRequester,
     VirtualRequester,
+    _trace_change,
     run_clock_changes,
-    simulated_clock_gpu,
-    trace_change,
 )
 from megatron_envpipe.apps.gpu_check.clock_step import run  # noqa: E402
 from megatron_envpipe.apps.gpu_check.step_api import STEP_FILES, StepContext  # noqa: E402
@@ -37,6 +36,7 @@ from megatron_envpipe.core.virtual_clock import VirtualClock  # noqa: E402
 from megatron_envpipe.gpu.control.safety import ClockGuard  # noqa: E402
 from megatron_envpipe.gpu.devices.base import GpuPermissionError  # noqa: E402
 from megatron_envpipe.gpu.devices.nvml import NvmlGpu  # noqa: E402
+from megatron_envpipe.testing.clock_probe_gpu import simulated_clock_gpu  # noqa: E402
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_a_kernel_overhead_is_measured_and_the_latency_still_recovered(guard):
 
 def test_kernels_at_the_lower_clock_last_longer_and_the_stream_never_starves(guard):
     vc, gpu, train, requester = simulated(guard)
-    c = trace_change(gpu, train, requester, 1980, 1185, 15, clock=vc.now, sleep=vc.sleep, timing=QUICK)
+    c = _trace_change(gpu, train, requester, 1980, 1185, 15, clock=vc.now, sleep=vc.sleep, timing=QUICK)
     before = c.kernels[c.change.request_index - 1]
     after = c.kernels[-1]
     assert before.duration_s == pytest.approx(1e-4) and after.duration_s == pytest.approx(1e-4 * 1980 / 1185)
@@ -104,7 +104,7 @@ def test_kernels_at_the_lower_clock_last_longer_and_the_stream_never_starves(gua
 def test_a_capped_clock_is_reported_not_reached(guard):
     # The driver accepts the lock but holds the SMs at or below 1500 MHz (power capping).
     vc, gpu, train, requester = simulated(guard, sm_clock_range_mhz=(210, 1500))
-    c = trace_change(gpu, train, requester, 1185, 1980, 15, clock=vc.now, sleep=vc.sleep, timing=QUICK)
+    c = _trace_change(gpu, train, requester, 1185, 1980, 15, clock=vc.now, sleep=vc.sleep, timing=QUICK)
     assert not c.change.reached and c.change.settle_s is None
     assert c.change.seen_mhz == pytest.approx(1500)
     assert c.nvml_report_s is None  # NVML reports 1500 MHz too

@@ -23,8 +23,8 @@ from megatron_envpipe.core.profile import Profile  # noqa: E402
 from megatron_envpipe.core.resources import shipped_profile  # noqa: E402
 from megatron_envpipe.gpu.control.clock_proof import (  # noqa: E402
     ProofOutcome,
+    _probe_clock_mhz,
     clock_step_mhz,
-    probe_clock_mhz,
     prove_clock_control,
 )
 from megatron_envpipe.gpu.control.safety import ClockGuard  # noqa: E402
@@ -177,13 +177,13 @@ def nvml_double_code(name: str) -> int:
 
 def test_probe_clock_choice():
     a40 = tuple(range(1740, 209, -15))
-    assert probe_clock_mhz(a40) == 1050
-    assert probe_clock_mhz(a40, default_mhz=1050) != 1050  # distinct from where the GPU runs
-    assert probe_clock_mhz((1500, 1200, 900)) == 1200  # not the max, not the min
-    assert probe_clock_mhz((1500,)) == 1500
+    assert _probe_clock_mhz(a40) == 1050
+    assert _probe_clock_mhz(a40, default_mhz=1050) != 1050  # distinct from where the GPU runs
+    assert _probe_clock_mhz((1500, 1200, 900)) == 1200  # not the max, not the min
+    assert _probe_clock_mhz((1500,)) == 1500
     assert clock_step_mhz(a40, 1050) == 15 and clock_step_mhz((1500,), 1500) == 1
     with pytest.raises(GpuError, match="no supported clocks"):
-        probe_clock_mhz(())
+        _probe_clock_mhz(())
 
 
 # ---------------------------------------------------------------------------
@@ -255,10 +255,11 @@ def test_setup_device_uses_the_proof(profile, monkeypatch, guard):
     """The executor's first-iteration set-up (megatron/devices.py) plans without control
     when the trial lock is not reached, and its hooks are monitor-only."""
     pytest.importorskip("torch")
+    from megatron_envpipe.gpu import stage_gpu
     from megatron_envpipe.megatron import devices
 
     gpu = SimulatedGpu(profile, 0, time_scale=0.001, sm_clock_range_mhz=(1410, 1740))
-    monkeypatch.setattr(devices, "open_gpu", lambda *a, **k: gpu)
+    monkeypatch.setattr(stage_gpu, "open_gpu", lambda *a, **k: gpu)  # devices.py opens it through stage_gpu
     monkeypatch.setattr(devices, "memory_source", lambda *a, **k: None)
     monkeypatch.setattr("megatron_envpipe.gpu.startup.default_guard", lambda: guard)
     seen = {}
@@ -266,7 +267,8 @@ def test_setup_device_uses_the_proof(profile, monkeypatch, guard):
                                     attach_device=lambda facts, key, session=None: seen.update(facts=facts),
                                     attach_memory=lambda source: None)
     state = types.SimpleNamespace(runtime=runtime, user_hooks=False, device_ready=False,
-                                  use_hooks=lambda hooks: seen.update(hooks=hooks))
+                                  use_hooks=lambda hooks: seen.update(hooks=hooks),
+                                  device_set_up=lambda device_time: seen.update(device_time=device_time))
     groups = types.SimpleNamespace(stage=0, num_stages=1, gather_stages=lambda mine: [mine], agree=lambda v: v)
     import torch
 

@@ -17,10 +17,10 @@ from megatron_envpipe.gpu.energy.counter_errors import (
     CounterWentBackError,
     EnergyMonitorError,
 )
-from megatron_envpipe.gpu.energy.iteration_energy import IterationEnergy, PipelineIterationEnergy, mean_iteration
+from megatron_envpipe.gpu.energy.iteration_energy import IterationEnergy
 from megatron_envpipe.gpu.energy.iteration_meter import IterationEnergyMeter
 from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
-from megatron_envpipe.gpu.profiler.attribution import attribute_windows, fit_window_powers
+from megatron_envpipe.gpu.profiler.attribution import _attribute_windows, _fit_window_powers
 
 UPDATE_S = 0.010  # NVML's counter period
 
@@ -155,7 +155,7 @@ def test_units_shorter_than_the_update_period_interpolated_within_the_bound():
     error) per edge: here 15 W x (10/4 + 0.5) ms. The bias does not average out
     (it pulls each unit towards its neighbours' power), but the total is right."""
     dev, _, units, mon = short_unit_trace()
-    measured = attribute_windows(mon, [(a, b) for _, a, b in units])
+    measured = _attribute_windows(mon, [(a, b) for _, a, b in units])
     errors = {"F": [], "B": []}
     for (kind, a, b), e in zip(units, measured, strict=True):
         truth = dev.true_energy_j(b) - dev.true_energy_j(a)
@@ -174,7 +174,7 @@ def test_units_shorter_than_the_update_period_by_power_regression():
     exact up to the counter's timestamp uncertainty (update instants are known to
     half a poll, 0.5 ms here): within 1 %, where interpolation is off by 3.5 %."""
     dev, _, units, mon = short_unit_trace()
-    powers = fit_window_powers(mon, units)
+    powers = _fit_window_powers(mon, units)
     assert powers["F"] == pytest.approx(300.0, rel=0.01)
     assert powers["B"] == pytest.approx(285.0, rel=0.01)
     # "other" is only the 50 ms of idle around the units, where the timestamp error weighs most.
@@ -183,8 +183,8 @@ def test_units_shorter_than_the_update_period_by_power_regression():
         truth = dev.true_energy_j(b) - dev.true_energy_j(a)
         assert powers[kind] * (b - a) == pytest.approx(truth, rel=0.01)
     with pytest.raises(ValueError, match="overlap"):
-        fit_window_powers(mon, [("F", 0.02, 0.03), ("B", 0.025, 0.04)])
-    assert fit_window_powers(mon, []) == {}
+        _fit_window_powers(mon, [("F", 0.02, 0.03), ("B", 0.025, 0.04)])
+    assert _fit_window_powers(mon, []) == {}
 
 
 def test_power_regression_needs_separable_labels():
@@ -196,7 +196,7 @@ def test_power_regression_needs_separable_labels():
         mon.sample()
     # One counter increment cannot tell three powers apart.
     with pytest.raises(ValueError, match="cannot separate"):
-        fit_window_powers(mon, [("F", 0.2, 0.4), ("B", 0.5, 0.7)])
+        _fit_window_powers(mon, [("F", 0.2, 0.4), ("B", 0.5, 0.7)])
 
 
 def test_short_unit_between_idle_periods_is_blended_within_the_bound():
@@ -285,7 +285,7 @@ def test_poller_thread_on_a_simulated_gpu():
             gpu.unit_end(0, kind)
             windows.append(gpu.last_unit_window())
             time.sleep(0.002)
-        energies = attribute_windows(mon, [(a, b) for _, a, b in windows])
+        energies = _attribute_windows(mon, [(a, b) for _, a, b in windows])
     assert not mon.running
     times = [x.time_s for x in mon.samples()]
 
@@ -349,20 +349,7 @@ def test_retain_bounds_memory():
 
 def test_iteration_energy_helpers():
     a = IterationEnergy(3, 0, 10.0, 12.0, 500.0)
-    b = IterationEnergy(3, 1, 10.1, 12.5, 450.0)
     assert a.time_s == 2.0 and a.average_power_w == 250.0
-    pipe = PipelineIterationEnergy.combine([b, a])
-    assert pipe.time_s == pytest.approx(2.4) and pipe.energy_j == 950.0
-    assert [s.stage for s in pipe.stages] == [0, 1]
-    with pytest.raises(ValueError, match="different iterations"):
-        PipelineIterationEnergy.combine([a, IterationEnergy(4, 1, 0, 1, 1)])
-    with pytest.raises(ValueError, match="twice"):
-        PipelineIterationEnergy.combine([a, a])
-    later = PipelineIterationEnergy.combine([IterationEnergy(4, 0, 12.0, 13.0, 300.0)])
-    assert mean_iteration([pipe, later], skip_first=1) == (1.0, 300.0)
-    assert mean_iteration([pipe, later]) == (pytest.approx(1.7), 625.0)
-    with pytest.raises(ValueError, match="no iterations"):
-        mean_iteration([pipe], skip_first=1)
 
     clock = FakeClock()
     dev = PowerTraceGpu(clock, [(0.0, 200.0)], update_s=0.0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_envpipe.apps.gpu_check.energy_window import (
-    MIN_WINDOW_PERIODS,
+    _MIN_WINDOW_PERIODS,
     EnergyWindowError,
     measure_window,
     poll_interval_s,
@@ -47,7 +47,7 @@ def forwards(gpu: SimulatedGpu, n: int):
 
 def test_window_length_from_period_and_tolerance():
     # bracket = poll (2 ms) + two reads; 1 % => 100 brackets, but never under MIN_WINDOW_PERIODS updates
-    assert window_length_s(0.1, 0.01) == pytest.approx(max(0.002 / 0.01, MIN_WINDOW_PERIODS * 0.1))
+    assert window_length_s(0.1, 0.01) == pytest.approx(max(0.002 / 0.01, _MIN_WINDOW_PERIODS * 0.1))
     assert window_length_s(0.1, 0.001, read_cost_s=0.0005) == pytest.approx((0.002 + 0.001) / 0.001)
     assert window_length_s(0.1, 0.001) < window_length_s(0.1, 0.0005)
     assert window_length_s(0.0, 0.01, read_cost_s=1e-4) == pytest.approx(2e-4 / 0.01)

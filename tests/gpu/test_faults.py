@@ -234,13 +234,13 @@ def test_runtime_plans_without_a_profile_when_no_clock_was_measured():
 
 def test_energy_report_names_what_was_not_measured():
     pytest.importorskip("torch")
-    from megatron_envpipe.megatron.reporting import unmeasured_summary
+    from megatron_envpipe.megatron.reporting import _unmeasured_summary
 
     ok = EnergyStatus(None, None, 5, ())
     stalled = EnergyStatus(None, STALLED, 5, ((STALLED, 2),))
     lost = EnergyStatus(None, None, 5, ((READ_FAILED, 1), (STALLED, 1)), clock_control_lost="lost CAP_SYS_ADMIN")
-    assert unmeasured_summary([ok, ok]) == ""
-    assert unmeasured_summary([ok, stalled, lost]) == (
+    assert _unmeasured_summary([ok, ok]) == ""
+    assert _unmeasured_summary([ok, stalled, lost]) == (
         f" | 4 of 15 intervals unmeasured ({READ_FAILED}: 1, {STALLED}: 3)"
         " | clock control lost on stage 2 (lost CAP_SYS_ADMIN): monitor-only"
     )

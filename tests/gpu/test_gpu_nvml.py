@@ -27,7 +27,7 @@ from megatron_envpipe.gpu.devices.base import (  # noqa: E402
     GpuPermissionError,
 )
 from megatron_envpipe.gpu.devices.none import NoGpu  # noqa: E402
-from megatron_envpipe.gpu.devices.nvml import NvmlGpu, normalize_pci_bus_id, parse_cuda_visible_devices
+from megatron_envpipe.gpu.devices.nvml import NvmlGpu, _normalize_pci_bus_id, _parse_cuda_visible_devices
 from megatron_envpipe.gpu.devices.nvml_library import clock_permission
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,23 +57,23 @@ def calls(double: NvmlDouble, name: str) -> list[tuple]:
 
 
 def test_parse_cuda_visible_devices_like_cuda():
-    assert parse_cuda_visible_devices(None) is None
-    assert parse_cuda_visible_devices("") == []
-    assert parse_cuda_visible_devices("2, 0") == [2, 0]
-    assert parse_cuda_visible_devices("gpu-abc,MIG-x") == ["GPU-abc", "MIG-x"]
-    assert parse_cuda_visible_devices("1,foo,2") == [1]  # CUDA stops at the first invalid entry
-    assert parse_cuda_visible_devices("1,-1,2") == [1]
-    assert parse_cuda_visible_devices("1,1,2") == [1]  # ... and at a repeated one
+    assert _parse_cuda_visible_devices(None) is None
+    assert _parse_cuda_visible_devices("") == []
+    assert _parse_cuda_visible_devices("2, 0") == [2, 0]
+    assert _parse_cuda_visible_devices("gpu-abc,MIG-x") == ["GPU-abc", "MIG-x"]
+    assert _parse_cuda_visible_devices("1,foo,2") == [1]  # CUDA stops at the first invalid entry
+    assert _parse_cuda_visible_devices("1,-1,2") == [1]
+    assert _parse_cuda_visible_devices("1,1,2") == [1]  # ... and at a repeated one
 
 
 @pytest.mark.parametrize("text", ["0000:3b:00.0", "00000000:3B:00.0", "3b:00.0", "3B:00", " 0:3b:0.0 "])
 def test_normalize_pci_bus_id(text):
-    assert normalize_pci_bus_id(text) == "00000000:3B:00.0"
+    assert _normalize_pci_bus_id(text) == "00000000:3B:00.0"
 
 
 def test_normalize_pci_bus_id_rejects_garbage():
     with pytest.raises(GpuError, match="not a PCI bus id"):
-        normalize_pci_bus_id("GPU-1234")
+        _normalize_pci_bus_id("GPU-1234")
 
 
 def test_without_cuda_visible_devices_index_is_pci_order(use):
@@ -464,4 +464,4 @@ def test_real_pynvml_without_a_driver_fails_clearly(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", nvml_double._real)
     with pytest.raises(GpuNotSupportedError, match="NVML cannot start"):
         NvmlGpu.for_cuda_device(0)
-    assert nvml_library.nvml_refcount() == 0
+    assert nvml_library._nvml_refcount() == 0

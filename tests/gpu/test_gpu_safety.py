@@ -27,7 +27,7 @@ from nvml_double import STATE_ENV, NvmlDouble, node  # noqa: E402
 
 from megatron_envpipe.gpu.control.clocks import ClockController  # noqa: E402
 from megatron_envpipe.gpu.control.repair import reset_all_gpus, reset_clocks_from_state  # noqa: E402
-from megatron_envpipe.gpu.control.safety import ClockGuard, install_signal_handlers, resolve_state_dir  # noqa: E402
+from megatron_envpipe.gpu.control.safety import ClockGuard, _install_signal_handlers, resolve_state_dir  # noqa: E402
 from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError, GpuInfo, GpuPermissionError  # noqa: E402
 from megatron_envpipe.gpu.devices.nvml import NvmlGpu  # noqa: E402
 
@@ -229,7 +229,7 @@ def test_released_guard_refuses_to_lock_again(guard):
 
 def test_signal_handlers_are_installed_from_the_main_thread_only():
     result = []
-    t = threading.Thread(target=lambda: result.append(install_signal_handlers()))
+    t = threading.Thread(target=lambda: result.append(_install_signal_handlers()))
     t.start()
     t.join()
     assert result == [False]

@@ -12,9 +12,9 @@ from megatron_envpipe.core.clock_lead import ClockLead
 from megatron_envpipe.core.clock_transitions import predict_with_latency
 from megatron_envpipe.core.device_dynamics import EXACT, DeviceDynamics
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.resources import shipped_profile
-from megatron_envpipe.core.schedule import build_schedule
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe

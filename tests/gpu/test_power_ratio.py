@@ -11,8 +11,8 @@ import pytest
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.gpu.profiler.attribution import KindPowers
-from megatron_envpipe.gpu.profiler.heat_drift import fit_heat_drift, fit_pipeline_heat_drift
-from megatron_envpipe.gpu.profiler.power_ratio import RATIO_SPREAD, pool_ratio, pull_towards
+from megatron_envpipe.gpu.profiler.heat_drift import _fit_heat_drift, fit_pipeline_heat_drift
+from megatron_envpipe.gpu.profiler.power_ratio import _RATIO_SPREAD, pool_ratio, pull_towards
 
 
 @pytest.mark.parametrize("name", ["a40/gpt3-175b", "a40/bloom-176b"])
@@ -25,7 +25,7 @@ def test_the_ratio_spread_covers_the_shipped_profiles(name):
             pf = prof.energy_j(s, "forward", f) / prof.time_s(s, "forward", f)
             pb = prof.energy_j(s, "backward", f) / prof.time_s(s, "backward", f)
             ratios.append(pb / pf)
-        assert statistics.pstdev(ratios) / statistics.fmean(ratios) <= RATIO_SPREAD
+        assert statistics.pstdev(ratios) / statistics.fmean(ratios) <= _RATIO_SPREAD
 
 
 def _collinear(f_w: float, b_w: float, tf: float = 0.03, tb: float = 0.06, sharp: float = 1e-4,
@@ -79,7 +79,7 @@ def test_one_drift_for_the_pipeline_ignores_one_stage_s_bias():
     times = [1.0 + 1.5 * k for k in range(20)]
     stages = [[(k, t, power(t)) for k, t in enumerate(times)] for _ in range(2)]
     biased = [(k, t, power(t) * (0.65 if k < 9 else 1.0)) for k, t in enumerate(times)]
-    alone = fit_heat_drift([(t, p) for _, t, p in biased])
+    alone = _fit_heat_drift([(t, p) for _, t, p in biased])
     assert alone is not None and alone.amplitude < -0.2
     drifts = fit_pipeline_heat_drift([*stages, biased, [(k, t, None) for k, t in enumerate(times)]])
     assert all(d is not None for d in drifts)  # the stage without P2P waits gets the drift too

@@ -1,4 +1,4 @@
-"""gpu-check step 6's replay (megatron_envpipe.apps.gpu_check.replay, replay_step.replay_plans) on the simulated GPU on
+"""gpu-check step 6's replay (megatron_envpipe.apps.gpu_check.replay, replay_step._replay_plans) on the simulated GPU on
 virtual time, with a blocking power that depends on the locked clock (as a GPU spinning on a flag does) and a
 stepped (100 ms) energy counter. The replay must match the prediction that charges each wait at its own clock,
 within the tolerance the measurement implies; a replay at the wrong clocks must come out as a mismatch."""
@@ -12,8 +12,8 @@ import pytest
 from megatron_envpipe.apps.gpu_check.replay import (
     ReplayError,
     ReplaySetup,
+    _predicted_stage_energy_j,
     interpolated_power,
-    predicted_stage_energy_j,
     replay_plan,
 )
 from megatron_envpipe.apps.gpu_check.stage_profile import identical_stages
@@ -66,9 +66,9 @@ def _plan(profile, plan_type="optimal", scheduling="ours"):
 def test_prediction_with_constant_blocking_power_is_the_planners(pipeline):
     res = _plan(pipeline)
     constant = lambda f: blocking_w(F_MAX)  # noqa: E731
-    ours = sum(predicted_stage_energy_j(res.plan, res.timeline, pipeline, s, constant) for s in range(4))
+    ours = sum(_predicted_stage_energy_j(res.plan, res.timeline, pipeline, s, constant) for s in range(4))
     assert ours == pytest.approx(res.score.energy_j, rel=1e-12)
-    by_clock = sum(predicted_stage_energy_j(res.plan, res.timeline, pipeline, s, blocking_w) for s in range(4))
+    by_clock = sum(_predicted_stage_energy_j(res.plan, res.timeline, pipeline, s, blocking_w) for s in range(4))
     assert by_clock < ours - 1.0  # the plan waits at lowered clocks: less blocking energy there
 
 
@@ -100,7 +100,7 @@ def test_a_replay_at_the_wrong_clocks_is_a_mismatch(pipeline):
 
 def test_replay_plans_reports_plans_and_a_control_that_mismatches(pipeline, tmp_path):
     pytest.importorskip("torch")  # the step module imports the Megatron stage (torch)
-    from megatron_envpipe.apps.gpu_check.replay_step import PLANS, replay_plans
+    from megatron_envpipe.apps.gpu_check.replay_step import _PLANS, _replay_plans
     from megatron_envpipe.apps.gpu_check.step_api import StepContext
 
     ctx = StepContext(out_dir=tmp_path, device="cpu", device_index=0, limit_s=90.0,
@@ -108,13 +108,13 @@ def test_replay_plans_reports_plans_and_a_control_that_mismatches(pipeline, tmp_
     profile = pipeline  # stage 0 of it is what profile.csv holds
     setup = _setup(profile)
     try:
-        summaries, rows, stopped = replay_plans(ctx, profile, setup, blocking_w, 0.0)
+        summaries, rows, stopped = _replay_plans(ctx, profile, setup, blocking_w, 0.0)
     finally:
         setup.hooks.close()
     assert stopped is None
     by = {(s["plan"], s["replay_clocks"]): s for s in summaries}
-    assert set(by) == {(p, "planned") for p in PLANS} | {("optimal:ours", "max")}
-    for plan in PLANS:
+    assert set(by) == {(p, "planned") for p in _PLANS} | {("optimal:ours", "max")}
+    for plan in _PLANS:
         s = by[(plan, "planned")]
         assert s["ok"] and abs(s["error"]) <= s["tolerance"] < 0.01, s
         assert s["measured_saving"] == pytest.approx(s["predicted_saving"], abs=0.01)

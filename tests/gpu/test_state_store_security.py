@@ -34,7 +34,7 @@ from megatron_envpipe.apps.cli import main  # noqa: E402
 from megatron_envpipe.gpu.control.repair import reset_clocks_from_state  # noqa: E402
 from megatron_envpipe.gpu.control.safety import ClockGuard  # noqa: E402
 from megatron_envpipe.gpu.control.state_store import (  # noqa: E402
-    MAX_STATE_BYTES,
+    _MAX_STATE_BYTES,
     ClockStateStore,
     LockRecord,
     StateStoreError,
@@ -281,7 +281,7 @@ def plant_bad_files(store: Path, area: Path, attacker_owned: Path | None) -> dic
     put("GPU-list.json", "[1]", "expected a JSON object, got list")
     put("GPU-x_forged_line.json", record("GPU-x\nforged: locked clocks reset"), "is not a GPU UUID")
     put("GPU-other-name.json", record("GPU-elsewhere"), "records GPU GPU-elsewhere, whose file is GPU-elsewhere.json")
-    put("GPU-huge.json", record("GPU-huge", command="x" * (MAX_STATE_BYTES + 10)), "larger than the")
+    put("GPU-huge.json", record("GPU-huge", command="x" * (_MAX_STATE_BYTES + 10)), "larger than the")
     put("GPU-boolmhz.json", record("GPU-boolmhz", locked_mhz=True), "'locked_mhz' must be a whole number")
     put("GPU-extra.json", record("GPU-extra", evil="\x1b[2J"), "unknown field 'evil'")
     (store / "GPU-latin1.json").write_bytes(b'{"uuid": "GPU-\xe9"}')

@@ -18,8 +18,8 @@ from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu.devices import simulated
 from megatron_envpipe.gpu.energy.counter_ticks import TickGrid
 from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
-from megatron_envpipe.gpu.profiler.heat_drift import fit_heat_drift
-from megatron_envpipe.gpu.profiler.sweep import COST_SHARE_OF_ENVPIPE, ENVPIPE_ITERATIONS_PER_CLOCK, startup_sweep
+from megatron_envpipe.gpu.profiler.heat_drift import _fit_heat_drift
+from megatron_envpipe.gpu.profiler.sweep import _COST_SHARE_OF_ENVPIPE, ENVPIPE_ITERATIONS_PER_CLOCK, startup_sweep
 from megatron_envpipe.testing.profiler_runs import a40_three_stages, profile_on_simulated_gpus, relative_errors
 
 A40 = get_gpu_spec("a40")
@@ -85,13 +85,13 @@ def test_the_tick_grid_pins_updates_far_inside_the_poll_brackets():
 
 def test_heat_drift_fit_recovers_a_cold_start_and_ignores_what_is_not_heat():
     truth = [(t, 70.0 * (1 - 0.03 * math.exp(-t / 60))) for t in range(10, 200, 12)]
-    drift = fit_heat_drift(truth)
+    drift = _fit_heat_drift(truth)
     assert drift is not None and drift.hot_power_w == pytest.approx(70.0, rel=1e-3)
     assert all(drift.factor(t) == pytest.approx(p / 70.0, abs=1e-3) for t, p in truth)
-    assert fit_heat_drift([(t, 70.0) for t in range(10)]) is None  # an ideal GPU: untouched
+    assert _fit_heat_drift([(t, 70.0) for t in range(10)]) is None  # an ideal GPU: untouched
     rng = random.Random(0)
-    assert fit_heat_drift([(t, 70.0 * (1 + rng.gauss(0, 0.003))) for t in range(20)]) is None  # noise
-    assert fit_heat_drift([(0, 90.0)] + [(t, 70.0) for t in range(10, 100, 10)]) is None  # one odd point
+    assert _fit_heat_drift([(t, 70.0 * (1 + rng.gauss(0, 0.003))) for t in range(20)]) is None  # noise
+    assert _fit_heat_drift([(0, 90.0)] + [(t, 70.0) for t in range(10, 100, 10)]) is None  # one odd point
 
 
 def test_the_profile_holds_within_one_percent_on_the_realistic_gpu():
@@ -103,7 +103,7 @@ def test_the_profile_holds_within_one_percent_on_the_realistic_gpu():
     profile_on_simulated_gpus(truth, sweep, p2p_power_w=P2P_W, time_scale=0.01, microbatches=4, virtual_time=True,
                               dynamics=REALISTIC, counter_periods_s=periods)
     assert periods == pytest.approx([0.1] * truth.num_stages, rel=1e-3)
-    assert sweep.iterations_used <= COST_SHARE_OF_ENVPIPE * ENVPIPE_ITERATIONS_PER_CLOCK * len(sweep.candidates_mhz)
+    assert sweep.iterations_used <= _COST_SHARE_OF_ENVPIPE * ENVPIPE_ITERATIONS_PER_CLOCK * len(sweep.candidates_mhz)
     worst_t, worst_e = relative_errors(truth, sweep.rows())
     assert worst_t < 1e-6 and worst_e < 0.01, (worst_t, worst_e)
     _, raw_e = relative_errors(truth, [row for r in sweep.results for row in r.rows])

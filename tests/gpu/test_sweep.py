@@ -12,7 +12,7 @@ from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
-from megatron_envpipe.gpu.profiler.profile_cache import ProfileCache, ProfileKey, ProfileMeta, key_digest
+from megatron_envpipe.gpu.profiler.profile_cache import ProfileCache, ProfileKey, ProfileMeta, _key_digest
 from megatron_envpipe.gpu.profiler.sweep import (
     BlockingSample,
     ClockSweep,
@@ -347,13 +347,13 @@ def gpt_key(**over) -> ProfileKey:
 def test_cache_key_is_stable_and_sensitive():
     a = gpt_key()
     b = gpt_key(model={"vocab": 50304, "heads": 16, "hidden": 2048, "layers": 24})  # dict order
-    assert key_digest(a) == key_digest(b)
+    assert _key_digest(a) == _key_digest(b)
     for change in ({"pipeline_parallel": 8}, {"micro_batch_size": 4}, {"driver_version": "555.42"},
                    {"gpu_name": "NVIDIA A100-SXM4-40GB"}, {"model": {"layers": 25}}, {"extra": {"recompute": True}}):
-        assert key_digest(gpt_key(**change)) != key_digest(a), change
-    assert key_digest({"b": 1, "a": [1, 2]}) == key_digest({"a": [1, 2], "b": 1})
+        assert _key_digest(gpt_key(**change)) != _key_digest(a), change
+    assert _key_digest({"b": 1, "a": [1, 2]}) == _key_digest({"a": [1, 2], "b": 1})
     with pytest.raises(ValueError, match="not plain JSON"):
-        key_digest({"a": object()})
+        _key_digest({"a": object()})
 
 
 def test_cache_store_lookup_describe(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_envpipe.core.energy_report import Baseline, EnergyReport, summary_line
-from megatron_envpipe.megatron.baseline_refresh import FIRST_AFTER, BaselineRefresh
+from megatron_envpipe.megatron.baseline_refresh import _FIRST_AFTER, BaselineRefresh
 
 
 def _run(refresh: BaselineRefresh, planned_at: int, last: int, energies: dict[int, float]) -> list[int]:
@@ -26,9 +26,9 @@ def test_repeats_after_the_plan_ran_then_ever_further_apart_until_two_agree():
     refresh = BaselineRefresh(2)
     # Heating GPU: 100, 101.5, 102.3, 102.4 J: only the third and fourth agree within 0.5 %.
     repeats = _run(refresh, 18, 400, {1: 100.0, 2: 101.5, 3: 102.3, 4: 102.4})
-    first = 18 + FIRST_AFTER
+    first = 18 + _FIRST_AFTER
     assert repeats[:2] == [first, first + 1]
-    assert repeats[2:4] == [first + 2 + 2 * FIRST_AFTER, first + 3 + 2 * FIRST_AFTER]  # twice as far
+    assert repeats[2:4] == [first + 2 + 2 * _FIRST_AFTER, first + 3 + 2 * _FIRST_AFTER]  # twice as far
     assert refresh.generation == 4 and refresh.done and len(repeats) == 8
     assert all(refresh.is_repeat(i) for i in repeats) and not refresh.is_repeat(first + 2)
 
@@ -57,7 +57,7 @@ def test_no_repeat_without_a_measured_baseline_or_before_the_plan():
 def test_an_unmeasured_repeat_stops_repeating_rather_than_spinning():
     refresh = BaselineRefresh(2)
     refresh.plan_started(0)
-    assert [i for i in range(0, 200) if refresh.due(i)] == [FIRST_AFTER, FIRST_AFTER + 1]
+    assert [i for i in range(0, 200) if refresh.due(i)] == [_FIRST_AFTER, _FIRST_AFTER + 1]
 
 
 def test_the_runtime_never_counts_a_repeat_as_planned(tmp_path):
@@ -77,7 +77,7 @@ def test_the_runtime_never_counts_a_repeat_as_planned(tmp_path):
         rt.finish(8, 12, None)
     planned_at = rt.planned_at
     repeat = [i for i, p in enumerate(phases) if p.startswith("baseline again")]
-    assert repeat == [planned_at + FIRST_AFTER, planned_at + FIRST_AFTER + 1], phases
+    assert repeat == [planned_at + _FIRST_AFTER, planned_at + _FIRST_AFTER + 1], phases
     for i in range(20):
         assert rt.is_planned_iteration(i) == (i >= planned_at and i not in repeat)
         assert rt.is_baseline_iteration(i) == (i < planned_at or i in repeat)

@@ -20,14 +20,15 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
+from megatron_envpipe.config import TransportSettings  # noqa: E402
 from megatron_envpipe.core import instructions as ins  # noqa: E402
 from megatron_envpipe.core.communicators import creation_order, disjoint_classes, warmup_order  # noqa: E402
 from megatron_envpipe.core.deadlock import check_deadlock  # noqa: E402
 from megatron_envpipe.core.instructions import build_programs  # noqa: E402
 from megatron_envpipe.core.schedule import envpipe_schedule, one_f_one_b  # noqa: E402
 from megatron_envpipe.megatron import channels  # noqa: E402
+from megatron_envpipe.testing.harness import join_ranks, start_ranks  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "comm_groups.py"
 
@@ -49,25 +50,25 @@ def world(stages: int, pipelines: int, **kwargs):
 
 
 @pytest.mark.parametrize(("backend", "eager", "strategy"), [
-    ("gloo", False, channels.WORLD_GROUPS),
-    ("nccl", False, channels.WORLD_GROUPS),
-    ("nccl", True, channels.SPLIT),
-    ("ucc", True, channels.PER_PAIR),  # a bound device, but a pipeline group that cannot split
+    ("gloo", False, channels._WORLD_GROUPS),
+    ("nccl", False, channels._WORLD_GROUPS),
+    ("nccl", True, channels._SPLIT),
+    ("ucc", True, channels._PER_PAIR),  # a bound device, but a pipeline group that cannot split
 ])
 def test_strategy_follows_the_backend_and_device_binding(backend, eager, strategy):
     made = world(3, 2, backend=backend, eager=eager).run(
-        lambda api: channels.create_channel_groups(api.world.pp[api.rank], api))
+        lambda api: channels._create_channel_groups(api.world.pp[api.rank], api))
     assert {m.strategy for m in made} == {strategy}
 
 
 @pytest.mark.parametrize(("stages", "pipelines"), [(2, 1), (3, 3), (4, 2), (5, 2)])
 def test_world_wide_calls_per_strategy(stages, pipelines):
-    per_pair = fake.tally(world(stages, pipelines), channels.per_pair_groups)
+    per_pair = fake.tally(world(stages, pipelines), channels._per_pair_groups)
     assert per_pair.world_calls == 1 + 2 * (stages - 1) * pipelines  # the gather + two new_group per pair
-    lazy = fake.tally(world(stages, pipelines), channels.create_channel_groups)
+    lazy = fake.tally(world(stages, pipelines), channels._create_channel_groups)
     assert (lazy.world_calls, lazy.world_syncs, lazy.smaller_collectives) == (2, 0, 0)
     eager = world(stages, pipelines, eager=True)
-    split = fake.tally(eager, channels.create_channel_groups)
+    split = fake.tally(eager, channels._create_channel_groups)
     padding = 2 if stages > 2 else 1  # first stages hold two more groups than middle ones, one more than last
     over_pipeline = 1 + padding + len(disjoint_classes(stages))  # gather of counts, padding, one split per class
     expected = (over_pipeline, over_pipeline, 0) if pipelines == 1 else (0, 0, over_pipeline)  # one pipeline = world
@@ -79,7 +80,7 @@ def test_world_wide_calls_per_strategy(stages, pipelines):
 def test_the_1024_rank_counts_of_the_note():
     # 1,024 ranks, P = 8, DP = 128: 1 + 2 x 7 x 128 = 1,793 world-wide calls before; 2 or 0 after.
     assert 1 + 2 * 7 * 128 == 1793
-    big = fake.tally(world(8, 128, eager=True), channels.create_channel_groups)
+    big = fake.tally(world(8, 128, eager=True), channels._create_channel_groups)
     assert (big.world_calls, big.world_syncs, big.smaller_collectives, big.name_mismatches) == (0, 0, 7, 0)
 
 
@@ -89,8 +90,8 @@ def test_split_group_names_differ_on_a_pair_without_the_padding():
     w = world(4, 2, eager=True)
 
     def unpadded(pp_group, api):
-        api.distributed_c10d = None  # registered_group_count() cannot tell: no padding
-        return channels.split_pipeline_groups(pp_group, api)
+        api.distributed_c10d = None  # _registered_group_count() cannot tell: no padding
+        return channels._split_pipeline_groups(pp_group, api)
 
     assert fake.tally(w, unpadded).name_mismatches > 0
 
@@ -98,7 +99,7 @@ def test_split_group_names_differ_on_a_pair_without_the_padding():
 def test_each_rank_holds_the_groups_of_its_own_pairs():
     for eager in (False, True):
         w = world(4, 2, eager=eager)
-        made = w.run(lambda api: channels.create_channel_groups(api.world.pp[api.rank], api))
+        made = w.run(lambda api: channels._create_channel_groups(api.world.pp[api.rank], api))
         for ranks in w.pipelines:
             for s, rank in enumerate(ranks):
                 mine = made[rank]
@@ -153,7 +154,8 @@ def _rank_main(rank: int, world_size: int, port: int, stages: int, out_dir: str)
         finally:
             dist.isend, dist.irecv = isend, irecv
         # Then one message each way over every channel of the stage, routed as the executor routes them.
-        transfers = channels.P2PTransfers(chans, s, stages, timeout_s=60, recv_shape=(2,), send_shape=(2,),
+        transfers = channels.P2PTransfers(chans, s, stages, transport=TransportSettings(prefetch=2, comm_timeout_s=60),
+                                          recv_shape=(2,), send_shape=(2,),
                                           dtype=torch.float32, device=torch.device("cpu"))
         first, last = s == 0, s == stages - 1
         if not first:
@@ -180,15 +182,13 @@ def _rank_main(rank: int, world_size: int, port: int, stages: int, out_dir: str)
 def test_warm_up_runs_the_chain_order_on_gloo_and_the_lazy_model_proves_it(tmp_path, stages, pipelines):
     world_size = stages * pipelines
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.start_processes(_rank_main, args=(world_size, store.port, stages, str(tmp_path)), nprocs=world_size,
-                             join=False, start_method="spawn")
-    while not ctx.join(timeout=300):
-        pass
+    # Fresh processes forked from the harness's forkserver (torch imported once there, not per rank).
+    join_ranks(start_ranks(_rank_main, (world_size, store.port, stages, str(tmp_path)), world_size), timeout_s=300)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
     ran: list[list] = [[] for _ in range(stages)]
     for res in results:
         s, ranks = res["stage"], res["ranks"]
-        assert res["strategy"] == channels.WORLD_GROUPS
+        assert res["strategy"] == channels._WORLD_GROUPS
         peers = [ranks[rcv if snd == s else snd] for snd, rcv, _ in warmup_order(s, stages)]
         assert res["used"] == [[*c, peer] for c, peer in zip(warmup_order(s, stages), peers)]  # once, in order
         if s > 0:

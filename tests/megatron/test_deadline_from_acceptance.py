@@ -3,23 +3,21 @@
 at the maximum clock (same profile, same simulated GPU) it holds 1F1B's iteration time within +1 % and its
 measured saving lies within 1.5 points of the plan's predicted saving against 1F1B; its losses equal stock
 Megatron's interleaved schedule's bit for bit (trained in the same processes before EnvPipe was installed,
---stock-reference-iters). Two torchrun runs; a 4-stage profile is given so that no start-up sweep runs.
+--stock-reference-iters). Two tiny-GPT runs of 4 ranks (tests/launching.py); a 4-stage profile is given so
+that no start-up sweep runs.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launching import torchrun
 
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
-from megatron_envpipe.megatron.localhost import free_port
 
 pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]'")
@@ -31,17 +29,12 @@ MEGATRON_INTERLEAVED = "megatron.core.pipeline_parallel.schedules.forward_backwa
 
 
 def _train(tmp_path: Path, name: str, *flags: str) -> tuple[str, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(REPO / "examples" / "train_tiny_gpt.py"),
-           "--pipeline-model-parallel-size", "4", "--device", "cpu", "--train-iters", str(ITERATIONS),
-           "--cache-dir", str(tmp_path / "cache"), "--losses-out", str(out), "--envpipe-log-interval", "1",
-           "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-profile", str(tmp_path / "p4.csv"), *flags]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    log = torchrun(["--nproc-per-node", 4, REPO / "examples" / "train_tiny_gpt.py", "--pipeline-model-parallel-size", 4,
+                    "--device", "cpu", "--train-iters", ITERATIONS, "--cache-dir", tmp_path / "cache",
+                    "--losses-out", out, "--envpipe-log-interval", 1, "--envpipe-gpu", "simulated:a40/gpt3-175b",
+                    "--envpipe-profile", tmp_path / "p4.csv", *flags],
+                   cwd=tmp_path, log_dir=tmp_path / f"{name}-ranks", timeout_s=400, forked=True).log
     return log, json.loads(out.read_text())
 
 

@@ -19,11 +19,11 @@ from launching import torchrun
 
 from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
 from megatron_envpipe.core.energy_csv import CSV_COLUMNS, append_report
-from megatron_envpipe.core.energy_report import Baseline, EnergyReport, GpuFigure, kwh_saved_per_day, summary_line
+from megatron_envpipe.core.energy_report import Baseline, EnergyReport, GpuFigure, _kwh_saved_per_day, summary_line
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.gpu.startup import DeviceFacts
-from megatron_envpipe.megatron.reporting import Local, counter_figure, write_tensorboard, write_wandb
+from megatron_envpipe.megatron.reporting import Local, _counter_figure, _write_tensorboard, _write_wandb
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_a_window_over_one_percent_slower_than_planned_warns_with_the_figures():
 
 def test_kwh_saved_per_day_and_the_summary_line():
     # 100 J per 4 s iteration saved: 25 W for a day = 0.6 kWh.
-    assert kwh_saved_per_day(1000.0, 900.0, 4.0) == pytest.approx(0.6)
+    assert _kwh_saved_per_day(1000.0, 900.0, 4.0) == pytest.approx(0.6)
     reports = [_report(iteration=10, time_s=4.0, energy_j=900.0, iterations=10),
                _report(iteration=20, time_s=4.0, energy_j=900.0, iterations=10)]
     line = summary_line(reports, Baseline(1000.0, 3.9, 2, 1740), simulated=True, num_gpus=4, replicas=2)
@@ -95,7 +95,7 @@ def test_windows_under_per_iteration_plans_compare_with_the_stock_run_for_their_
     # 575 / 750 - 1; planned (740 + 400) / 2 = 570 J: 570 / 750 - 1; time 1.5 / 1.75 - 1.
     assert ("energy -23.33% (planned -24.00%), time -14.29% vs stock 1F1B at f_max predicted for the same "
             "micro-batch sizes, 750.0 J in 1.750 s") in line
-    assert f"at this pace {kwh_saved_per_day(750.0, 575.0, 1.5):.3f} kWh saved per day over 4 GPUs" in line
+    assert f"at this pace {_kwh_saved_per_day(750.0, 575.0, 1.5):.3f} kWh saved per day over 4 GPUs" in line
 
 def test_the_interval_follows_megatrons_log_interval_unless_given():
     parser = add_envpipe_args(argparse.ArgumentParser())
@@ -146,7 +146,7 @@ def test_per_gpu_figure_is_megatrons_log_energy_over_the_same_interval():
     last = {}
     for k in range(3):  # three log points, 5 iterations apart (after iteration 0, 5, 10)
         done = 1 + 5 * k
-        figures = [counter_figure(local[r], g, r, r, done) for r, g in enumerate(gpus)]
+        figures = [_counter_figure(local[r], g, r, r, done) for r, g in enumerate(gpus)]
         mj_now = [g.read()[1] for g in gpus]
         if k:
             report = _report(gpus=tuple(figures), iterations=5)
@@ -176,8 +176,8 @@ class _Writer:
 
 def test_tensorboard_and_wandb_get_pipeline_stage_and_gpu_figures():
     tb, wb = _Writer(), _Writer()
-    write_tensorboard(tb, _report(), 20)
-    write_wandb(wb, _report(), 20)
+    _write_tensorboard(tb, _report(), 20)
+    _write_wandb(wb, _report(), 20)
     assert tb.scalars == wb.scalars
     for name in ("envpipe/iteration-energy-J", "envpipe/energy-saving", "envpipe/time-vs-plan",
                  "envpipe/time-vs-baseline", "envpipe/stage0-power-W", "envpipe/stage1-power-W",
@@ -226,7 +226,7 @@ def test_a_run_slower_than_its_profile_warns_and_summarizes(tmp_path: Path):
                     "--device", "cpu", "--train-iters", 6, "--log-interval", 2, "--envpipe-type", "envelope",
                     "--envpipe-profile", fast, "--envpipe-gpu", "simulated:a40/gpt3-175b",
                     "--envpipe-energy-csv", energy_csv],
-                   cwd=tmp_path, log_dir=tmp_path / "ranks", timeout_s=300).log
+                   cwd=tmp_path, log_dir=tmp_path / "ranks", timeout_s=300, forked=True).log
     energy = [line for line in log.splitlines() if "EnvPipe energy (simulated) |" in line]
     assert [re.search(r"\| (iterations [\d-]+) \|", line).group(1) for line in energy] == [
         "iterations 1-2", "iterations 3-4", "iterations 5-6"]  # Megatron's interval, not every iteration

@@ -30,9 +30,11 @@ def test_the_logged_saving_is_what_a_same_length_baseline_run_measures(tmp_path)
     pytest.importorskip("megatron.core", reason="the tiny GPT trains with megatron-core")
     script = REPO / "examples" / "train_tiny_gpt.py"
     envpipe = torchrun(["--nproc-per-node", 4, script, *FLAGS, "--envpipe-type", "optimal",
-                        "--envpipe-scheduling", "ours"], cwd=tmp_path, log_dir=tmp_path / "envpipe", timeout_s=600)
+                        "--envpipe-scheduling", "ours"], cwd=tmp_path, log_dir=tmp_path / "envpipe", timeout_s=600,
+                       forked=True)
     base = torchrun(["--nproc-per-node", 4, script, *FLAGS, "--envpipe-type", "baseline",
-                     "--envpipe-scheduling", "1f1b"], cwd=tmp_path, log_dir=tmp_path / "baseline", timeout_s=600)
+                     "--envpipe-scheduling", "1f1b"], cwd=tmp_path, log_dir=tmp_path / "baseline", timeout_s=600,
+                    forked=True)
     summary = SUMMARY.search(envpipe.log)
     assert summary, envpipe.log[-3000:]
     first, last, logged = int(summary.group(1)), int(summary.group(2)), -float(summary.group(3))

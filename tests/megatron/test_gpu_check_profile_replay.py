@@ -15,7 +15,7 @@ pytest.importorskip("torch", reason="needs torch and megatron-core: pip install 
 pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 
 from megatron_envpipe.apps.gpu_check import profile_step, replay_step  # noqa: E402
-from megatron_envpipe.apps.gpu_check.stage_bench import SIM_SOURCE  # noqa: E402
+from megatron_envpipe.apps.gpu_check.stage_bench import _SIM_SOURCE  # noqa: E402
 from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult  # noqa: E402
 from megatron_envpipe.core.profile import Profile  # noqa: E402
 from megatron_envpipe.core.resources import shipped_profile  # noqa: E402
@@ -42,7 +42,7 @@ def test_profile_step_writes_the_devices_profile(profiled):
     assert fig["simulated"] is True and fig["counter_period_from"] == "step 2" and fig["not_reached"] == []
     assert len(fig["clocks_mhz"]) == profile_step.MAX_CLOCKS and fig["clocks_mhz"][0] == 1740
     measured = Profile.from_csv(out / "profile.csv")
-    truth = Profile.from_csv(shipped_profile(SIM_SOURCE))
+    truth = Profile.from_csv(shipped_profile(_SIM_SOURCE))
     rel_unc = fig["energy_rel_unc_max"]
     assert 0 < rel_unc < 0.05
     for f in fig["clocks_mhz"]:
@@ -60,7 +60,7 @@ def test_replay_step_matches_and_its_control_does_not(profiled):
     assert fig["all_within_tolerance"] is True and fig["control_mismatch_detected"] is True
     assert fig["blocking_power_from"].startswith("step 5")  # no step 4 here: idle per clock, measured
     plans = {(p["plan"], p["replay_clocks"]): p for p in fig["plans"]}
-    for name in replay_step.PLANS:
+    for name in replay_step._PLANS:
         p = plans[(name, "planned")]
         assert abs(p["error"]) <= p["tolerance"] < 0.05, p
         assert abs(p["measured_saving"] - p["predicted_saving"]) <= p["tolerance"], p

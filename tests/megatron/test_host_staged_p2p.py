@@ -16,9 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[megatron]'")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from megatron_envpipe.megatron import host_p2p  # noqa: E402
+from megatron_envpipe.testing.harness import join_ranks, start_ranks  # noqa: E402
 
 WORLD = 2
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -99,7 +99,7 @@ def _worker(rank: int, init_file: str) -> None:
 
 
 def test_every_staged_call_moves_the_data_and_lands_it_on_completion(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+    join_ranks(start_ranks(_worker, (str(tmp_path / "init"),), WORLD), timeout_s=120)
 
 
 def test_transport_is_restored_after_an_error() -> None:
@@ -128,18 +128,18 @@ def test_p2p_transport_flag_defaults_to_direct() -> None:
 
 
 def test_ranks_sharing_a_gpu_need_host_transport_and_a_simulated_gpu() -> None:
-    from megatron_envpipe.apps.tiny_parallel import shared_gpu_problem
+    from megatron_envpipe.apps.tiny_parallel import _shared_gpu_problem
 
     cuda = ("--device", "cuda")
     # One GPU per rank, or CPU: nothing to say.
-    assert shared_gpu_problem(_args(*cuda), 4, 4) is None
-    assert shared_gpu_problem(_args("--device", "cpu", "--p2p-transport", "host"), 4, 0) is None
+    assert _shared_gpu_problem(_args(*cuda), 4, 4) is None
+    assert _shared_gpu_problem(_args("--device", "cpu", "--p2p-transport", "host"), 4, 0) is None
     # NCCL cannot put two ranks on one GPU.
-    problem = shared_gpu_problem(_args(*cuda), 4, 1)
+    problem = _shared_gpu_problem(_args(*cuda), 4, 1)
     assert problem is not None and "--p2p-transport host" in problem
     # Shared GPU: EnvPipe must drive the simulated GPU; stock Megatron may run.
-    problem = shared_gpu_problem(_args(*cuda, "--p2p-transport", "host", "--envpipe-type", "envelope"), 4, 1)
+    problem = _shared_gpu_problem(_args(*cuda, "--p2p-transport", "host", "--envpipe-type", "envelope"), 4, 1)
     assert problem is not None and "simulated:" in problem and "4 local ranks on 1 GPU" in problem
-    assert shared_gpu_problem(_args(*cuda, "--p2p-transport", "host", "--no-envpipe"), 4, 1) is None
-    assert shared_gpu_problem(_args(*cuda, "--p2p-transport", "host", "--envpipe-gpu", "simulated:a40/gpt3-175b"),
+    assert _shared_gpu_problem(_args(*cuda, "--p2p-transport", "host", "--no-envpipe"), 4, 1) is None
+    assert _shared_gpu_problem(_args(*cuda, "--p2p-transport", "host", "--envpipe-gpu", "simulated:a40/gpt3-175b"),
                               4, 1) is None

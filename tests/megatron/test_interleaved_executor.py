@@ -244,7 +244,7 @@ def test_wrap_around_channels_get_groups_of_their_own(stages: int, eager: bool) 
     import importlib.util
     import sys
 
-    from megatron_envpipe.core.communicators import wrap_channels
+    from megatron_envpipe.core.communicators import _wrap_channels
     from megatron_envpipe.megatron import channels
 
     bench = Path(__file__).resolve().parents[2] / "bench" / "comm_groups.py"
@@ -254,9 +254,9 @@ def test_wrap_around_channels_get_groups_of_their_own(stages: int, eager: bool) 
     spec.loader.exec_module(fake)
     world = fake.FakeWorld(fake.megatron_layout(stages, 2), extra_groups=fake.megatron_extra_groups(stages, 2),
                            eager=eager)
-    made = world.run(lambda api: channels.create_channel_groups(api.world.pp[api.rank], api, wrap=True))
+    made = world.run(lambda api: channels._create_channel_groups(api.world.pp[api.rank], api, wrap=True))
     for ranks in world.pipelines:
-        for snd, rcv, kind in wrap_channels(stages):
+        for snd, rcv, kind in _wrap_channels(stages):
             ends = [made[ranks[x]].wrap[kind] for x in (snd, rcv)]
             assert ends[0].group_name == ends[1].group_name
             # Split: a group of the pair; lazy: a world-sized group of its own (two pipelines).
@@ -264,4 +264,4 @@ def test_wrap_around_channels_get_groups_of_their_own(stages: int, eager: bool) 
                                                                                 and ends[0].size() == 2 * stages)
             neighbour = (made[ranks[0]].act if kind == "act" else made[ranks[0]].grad).get(0)
             assert neighbour is None or neighbour.group_name != ends[0].group_name
-    assert fake.tally(world, lambda pp, api: channels.create_channel_groups(pp, api, wrap=True)).name_mismatches == 0
+    assert fake.tally(world, lambda pp, api: channels._create_channel_groups(pp, api, wrap=True)).name_mismatches == 0

@@ -33,10 +33,10 @@ pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip 
 from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
 
 from megatron_envpipe.core.interleaved import (
+    _interleaved_order,
+    _interleaved_schedule_table,
+    _interleaved_warmup_counts,
     check_interleaved_sizes,
-    interleaved_order,
-    interleaved_schedule_table,
-    interleaved_warmup_counts,
 )
 from megatron_envpipe.core.schedule import ScheduleError
 from megatron_envpipe.testing.harness import PipelineRun, megatron_interleaved, run_pipeline
@@ -89,8 +89,8 @@ def test_table_and_warmups_equal_megatrons_helpers():
                 check_interleaved_sizes(p, m, v, n)
             continue
         assert check_interleaved_sizes(p, m, v, n) == n
-        assert list(interleaved_schedule_table(m, v, n)) == get_schedule_table(m, v, n), (p, v, m, n)
-        ours = interleaved_warmup_counts(p, m, v, n)
+        assert list(_interleaved_schedule_table(m, v, n)) == get_schedule_table(m, v, n), (p, v, m, n)
+        ours = _interleaved_warmup_counts(p, m, v, n)
         for s in range(p):
             _total, _all, warmup, _rest = get_pp_rank_microbatches(m, v, n, p2p_communicator=_Sizes(_Group(p, s), v))
             assert ours[s] == warmup, (p, v, m, n, s)
@@ -169,7 +169,7 @@ def test_order_equals_megatrons_recorded_in_a_gloo_run(p, v):
             assert all(ident.is_stock_megatron for ident in result.schedules), result.schedules
             got = recorded_order(result.events)
             assert len(got) == 2 * m * v
-            want = [str(u) for u in interleaved_order(result.stage, p, m, v, n)]
+            want = [str(u) for u in _interleaved_order(result.stage, p, m, v, n)]
             assert got == want, f"P={p} V={v} M={m} N={n} rank {result.stage}"
 
 

@@ -22,8 +22,8 @@ from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.megatron.iteration_plans import (
     IterationPlans,
     SizeMapping,
-    length_model_for,
-    plans_wanted,
+    _length_model_for,
+    _plans_wanted,
 )
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 
@@ -51,24 +51,24 @@ def _two_size_profile() -> Profile:
 
 
 def test_the_length_model_is_the_profiles_fit_else_the_shipped_default_else_none():
-    fitted = length_model_for(_two_size_profile(), EnvPipeConfig())
+    fitted = _length_model_for(_two_size_profile(), EnvPipeConfig())
     assert fitted.source == "measured.csv (fitted)"
     assert fitted.factors(0, 0, "forward", 900, MicrobatchSize.from_lengths([50]))[0] == pytest.approx(0.6)
     shipped = Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(4)
     sweep = Profile({k: shipped.points(*k) for k in [(s, i) for s in range(4) for i in ("forward", "backward")]},
                     source="<start-up profiler: 15 clocks>")
-    assert "gpt3-175b" in length_model_for(sweep, EnvPipeConfig(gpu="simulated:a40/gpt3-175b")).source
+    assert "gpt3-175b" in _length_model_for(sweep, EnvPipeConfig(gpu="simulated:a40/gpt3-175b")).source
     with pytest.raises(LengthCostError, match="no micro-batch sizes in the profile"):
-        length_model_for(sweep, EnvPipeConfig())
+        _length_model_for(sweep, EnvPipeConfig())
 
 
 def test_the_flag_defaults_on_with_optimal_and_is_refused_where_it_would_do_nothing():
     parser = add_envpipe_args(argparse.ArgumentParser())
     on = EnvPipeConfig.from_args(parser.parse_args(["--envpipe-type", "optimal"]))
-    assert on.per_iteration_plans is None and plans_wanted(on)
-    assert not plans_wanted(EnvPipeConfig(plan_type="envelope"))
+    assert on.per_iteration_plans is None and _plans_wanted(on)
+    assert not _plans_wanted(EnvPipeConfig(plan_type="envelope"))
     off = EnvPipeConfig.from_args(parser.parse_args(["--envpipe-type", "optimal", "--no-envpipe-per-iteration-plans"]))
-    assert off.per_iteration_plans is False and not plans_wanted(off)
+    assert off.per_iteration_plans is False and not _plans_wanted(off)
     with pytest.raises(EnvPipeConfigError, match="--envpipe-per-iteration-plans plans clocks with --envpipe-type "
                                                  "optimal's planner .* --envpipe-type envelope"):
         EnvPipeConfig.from_args(parser.parse_args(["--envpipe-type", "envelope", "--envpipe-per-iteration-plans"]))

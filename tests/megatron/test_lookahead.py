@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from megatron_envpipe.core.interleaved import interleaved_order
+from megatron_envpipe.core.interleaved import _interleaved_order
 from megatron_envpipe.core.length_costs import MicrobatchSize
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.megatron.lookahead import (
     DataLookahead,
     LookaheadError,
-    microbatch_seq_lengths,
-    microbatch_size,
+    _microbatch_seq_lengths,
+    _microbatch_size,
 )
 
 M = 4
@@ -153,7 +153,7 @@ def test_interleaved_chunks_pulled_in_megatrons_order_get_their_own_objects() ->
     stages, chunks, iterations = 4, 2, 3
     per_chunk = [batches(iterations * M) for _ in range(chunks)]
     for stage in range(stages):
-        forwards = [u.chunk for u in interleaved_order(stage, stages, M, chunks) if u.is_forward]
+        forwards = [u.chunk for u in _interleaved_order(stage, stages, M, chunks) if u.is_forward]
         wrapped = DataLookahead([iter(items) for items in per_chunk], M)
         plain = [iter(items) for items in per_chunk]
         for _ in range(iterations):
@@ -205,7 +205,7 @@ def test_an_iteration_being_read_has_no_sizes_yet() -> None:
         if batch["k"] == M + 2:
             midway.append(look.sizes(1))
             midway.append(look.sizes(0))
-        return microbatch_size(batch)
+        return _microbatch_size(batch)
 
     look = DataLookahead(iter(batches(2 * M)), M, size_of=size_of)
     look.read_ahead()
@@ -243,20 +243,20 @@ def test_a_planner_thread_reads_sizes_while_the_schedule_pulls() -> None:
 def test_micro_batch_lengths_contract() -> None:
     torch = pytest.importorskip("torch")
     tokens = torch.zeros(3, 17, dtype=torch.int64)
-    assert microbatch_seq_lengths({"tokens": tokens, "labels": tokens}) == [17, 17, 17]
-    assert microbatch_seq_lengths(tokens) == [17, 17, 17]
+    assert _microbatch_seq_lengths({"tokens": tokens, "labels": tokens}) == [17, 17, 17]
+    assert _microbatch_seq_lengths(tokens) == [17, 17, 17]
     packed = {"tokens": torch.zeros(1, 12), "seq_lengths": torch.tensor([5, 4, 3])}
-    assert microbatch_seq_lengths(packed) == [5, 4, 3]
-    assert microbatch_seq_lengths({"seq_lengths": [7]}) == [7]
-    assert microbatch_size(packed) == MicrobatchSize(12, 25 + 16 + 9)
-    assert microbatch_size({"tokens": tokens}) == MicrobatchSize(51, 3 * 17 * 17)
+    assert _microbatch_seq_lengths(packed) == [5, 4, 3]
+    assert _microbatch_seq_lengths({"seq_lengths": [7]}) == [7]
+    assert _microbatch_size(packed) == MicrobatchSize(12, 25 + 16 + 9)
+    assert _microbatch_size({"tokens": tokens}) == MicrobatchSize(51, 3 * 17 * 17)
     for bad in ({"labels": tokens}, [tokens], {"tokens": torch.zeros(17)}, {"seq_lengths": [[1, 2]]},
                 {"seq_lengths": [1.5]}):
         with pytest.raises(LookaheadError) as caught:
-            microbatch_size(bad)
+            _microbatch_size(bad)
         assert isinstance(caught.value, EnvPipeError) and "\n" not in str(caught.value)
     with pytest.raises(EnvPipeError, match="> 0"):
-        microbatch_size({"seq_lengths": [3, 0]})
+        _microbatch_size({"seq_lengths": [3, 0]})
 
 
 def test_a_micro_batch_that_cannot_be_sized_is_logged_once_and_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 def test_megatron_core_is_importable() -> None:
     # CI installs megatron-core; if it is missing, say how to install it.
-    megatron_compat.require_megatron()
+    megatron_compat._require_megatron()
 
 
 def _native_runs(p: int) -> Runs:
@@ -189,7 +189,7 @@ def test_cpu_shims_patch_and_restore() -> None:
 def test_cpu_shims_restore_on_error_and_nest() -> None:
     before = _patched_attributes()
     with pytest.raises(RuntimeError, match="boom"), megatron_compat.cpu_shims("cpu"):
-        inner = megatron_compat.install_cpu_shims()
+        inner = megatron_compat._install_cpu_shims()
         inner.uninstall()
         # Uninstalling the inner set must leave the outer one in force.
         assert torch.cuda.current_device() == torch.device("cpu")
@@ -293,7 +293,7 @@ def test_call_forward_and_backward_step_run_megatron_units() -> None:
 
 
 def test_features_describe_installed_megatron() -> None:
-    feats = megatron_compat.features()
+    feats = megatron_compat._features()
     assert feats.has_p2p_communicator
     assert {"cp_group_size", "is_last_stage", "current_microbatch"} <= feats.forward_step_params
     assert {"input_tensor", "output_tensor", "output_tensor_grad", "config"} <= (

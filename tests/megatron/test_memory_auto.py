@@ -6,18 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launching import torchrun
 
 from megatron_envpipe.apps.cli import main
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args
 from megatron_envpipe.core.measurement import IterationMeasurement
-from megatron_envpipe.core.memory import AUTO, GIB, MIB, MemoryModel, StageMemory, within_budget
+from megatron_envpipe.core.memory import _GIB, AUTO, MIB, MemoryModel, StageMemory, within_budget
 from megatron_envpipe.core.schedule import envpipe_schedule
 from megatron_envpipe.core.timeline import PipelineGraph
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
@@ -148,11 +146,11 @@ def test_on_cuda_two_1f1b_iterations_are_measured():
     rt.attach_memory("cuda")
     first = rt.prepare(4, 8)
     assert first.phase == "measure 1/1" and first.measure_memory
-    rt.finish(4, 8, timings(first.schedule), memory=(StageMemory(256 * MIB, 4 * GIB),) * 4)
+    rt.finish(4, 8, timings(first.schedule), memory=(StageMemory(256 * MIB, 4 * _GIB),) * 4)
     second = rt.prepare(4, 8)
     assert second.phase == "measure activation memory 2/2" and second.measure_memory and not second.measure
     # Iteration 2 sees less free memory (optimizer state): the smaller one counts.
-    rt.finish(4, 8, None, memory=(StageMemory(256 * MIB, GIB),) * 4)
+    rt.finish(4, 8, None, memory=(StageMemory(256 * MIB, _GIB),) * 4)
     rt.prepare(4, 8)
     assert rt.budgets[(4, 8)] == (6, 5, 4, 3)
 
@@ -257,21 +255,13 @@ def test_schedule_takes_a_per_stage_budget(capsys):
 def test_tiny_gpt_auto_budget_on_the_simulated_gpu(tmp_path):
     pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]'")
     pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]'")
-    from megatron_envpipe.megatron.localhost import free_port
-
     out = tmp_path / "run.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(REPO / "examples" / "train_tiny_gpt.py"),
-           "--pipeline-model-parallel-size", "4", "--device", "cpu", "--train-iters", "6",
-           "--cache-dir", str(tmp_path / "cache"), "--losses-out", str(out), *OURS,
-           "--envpipe-gpu", "simulated:a40/gpt3-175b",
-           "--envpipe-profile-step", "300", "--envpipe-profile-iterations", "1",
-           "--envpipe-profile-cache", str(tmp_path / "profiles"), "--envpipe-sim-memory", "0.75,256"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    log = torchrun(["--nproc-per-node", 4, REPO / "examples" / "train_tiny_gpt.py", "--pipeline-model-parallel-size", 4,
+                    "--device", "cpu", "--train-iters", 6, "--cache-dir", tmp_path / "cache", "--losses-out", out,
+                    *OURS, "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-profile-step", 300,
+                    "--envpipe-profile-iterations", 1, "--envpipe-profile-cache", tmp_path / "profiles",
+                    "--envpipe-sim-memory", "0.75,256"],
+                   cwd=REPO, log_dir=tmp_path / "ranks", timeout_s=300, forked=True).log
     # 4 stages x 8 micro-batches; (768 - 512) MiB / 256 MiB = 1 activation more than 1F1B's [4, 3, 2, 1].
     expected = "EnvPipe activation budget per stage [5, 4, 3, 2] (256 MiB per micro-batch, 0.75 GiB free at 1F1B's peak"
     assert expected in log, log[-6000:]

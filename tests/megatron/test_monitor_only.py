@@ -26,7 +26,7 @@ from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.schedule import one_f_one_b
 from megatron_envpipe.core.timeline import PipelineGraph
 from megatron_envpipe.gpu.startup import DeviceFacts
-from megatron_envpipe.megatron.runtime import MEGATRON_ORDER, EnvPipeRuntime
+from megatron_envpipe.megatron.runtime import _MEGATRON_ORDER, EnvPipeRuntime
 from megatron_envpipe.testing import PipelineRun, compare_results, run_pipeline
 from megatron_envpipe.testing.monitor_runs import monitored_schedule
 
@@ -133,7 +133,7 @@ def test_without_control_every_iteration_is_megatrons_order_with_no_clock(chunks
     expected = one_f_one_b(P, M) if chunks == 1 else interleaved_schedule(P, M, chunks, group)
     for _ in range(3):
         it = rt.prepare(P, M, num_chunks=chunks, microbatch_group_size=group)
-        assert it.schedule == expected and it.plan is None and it.phase == MEGATRON_ORDER
+        assert it.schedule == expected and it.plan is None and it.phase == _MEGATRON_ORDER
         assert not it.measure and not it.measure_memory and not it.profiling
         assert "SetFrequency" not in str(it.programs[0])
         rt.finish(P, M, None)

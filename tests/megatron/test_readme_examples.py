@@ -1,21 +1,20 @@
 """README.md's training examples, run exactly as written, print the figures the README quotes (issue 35).
 
-Each example's ```bash command is read out of README.md and run with torchrun in a fresh cache (as a first
-run on a new machine: the start-up profiler sweeps first); the figure the paragraph after it quotes must
-be in the run's own log and exit summary, within 0.5 points. Simulated GPUs: the same on every host.
+Each example's ```bash command is read out of README.md and run in a fresh cache (as a first run on a new
+machine: the start-up profiler sweeps first), its torchrun arguments as written, the ranks forked from one
+interpreter that imported torch and megatron-core once (tests/launching.py, ``forked=True``: what each rank
+runs and prints is a torchrun rank's); the figure the paragraph after it quotes must be in the run's own
+log and exit summary, within 0.5 points. Simulated GPUs: the same on every host.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launching import child_env, torchrun
 
 pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
@@ -36,19 +35,10 @@ def readme_example(marker: str) -> tuple[list[str], str]:
 
 
 def run_readme_command(command: list[str], tmp_path: Path) -> str:
-    """The command as written (torchrun = this Python's torch.distributed.run), caches in tmp_path."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "xdg"),
-               MEGATRON_ENVPIPE_CACHE=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1", "--master-port", str(port),
-           *command[1:]]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    return log
+    """The command's torchrun arguments as written, ranks forked (tests/launching.py), caches in tmp_path."""
+    assert command[0] == "torchrun", command
+    env = child_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), MEGATRON_ENVPIPE_CACHE=str(tmp_path / "cache"))
+    return torchrun(command[1:], cwd=REPO, log_dir=tmp_path / "ranks", timeout_s=600, env=env, forked=True).log
 
 
 def test_the_straggler_example_prints_the_saving_vs_waiting_the_readme_quotes(tmp_path):

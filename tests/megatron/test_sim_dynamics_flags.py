@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_envpipe.apps.demo import DemoConfig, training_runs
+from megatron_envpipe.apps.demo import _DemoConfig, _training_runs
 from megatron_envpipe.config import EnvPipeConfig, add_envpipe_args
 from megatron_envpipe.core import device_dynamics as dd
 from megatron_envpipe.core.flag_ranges import RANGES
@@ -97,8 +97,8 @@ def test_a_dynamics_file_is_read(tmp_path):
 
 def test_flag_bounds_are_the_models_bounds():
     assert RANGES["sim_clock_latency_ms"].high / 1000 == dd.MAX_LATENCY_S
-    assert RANGES["sim_counter_period_ms"].high / 1000 == dd.MAX_COUNTER_PERIOD_S
-    assert RANGES["sim_thermal_drift"].high == dd.MAX_THERMAL_DRIFT
+    assert RANGES["sim_counter_period_ms"].high / 1000 == dd._MAX_COUNTER_PERIOD_S
+    assert RANGES["sim_thermal_drift"].high == dd._MAX_THERMAL_DRIFT
 
 
 def test_clock_lead_flag():
@@ -108,10 +108,10 @@ def test_clock_lead_flag():
 
 
 def test_demo_runs_with_realistic_dynamics_by_default(tmp_path):
-    cfg = DemoConfig.load()
+    cfg = _DemoConfig.load()
     assert cfg.sim_dynamics == "realistic"
-    for _, flags, _ in training_runs(cfg, "simulated:a40/gpt3-175b", tmp_path):
+    for _, flags, _ in _training_runs(cfg, "simulated:a40/gpt3-175b", tmp_path):
         assert flags[flags.index("--envpipe-sim-dynamics") + 1] == "realistic"
     # on a real GPU the flag would be refused: it is not passed
-    for _, flags, _ in training_runs(cfg, "auto", tmp_path):
+    for _, flags, _ in _training_runs(cfg, "auto", tmp_path):
         assert "--envpipe-sim-dynamics" not in flags

@@ -15,7 +15,7 @@ from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.megatron.groups import StageGroups
-from megatron_envpipe.megatron.stragglers import apply_sim_straggler
+from megatron_envpipe.megatron.stragglers import _apply_sim_straggler
 
 
 class _Group:
@@ -46,7 +46,7 @@ def _unit_times(flag: str, replica: int, iterations: int) -> list[float]:
     hooks = SimpleNamespace(device=gpu)
     times = []
     for iteration in range(iterations):
-        apply_sim_straggler(config, hooks, groups, iteration)
+        _apply_sim_straggler(config, hooks, groups, iteration)
         t0 = vc.now()
         gpu.unit_begin(0, "F")
         gpu.unit_end(0, "F")

@@ -14,11 +14,11 @@ from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.flag_types import EnvPipeConfigError
-from megatron_envpipe.megatron.reporting import Local, slower_than_planned
+from megatron_envpipe.megatron.reporting import Local, _slower_than_planned
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
-from megatron_envpipe.megatron.stragglers import StragglerFollow, waiting_energy_j
+from megatron_envpipe.megatron.stragglers import StragglerFollow, _waiting_energy_j
 from megatron_envpipe.planning.basis import planning_profile
-from megatron_envpipe.planning.straggler import compute_frontier_plans
+from megatron_envpipe.planning.straggler import _compute_frontier_plans
 from megatron_envpipe.testing.straggler_runs import follow_run
 
 
@@ -44,31 +44,31 @@ def _report(time_s: float) -> EnergyReport:
 
 def test_the_wait_for_a_straggler_is_said_once_not_warned_every_line():
     follow, local = StragglerFollow(EnvPipeRuntime(EnvPipeConfig())), Local()
-    assert slower_than_planned(follow, _report(3.6), local) is None  # on plan: nothing
-    level, line = slower_than_planned(follow, _report(4.14), local)  # no agreement yet: a warning
+    assert _slower_than_planned(follow, _report(3.6), local) is None  # on plan: nothing
+    level, line = _slower_than_planned(follow, _report(4.14), local)  # no agreement yet: a warning
     assert level == logging.WARNING and "ran slower than planned" in line
     follow.dp_wait = (1, 4.14)  # the agreement: replica 1's pace is 4.14 s
-    level, line = slower_than_planned(follow, _report(4.14), local)
+    level, line = _slower_than_planned(follow, _report(4.14), local)
     assert level == logging.INFO and "waits at the data-parallel gradient sync for replica 1 (its pace 4.140 s)" in line
-    assert slower_than_planned(follow, _report(4.14), local) is None  # once
-    level, line = slower_than_planned(follow, _report(4.5), local)  # slower than the straggler too: its own
+    assert _slower_than_planned(follow, _report(4.14), local) is None  # once
+    level, line = _slower_than_planned(follow, _report(4.5), local)  # slower than the straggler too: its own
     assert level == logging.WARNING and "ran slower than planned" in line
 
 
 def test_not_following_counts_the_clock_changes_as_the_followed_plan_does():
     profile = Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(2)
     rt = EnvPipeRuntime(EnvPipeConfig(plan_type="optimal", scheduling="ours", p2p_power_w=70.0, switch_cost_j=0.7))
-    rt.profile = profile
+    rt.adopt_profile(profile, rt.profile_p2p_power_w)
     rt.prepare(2, 8)
     prof, m, pcfg = rt.planned_with
-    frontier = compute_frontier_plans(prof, m, pcfg, points=4).frontier
+    frontier = _compute_frontier_plans(prof, m, pcfg, points=4).frontier
     point = frontier.points[0]
     score = PlanEvaluator(point.plan.schedule, planning_profile(prof, pcfg), frontier.p2p_power_w).score(
         point.plan.flat())
     assert point.switch_energy_j > 0  # the frontier counts clock changes ...
     # ... and so does "not following": the same plan, waiting for nobody, scores what the frontier says.
     target = point.time_s * 1.1
-    assert waiting_energy_j(score.energy_j, point.plan, pcfg.effective_switch_cost_j, score.iteration_time_s,
+    assert _waiting_energy_j(score.energy_j, point.plan, pcfg.effective_switch_cost_j, score.iteration_time_s,
                             target, frontier.p2p_power_w, frontier.num_stages) == pytest.approx(
         point.energy_at(target, frontier.p2p_power_w, frontier.num_stages), rel=1e-9)
 

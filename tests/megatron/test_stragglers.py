@@ -21,7 +21,7 @@ from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.flag_types import EnvPipeConfigError, SimStraggler
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
-from megatron_envpipe.planning.straggler import compute_frontier_plans
+from megatron_envpipe.planning.straggler import _compute_frontier_plans
 from megatron_envpipe.testing.straggler_runs import follow_run
 
 
@@ -89,11 +89,11 @@ def test_a_straggling_gpu_takes_factor_times_longer_at_the_same_power():
 def test_the_run_time_runs_the_pace_plan_on_every_stage_and_goes_back():
     profile = Profile.from_csv(shipped_profile("a40/gpt3-175b")).for_pipeline(4)
     rt = EnvPipeRuntime(EnvPipeConfig(plan_type="optimal", scheduling="ours", p2p_power_w=70.0))
-    rt.profile = profile
+    rt.adopt_profile(profile, rt.profile_p2p_power_w)
     own = rt.prepare(4, 8)
     assert rt.planned_with is not None and own.phase == "steady"
     prof, m, pcfg = rt.planned_with
-    pace = compute_frontier_plans(prof, m, pcfg).plan_for(rt.last_result.score.iteration_time_s * 1.15)
+    pace = _compute_frontier_plans(prof, m, pcfg).plan_for(rt.last_result.score.iteration_time_s * 1.15)
     assert pace.plan != own.plan
     following = rt.prepare(4, 8, pace_plan=pace.plan)  # the straggler follower's (megatron/training_run.py)
     assert following.phase == "following a straggler" and following.plan == pace.plan

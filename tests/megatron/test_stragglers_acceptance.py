@@ -32,7 +32,7 @@ def _train(tmp_path: Path, name: str, *flags: str) -> tuple[str, dict]:
     log = torchrun(["--nproc-per-node", 4, REPO / "examples" / "train_tiny_gpt.py", "--pipeline-model-parallel-size", 2,
                     "--device", "cpu", "--train-iters", ITERATIONS, "--cache-dir", tmp_path / "cache",
                     "--losses-out", losses, *flags],
-                   cwd=tmp_path, log_dir=tmp_path / f"{name}-ranks", timeout_s=400).log
+                   cwd=tmp_path, log_dir=tmp_path / f"{name}-ranks", timeout_s=400, forked=True).log
     return log, json.loads(losses.read_text())
 
 

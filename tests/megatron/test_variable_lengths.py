@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 pytest.importorskip("megatron.core", reason="needs torch and megatron-core: pip install -e '.[megatron]' (install.sh does)")
 
-from megatron_envpipe.config import EnvPipeConfig
+from megatron_envpipe.config import EnvPipeConfig, TransportSettings
 from megatron_envpipe.testing.envpipe_runs import envpipe_schedule
 from megatron_envpipe.testing.harness import (
     MEGATRON_1F1B,
@@ -206,7 +206,8 @@ def test_data_receives_are_posted_once_their_shape_is_in_in_channel_order(monkey
 
     fake = _Dist()
     monkeypatch.setattr(channels, "dist", fake)
-    stage1 = channels.P2PTransfers(_Channels(), 1, 2, timeout_s=5.0, recv_shape=(16, 2, 32), send_shape=(16, 2, 32),
+    stage1 = channels.P2PTransfers(_Channels(), 1, 2, transport=TransportSettings(prefetch=2, comm_timeout_s=5.0),
+                                   recv_shape=(16, 2, 32), send_shape=(16, 2, 32),
                                    dtype=torch.float32, device=torch.device("cpu"), shapes=True)
     with pytest.raises(RuntimeError, match=r"RecvActivationStart\(0\) is posted before its shape arrived"):
         stage1.start_recv(ins.RecvActivationStart(0))

@@ -18,16 +18,16 @@ from megatron_envpipe.core.schedule import B, F, one_f_one_b
 from megatron_envpipe.core.timeline import PipelineGraph, outer_envelope
 from megatron_envpipe.planning.basis import PlannerError, PlanResult
 from megatron_envpipe.planning.compat_perseus import (
-    PERSEUS_EMULATION_ENERGY_SCALE,
-    PERSEUS_EMULATION_TIME_SCALE,
-    PERSEUS_P2P_POWER_W,
-    STOP_ENVELOPE,
+    _PERSEUS_EMULATION_ENERGY_SCALE,
+    _PERSEUS_EMULATION_TIME_SCALE,
+    _PERSEUS_P2P_POWER_W,
+    _STOP_ENVELOPE,
     PerseusCompatResult,
-    PerseusDag,
+    _PerseusDag,
+    _plan_envpipe_perseus_emulation,
     candidate_options,
     clock_step_mhz,
     plan_envpipe_perseus,
-    plan_envpipe_perseus_emulation,
     quantize,
     start_clock,
 )
@@ -83,7 +83,7 @@ def test_reproduces_perseus_envpipe_emulation_results(model, num_mb):
     assert (model, num_mb) in oracle
     want_t, want_e = oracle[(model, num_mb)]
     t0 = time.perf_counter()
-    res = plan_envpipe_perseus_emulation(_a40_profile(model), num_mb)
+    res = _plan_envpipe_perseus_emulation(_a40_profile(model), num_mb)
     wall = time.perf_counter() - t0
     print(f"{model} M={num_mb}: {wall:.2f} s, T {res.reported_time_s:.6f} E {res.reported_energy_j:.6f}")
     assert isinstance(res, PerseusCompatResult) and isinstance(res.result, PlanResult)
@@ -95,7 +95,7 @@ def test_reproduces_perseus_envpipe_emulation_results(model, num_mb):
     assert res.iterations == EXPECTED_ITERATIONS[(model, num_mb)]
     assert res.result.iterations == res.iterations
     if model == "gpt3-175b":  # last stage heaviest: EnvPipe's stopping rule is met
-        assert res.converged and res.stop_reason == STOP_ENVELOPE
+        assert res.converged and res.stop_reason == _STOP_ENVELOPE
         assert all(node in outer_envelope(res.result.schedule) for node in res.critical_path)
     else:  # Bloom: last stage lighter, Perseus loops forever; we stop and say so
         assert not res.converged and res.stop_reason.startswith("stalled")
@@ -108,12 +108,12 @@ def test_reproduces_perseus_envpipe_emulation_results(model, num_mb):
 
 def test_emulation_scaling_equals_explicit_call():
     prof = _a40_profile("gpt3-175b")
-    a = plan_envpipe_perseus_emulation(prof, 12)
+    a = _plan_envpipe_perseus_emulation(prof, 12)
     b = plan_envpipe_perseus(
-        prof.scaled(PERSEUS_EMULATION_TIME_SCALE, PERSEUS_EMULATION_ENERGY_SCALE),
+        prof.scaled(_PERSEUS_EMULATION_TIME_SCALE, _PERSEUS_EMULATION_ENERGY_SCALE),
         12,
-        PERSEUS_P2P_POWER_W["a40"],
-        p2p_power_scale=PERSEUS_EMULATION_ENERGY_SCALE / PERSEUS_EMULATION_TIME_SCALE,
+        _PERSEUS_P2P_POWER_W["a40"],
+        p2p_power_scale=_PERSEUS_EMULATION_ENERGY_SCALE / _PERSEUS_EMULATION_TIME_SCALE,
     )
     assert (a.reported_time_s, a.reported_energy_j) == (b.reported_time_s, b.reported_energy_j)
     assert a.result.plan == b.result.plan
@@ -124,7 +124,7 @@ def test_emulation_scaling_equals_explicit_call():
 
 def test_plan_result_is_complete_and_consistent():
     prof = _a40_profile("gpt3-175b")
-    res = plan_envpipe_perseus_emulation(prof, 12)
+    res = _plan_envpipe_perseus_emulation(prof, 12)
     r = res.result
     scaled = prof.scaled(10, 80)
     sched = one_f_one_b(8, 12)
@@ -233,7 +233,7 @@ def test_unseen_gpu_profile_gives_a_sensible_plan(freqs, step, last_heavier):
     assert all((max(freqs) - f) % step == 0 for f in r.plan.flat())
     assert min(r.plan.flat()) < max(freqs)  # something runs slower than f_max
     if last_heavier:
-        assert r.converged and r.stop_reason == STOP_ENVELOPE
+        assert r.converged and r.stop_reason == _STOP_ENVELOPE
     else:
         assert not r.converged and r.stop_reason.startswith("stalled")
     # Energy goes down against 1F1B at f_max, at a bounded slowdown.
@@ -269,7 +269,7 @@ def test_first_critical_path_matches_lowtime_tie_breaking():
     # e.g. after S0 B0 it takes S0 F4 (visited first by BFS) over S1 B1.
     want = "0:F0 1:F0 2:F0 3:F0 3:B0 2:B0 1:B0 0:B0 0:F4 0:B1 0:F5 1:F5 2:F5 3:F5 3:B5 2:B5 1:B5 0:B5"
     graph = PipelineGraph(one_f_one_b(4, 6))
-    dag = PerseusDag(graph)
+    dag = _PerseusDag(graph)
     for backward in (5, 10):
         dur = [5 if u.is_forward else backward for _, u in graph.nodes]
         got = " ".join(f"{s}:{u}" for s, u in (graph.nodes[v] for v in dag.critical_path(dur)))

@@ -14,8 +14,8 @@ pytest.importorskip("megatron_envpipe.core.interleaved", reason="needs the inter
 from megatron_envpipe.apps.cli import main  # noqa: E402
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError, add_envpipe_args, virtual_stages_of  # noqa: E402
 from megatron_envpipe.core.gpu_specs import get_gpu_spec  # noqa: E402
+from megatron_envpipe.core.kinds import build_schedule  # noqa: E402
 from megatron_envpipe.core.plan import FrequencyPlan  # noqa: E402
-from megatron_envpipe.core.schedule import build_schedule  # noqa: E402
 from megatron_envpipe.core.timeline import PlanEvaluator  # noqa: E402
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError  # noqa: E402
 from megatron_envpipe.planning.frontier import compute_frontier  # noqa: E402

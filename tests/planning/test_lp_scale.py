@@ -7,7 +7,7 @@ import pytest
 
 import megatron_envpipe.planning.optimal.model as model_module
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
-from megatron_envpipe.core.schedule import build_schedule
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.planning.optimal.model import TimeEnergyModel
 
 A40 = get_gpu_spec("a40")
@@ -26,8 +26,8 @@ def test_the_short_lp_starts_from_a_shorter_one_and_the_answer_stays_exact(
     pytest.importorskip("highspy")
     # The real threshold keeps P = 8 LPs cold (they solve in hundredths of a second); lowered here so that a
     # small case walks the same code as P = 32, M = 256 (256 <- 96 <- 48).
-    monkeypatch.setattr(model_module, "MIN_UNITS_FOR_START", 0)
-    monkeypatch.setattr(model_module, "MIN_UNITS_FOR_NESTED_START", 0)
+    monkeypatch.setattr(model_module, "_MIN_UNITS_FOR_START", 0)
+    monkeypatch.setattr(model_module, "_MIN_UNITS_FOR_NESTED_START", 0)
     chunks = 2 if scheduling == "interleaved" else 1
     prof = gpt3_profile.for_chunks(chunks)
     sched = build_schedule(scheduling, 8, m, num_chunks=chunks)
@@ -49,6 +49,6 @@ def test_large_cold_lps_skip_presolve_small_ones_keep_it(gpt3_profile):
     pytest.importorskip("highspy")
     small = _model(build_schedule("1f1b", 8, 64), gpt3_profile).prepare_lp()
     large = _model(build_schedule("1f1b", 8, 256), gpt3_profile).prepare_lp()
-    assert small.n < model_module.MIN_UNITS_WITHOUT_PRESOLVE <= large.n
+    assert small.n < model_module._MIN_UNITS_WITHOUT_PRESOLVE <= large.n
     assert small._lp.h.getOptionValue("presolve")[-1] != "off"
     assert large._lp.h.getOptionValue("presolve")[-1] == "off"

@@ -24,7 +24,7 @@ from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.flag_types import EnvPipeConfigError
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
-from megatron_envpipe.planning.deadline import deadline_from_1f1b, one_f_one_b_reference, whole_stages
+from megatron_envpipe.planning.deadline import _whole_stages, deadline_from_1f1b, one_f_one_b_reference
 from megatron_envpipe.planning.menu import build_menu
 
 
@@ -32,7 +32,7 @@ def run(argv: list[str], capsys) -> tuple[int, str, str]:
     capsys.readouterr()
     try:
         code = main(argv)
-    except SystemExit as exc:  # argparse's own errors: exit 2, one line (parser.EnvpipeArgumentParser)
+    except SystemExit as exc:  # argparse's own errors: exit 2, one line (parser._EnvpipeArgumentParser)
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
@@ -106,7 +106,7 @@ def test_deadline_from_1f1b_plans_ours_and_1f1b_to_their_own_baseline() -> None:
 def test_a_profile_with_model_chunks_predicts_1f1b_from_its_chunks_summed() -> None:
     whole = Profile.from_csv(shipped_profile("a40/gpt3-175b"))
     chunked = whole.for_chunks(2)
-    summed = whole_stages(chunked)
+    summed = _whole_stages(chunked)
     assert summed.num_chunks == 1
     cfg = PlannerConfig("optimal", "interleaved", "default", gpu=get_gpu_spec("a40"), virtual_stages=2)
     a, b = one_f_one_b_reference(whole, 16, cfg), one_f_one_b_reference(chunked, 16, cfg)
@@ -205,11 +205,19 @@ def test_runtime_plans_the_menu_row_at_1f1b_time() -> None:
     assert rt.last_result.deadline_s == pytest.approx(menu.reference.iteration_time_s, rel=1e-15)
 
 
+@pytest.fixture(scope="module")
+def printed_menus() -> dict[str, tuple[int, str, str]]:
+    """Command -> (exit code, stdout, stderr) of `envpipe menu`, run once for the docs that show it."""
+    return {}
+
+
 @pytest.mark.parametrize("doc", ["README.md", "docs/menu.md"])
-def test_the_menu_the_docs_show_is_what_envpipe_menu_prints_now(doc: str, capsys) -> None:
+def test_the_menu_the_docs_show_is_what_envpipe_menu_prints_now(doc: str, capsys, printed_menus) -> None:
     text = (Path(__file__).resolve().parents[2] / doc).read_text()
     command = "envpipe menu --profile a40/gpt3-175b --microbatches 16\n"
     shown = text.split(command, 1)[1].split("```text\n", 1)[1].split("```", 1)[0].splitlines()
-    code, out, err = run(command.split()[1:], capsys)
+    if command not in printed_menus:
+        printed_menus[command] = run(command.split()[1:], capsys)
+    code, out, err = printed_menus[command]
     assert code == 0, err
     assert len(shown) == 6 and all(line in out.splitlines() for line in shown), out

@@ -121,7 +121,7 @@ def test_oracle_shares_nothing_with_the_planners_model(gpt3_profile, monkeypatch
         raise AssertionError("the MILP oracle used the planner's own builders")
 
     for mod, attr in ((options_mod, "clock_options"), (options_mod, "lower_hull"), (rows_mod, "ConstraintRows"),
-                      (rows_mod, "csc_arrays")):
+                      (rows_mod, "_csc_arrays")):
         monkeypatch.setattr(mod, attr, broken)
     for attr in ("options", "options_by_key", "times", "costs", "hulls", "preds", "keys"):
         monkeypatch.setattr(model, attr, None)

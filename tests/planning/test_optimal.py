@@ -15,12 +15,12 @@ from megatron_envpipe.apps.cli import main  # noqa: E402
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError  # noqa: E402
 from megatron_envpipe.core.gpu_specs import get_gpu_spec  # noqa: E402
 from megatron_envpipe.core.instructions import paired_hold_dependencies  # noqa: E402
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.measurement import IterationMeasurement
 from megatron_envpipe.core.profile import Profile, ProfilePoint  # noqa: E402
-from megatron_envpipe.core.schedule import build_schedule, clamp_extra_warmup, one_f_one_b  # noqa: E402
+from megatron_envpipe.core.schedule import clamp_extra_warmup, one_f_one_b  # noqa: E402
 from megatron_envpipe.core.timeline import PipelineGraph, PlanEvaluator  # noqa: E402
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
-from megatron_envpipe.testing.milp import solve_milp  # noqa: E402
 from megatron_envpipe.planning.optimal import (  # noqa: E402
     InfeasibleDeadline,
     TimeEnergyModel,
@@ -30,6 +30,7 @@ from megatron_envpipe.planning.optimal import (  # noqa: E402
 )
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
+from megatron_envpipe.testing.milp import solve_milp  # noqa: E402
 
 A40 = get_gpu_spec("a40")
 P2P = A40.p2p_power_w

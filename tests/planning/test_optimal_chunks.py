@@ -9,14 +9,14 @@ import pytest
 pytest.importorskip("numpy")
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec  # noqa: E402
+from megatron_envpipe.core.kinds import build_schedule  # noqa: E402
 from megatron_envpipe.core.profile import Profile, ProfilePoint  # noqa: E402
-from megatron_envpipe.core.schedule import build_schedule  # noqa: E402
 from megatron_envpipe.core.timeline import PipelineGraph, PlanEvaluator  # noqa: E402
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS  # noqa: E402
 from megatron_envpipe.planning.basis import PlannerConfig  # noqa: E402
-from megatron_envpipe.testing.milp import unit_clocks  # noqa: E402
 from megatron_envpipe.planning.optimal import TimeEnergyModel  # noqa: E402
 from megatron_envpipe.planning.planner import plan_envpipe  # noqa: E402
+from megatron_envpipe.testing.milp import unit_clocks  # noqa: E402
 
 A40 = get_gpu_spec("a40")
 P2P = A40.p2p_power_w

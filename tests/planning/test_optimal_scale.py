@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.profile import ProfileError
-from megatron_envpipe.core.schedule import build_schedule, one_f_one_b
+from megatron_envpipe.core.schedule import one_f_one_b
 from megatron_envpipe.core.vocabulary import INSTRUCTIONS
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.optimal.entry import optimal_setup, rank_schedules

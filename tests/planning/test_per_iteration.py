@@ -7,13 +7,14 @@ import random
 import pytest
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
-from megatron_envpipe.core.length_costs import LengthCostError, MicrobatchSize, default_length_model
+from megatron_envpipe.core.length_costs import LengthCostError, MicrobatchSize, _default_length_model
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
 from megatron_envpipe.planning.optimal.entry import plan_optimal
 from megatron_envpipe.planning.optimal.model import TimeEnergyModel
-from megatron_envpipe.planning.per_iteration import IterationPlanner, average_size
+from megatron_envpipe.planning.per_iteration import IterationPlanner
+from megatron_envpipe.testing.microbatch_sizes import average_size
 
 P, M = 4, 8
 
@@ -36,7 +37,7 @@ def prof(gpt3_profile):
 
 @pytest.fixture(scope="module")
 def model():
-    return default_length_model("gpt3-175b")
+    return _default_length_model("gpt3-175b")
 
 
 @pytest.mark.parametrize("scheduling", ["ours", "1f1b", "interleaved"])

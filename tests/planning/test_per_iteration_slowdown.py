@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
-from megatron_envpipe.core.length_costs import MicrobatchSize, default_length_model
+from megatron_envpipe.core.length_costs import MicrobatchSize, _default_length_model
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.optimal.entry import plan_optimal
 from megatron_envpipe.planning.per_iteration import IterationPlanner
@@ -26,7 +26,7 @@ def prof(gpt3_profile):
 
 @pytest.fixture(scope="module")
 def model():
-    return default_length_model("gpt3-175b")
+    return _default_length_model("gpt3-175b")
 
 
 def test_reference_sizes_plan_what_the_optimal_planner_plans_with_the_slowdown(prof, model):

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.plan import FrequencyPlan
-from megatron_envpipe.core.schedule import build_schedule, clamp_extra_warmup, one_f_one_b
+from megatron_envpipe.core.schedule import clamp_extra_warmup, one_f_one_b
 from megatron_envpipe.core.timeline import PipelineGraph, PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig, planning_basis
 from megatron_envpipe.planning.envpipe import initial_plan, plan_reconfigured
@@ -68,6 +69,26 @@ def test_reconfiguration_loop_matches_the_long_way(bloom_profile, policy):
     assert iterations > 5  # the loop did run
     assert result.plan.freqs_mhz == plan.freqs_mhz and result.iterations == iterations
     assert result.timeline.end_s == timeline.end_s
+
+
+def test_balanced_raise_without_a_profile_moves_the_lowest_units_one_ladder_step(gpt3_profile):
+    """The offline balanced raise computes the path's one target clock once (no profile: it depends on the clock
+    only); it must still give every unit at the path's lowest clock that step, and leave the others alone."""
+    schedule = one_f_one_b(gpt3_profile.num_stages, 8)
+    clocks = sorted(gpt3_profile.common_frequencies())
+    ladder = ClockLadder(clocks, 30)
+    rng = random.Random(3)
+    rows = [[rng.choice(clocks[:4]) for _ in order] for order in schedule.orders]
+    reconf = Reconfigurer(FrequencyPlan(schedule, tuple(tuple(r) for r in rows)), "balanced", ladder)
+    path = [(s, i) for s in range(len(rows)) for i in range(0, len(rows[s]), 3)]
+    f_min = min(rows[s][i] for s, i in path)
+    expected = [list(r) for r in rows]
+    for s, i in path:
+        if rows[s][i] == f_min:
+            expected[s][i] = ladder.raised(f_min)
+    changes = reconf.raise_off_envelope(path)
+    assert reconf.freqs == expected and expected != rows
+    assert changes == tuple((s, i, f_min, ladder.raised(f_min)) for s, i in path if rows[s][i] == f_min)
 
 
 def test_merge_pass_memo_gives_the_pass_result(gpt3_profile):

@@ -15,9 +15,9 @@ from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.core.schedule import B, F, one_f_one_b
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.planning.basis import PlannerConfig, PlannerError
-from megatron_envpipe.planning.noisy_run import run_noisy
 from megatron_envpipe.planning.planner import plan_envpipe
 from megatron_envpipe.planning.reconfig import ClockLadder, Reconfigurer
+from megatron_envpipe.testing.noisy_run import run_noisy
 
 A40 = get_gpu_spec("a40")
 

@@ -13,13 +13,15 @@ from bisect import bisect_right
 import pytest
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
-from megatron_envpipe.core.graph import earliest_times, earliest_times_choosing, latest_times, latest_times_choosing
-from megatron_envpipe.core.schedule import build_schedule, one_f_one_b
+from megatron_envpipe.core.graph import earliest_times, latest_times
+from megatron_envpipe.core.kinds import build_schedule
+from megatron_envpipe.core.schedule import one_f_one_b
 from megatron_envpipe.core.timeline import Dependency
 from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL
 from megatron_envpipe.planning.optimal.model import TimeEnergyModel
 from megatron_envpipe.planning.optimal.retiming import Retimer
 from megatron_envpipe.planning.optimal.search import MAX_FAILED_CHECKS, ClockSearch
+from megatron_envpipe.testing.graph_choosing import earliest_times_choosing, latest_times_choosing
 from megatron_envpipe.testing.synthetic import deepened, repeated
 
 A40 = get_gpu_spec("a40")

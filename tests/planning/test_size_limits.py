@@ -18,15 +18,15 @@ import megatron_envpipe.planning.planner as planner_mod
 from megatron_envpipe.apps.cli import main
 from megatron_envpipe.config import EnvPipeConfig, EnvPipeConfigError
 from megatron_envpipe.core.gpu_specs import get_gpu_spec
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.schedule import build_schedule
 from megatron_envpipe.core.sizes import (
-    MAX_FRONTIER_WORK,
-    MAX_OPTIMAL_SIZE,
-    MAX_RECONFIGURED_SIZE,
-    MAX_RECONFIGURED_STAGE_WORK,
-    MAX_RECONFIGURED_TURN_WORK,
-    MAX_SCHEDULE_SIZE,
+    _MAX_FRONTIER_WORK,
+    _MAX_OPTIMAL_SIZE,
+    _MAX_RECONFIGURED_SIZE,
+    _MAX_RECONFIGURED_STAGE_WORK,
+    _MAX_RECONFIGURED_TURN_WORK,
+    _MAX_SCHEDULE_SIZE,
     MAX_SIMULATED_SIZE,
     SizeLimitError,
     check_frontier_size,
@@ -50,7 +50,7 @@ def _never(*_args, **_kwargs):
 @pytest.fixture
 def no_work(monkeypatch):
     """Every builder and planner a too-large request would reach fails the test."""
-    for module, name in ((schedule_mod, "_stage_order"), (interleaved_mod, "interleaved_order"),
+    for module, name in ((schedule_mod, "_stage_order"), (interleaved_mod, "_interleaved_order"),
                          (planner_mod, "planning_profile"), (planner_mod, "plan_optimal"),
                          (planner_mod, "plan_reconfigured"), (entry_mod, "planning_basis"),
                          (frontier_mod, "optimal_setup"), (frontier_mod, "planning_profile")):
@@ -68,7 +68,7 @@ def deep_profile(gpt3_profile):
 # -- the limits themselves -----------------------------------------------------------------
 def test_the_readme_scale_goal_stays_allowed_and_one_more_is_refused():
     check_plan_size("optimal", 32, 256)  # bench/plan_speed.py --scale: P = 32, M = 256
-    assert 32 * 256 == MAX_OPTIMAL_SIZE
+    assert 32 * 256 == _MAX_OPTIMAL_SIZE
     with pytest.raises(SizeLimitError):
         check_plan_size("optimal", 64, 129)  # M < 8 P: no long-steady-state allowance
     check_plan_size("optimal", 32, 256, 2)  # issue 24: interleaved V = 2 at the scale goal (M >= 8 P)
@@ -83,11 +83,11 @@ def test_the_readme_scale_goal_stays_allowed_and_one_more_is_refused():
 
 
 @pytest.mark.parametrize("plan_type,p,m,v,needle", [
-    ("optimal", 8, 10_000, 1, f"at most {MAX_OPTIMAL_SIZE:,} slots"),
+    ("optimal", 8, 10_000, 1, f"at most {_MAX_OPTIMAL_SIZE:,} slots"),
     ("optimal", 8, 64, 32, "8 x 64 x 32 = 16,384"),
-    ("envelope", 8, 20_000, 1, f"at most {MAX_RECONFIGURED_SIZE:,} slots"),
-    ("uniform", 1000, 16, 1, f"at most {MAX_RECONFIGURED_STAGE_WORK:,} slots x stages"),
-    ("envelope", 100, 100, 1, f"at most {MAX_RECONFIGURED_TURN_WORK:,} slots x min(stages, micro-batches)"),
+    ("envelope", 8, 20_000, 1, f"at most {_MAX_RECONFIGURED_SIZE:,} slots"),
+    ("uniform", 1000, 16, 1, f"at most {_MAX_RECONFIGURED_STAGE_WORK:,} slots x stages"),
+    ("envelope", 100, 100, 1, f"at most {_MAX_RECONFIGURED_TURN_WORK:,} slots x min(stages, micro-batches)"),
     ("baseline", 1000, 1000, 1, f"at most {MAX_SIMULATED_SIZE:,} slots"),
 ])
 def test_check_plan_size_names_the_limit_and_the_way_out(plan_type, p, m, v, needle):
@@ -125,7 +125,7 @@ def test_optimal_setup_refuses_on_its_own(gpt3_profile, no_work):
 
 
 @pytest.mark.parametrize("m,points,needle", [(10_000, 20, "plan type 'optimal'"),
-                                              (1024, 20, f"at most {MAX_FRONTIER_WORK:,} slots x points")])
+                                              (1024, 20, f"at most {_MAX_FRONTIER_WORK:,} slots x points")])
 def test_compute_frontier_refuses_before_any_work(gpt3_profile, no_work, m, points, needle):
     with pytest.raises(SizeLimitError) as err:
         compute_frontier(gpt3_profile, m, PlannerConfig("optimal", "ours", "default", gpu=A40), points=points)
@@ -135,7 +135,7 @@ def test_compute_frontier_refuses_before_any_work(gpt3_profile, no_work, m, poin
 @pytest.mark.parametrize("scheduling,p,m,v", [("1f1b", 1000, 10_000, 1), ("ours", 1000, 10_000, 1),
                                               ("interleaved", 1000, 10_000, 32)])
 def test_schedule_builders_refuse_before_building(no_work, scheduling, p, m, v):
-    with pytest.raises(SizeLimitError, match=f"at most {MAX_SCHEDULE_SIZE:,} slots"):
+    with pytest.raises(SizeLimitError, match=f"at most {_MAX_SCHEDULE_SIZE:,} slots"):
         build_schedule(scheduling, p, m, [0] * p if scheduling == "ours" else None, num_chunks=v)
 
 

@@ -16,9 +16,9 @@ from megatron_envpipe.apps.cli import main  # noqa: E402
 from megatron_envpipe.config import EnvPipeConfig  # noqa: E402
 from megatron_envpipe.core.clock_latency import DEFAULT_CLOCK_LATENCY, ClockLatency, ClockLatencyError  # noqa: E402
 from megatron_envpipe.core.gpu_specs import GpuSpecError, get_gpu_spec, load_gpu_table  # noqa: E402
+from megatron_envpipe.core.kinds import build_schedule  # noqa: E402
 from megatron_envpipe.core.plan import FrequencyPlan  # noqa: E402
 from megatron_envpipe.core.profile import Profile, ProfilePoint  # noqa: E402
-from megatron_envpipe.core.schedule import build_schedule  # noqa: E402
 from megatron_envpipe.core.timeline import PlanEvaluator  # noqa: E402
 from megatron_envpipe.megatron.runtime import EnvPipeRuntime  # noqa: E402
 from megatron_envpipe.planning.basis import PlannerConfig  # noqa: E402

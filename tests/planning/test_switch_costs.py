@@ -16,7 +16,7 @@ from megatron_envpipe.core.profile import Profile  # noqa: E402
 from megatron_envpipe.core.resources import shipped_profile  # noqa: E402
 from megatron_envpipe.core.timeline import PlanEvaluator  # noqa: E402
 from megatron_envpipe.planning.basis import PlannerConfig  # noqa: E402
-from megatron_envpipe.planning.planner import counted_energy_j, plan_envpipe  # noqa: E402
+from megatron_envpipe.planning.planner import _counted_energy_j, plan_envpipe  # noqa: E402
 from megatron_envpipe.planning.switching import steady_clock_changes  # noqa: E402
 from megatron_envpipe.planning.switching_dp import plan_segments, short_segments  # noqa: E402
 
@@ -121,7 +121,7 @@ def test_counted_energy_pads_to_the_target(gpt3_quarter):
     base = plan_envpipe(gpt3_quarter, 12, config("optimal", "1f1b"))
     target = base.baseline.iteration_time_s * 1.05
     padded = plan_envpipe(gpt3_quarter, 12, config("optimal", "1f1b", target_time_s=target))
-    assert counted_energy_j(padded) == pytest.approx(padded.details["energy_at_deadline_j"])
+    assert _counted_energy_j(padded) == pytest.approx(padded.details["energy_at_deadline_j"])
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import pytest
 pytest.importorskip("numpy")
 
 from megatron_envpipe.core.gpu_specs import get_gpu_spec  # noqa: E402
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.plan import FrequencyPlan  # noqa: E402
 from megatron_envpipe.core.profile import Profile, ProfilePoint  # noqa: E402
-from megatron_envpipe.core.schedule import build_schedule, clamp_extra_warmup  # noqa: E402
+from megatron_envpipe.core.schedule import clamp_extra_warmup  # noqa: E402
 from megatron_envpipe.core.timeline import PlanEvaluator  # noqa: E402
 from megatron_envpipe.errors import UsageError  # noqa: E402
 from megatron_envpipe.planning.basis import PlannerConfig  # noqa: E402

@@ -92,3 +92,22 @@ def test_remembered_refusals_are_what_a_check_says(optimal_plans, scheduling, mo
     checked = reduce_clock_changes(plan, evaluator, None, default_switch_cost_j(A40.p2p_power_w))
     assert hits and not any(hits)
     assert checked.plan.freqs_mhz == expected.plan.freqs_mhz
+
+
+@pytest.mark.parametrize("scheduling", ["1f1b", "interleaved"])
+def test_graph_parts_built_once_give_the_same_pass(optimal_plans, scheduling, monkeypatch):
+    """A second pass on the same graph reuses its successors, positions and flat steps (switching_state's
+    per-graph memo), and plans exactly what a pass that builds them afresh plans."""
+    import megatron_envpipe.planning.switching_state as switching_state
+
+    plan, evaluator = optimal_plans(scheduling)
+    deadline = evaluator.simulate(plan.flat()).iteration_time_s * 1.01
+    first = SwitchingState(plan, evaluator, deadline)
+    second = SwitchingState(plan, evaluator, deadline)
+    assert second._steps is first._steps and second.topo_pos is first.topo_pos and second.succs is first.succs
+    remembered = reduce_clock_changes(plan, evaluator, deadline, 5.0)
+    monkeypatch.setattr(switching_state, "_GRAPH_PARTS", {})
+    fresh = reduce_clock_changes(plan, evaluator, deadline, 5.0)
+    assert fresh.merges > 0
+    assert remembered.plan.freqs_mhz == fresh.plan.freqs_mhz and remembered.score == fresh.score
+    assert first.topo_pos == [evaluator.graph.order.index(v) for v in range(first.n)]

@@ -91,7 +91,7 @@ def note(args: argparse.Namespace, text: str) -> None:
     print(f"envpipe {args.command}: note: {text}", file=sys.stderr)
 
 
-def warmup_clamp_text(num_stages: int, num_microbatches: int, clamp: ClampedWarmup) -> str | None:
+def _warmup_clamp_text(num_stages: int, num_microbatches: int, clamp: ClampedWarmup) -> str | None:
     """Why ``clamp_extra_warmup`` lowered ``--extra-warmup`` (None where it did not), stage by stage, on one
     line: the reasons the clamp itself gives (core.schedule.clamp_extra_warmup_explained), stages with
     one reason grouped."""
@@ -122,16 +122,15 @@ def note_warmup_clamp(args: argparse.Namespace, num_stages: int, num_microbatche
             clamp = clamp_extra_warmup_explained(num_stages, num_microbatches, args.extra_warmup, max_inflight)
         except ScheduleError:
             return  # a budget below 1F1B's own: the command reports it in its own words
-    text = warmup_clamp_text(num_stages, num_microbatches, clamp)
+    text = _warmup_clamp_text(num_stages, num_microbatches, clamp)
     if text is not None:
         note(args, text)
 
 
-# The envpipe command's twins of the training flags that config/flag_table.py says when they act:
-# field -> (flag, attribute of the parsed arguments).
-_TWINS = {"max_inflight": ("--max-inflight", "max_inflight"), "switch_cost_j": ("--switch-cost-j", "switch_cost_j"),
-          "max_clock_changes": ("--max-clock-changes", "max_clock_changes"),
-          "timing_margin": ("--timing-margin", "timing_margin"), "reconfig_step_mhz": ("--reconfig-step", "reconfig_step")}
+# The envpipe command's twins whose "when it acts" is checked here (the others: by the command itself):
+# field -> (the twin's flag in the table, attribute of the parsed arguments: argparse's dest of it).
+_TWINS = {name: (BY_NAME[name].cli_flag, BY_NAME[name].cli_flag.removeprefix("--").replace("-", "_"))
+          for name in ("max_inflight", "switch_cost_j", "max_clock_changes", "timing_margin", "reconfig_step_mhz")}
 
 
 def check_flags_apply(args: argparse.Namespace) -> None:

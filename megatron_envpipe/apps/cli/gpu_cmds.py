@@ -11,9 +11,9 @@ from megatron_envpipe.gpu.control.safety import REPAIR_HINT
 from megatron_envpipe.gpu.control.state_store import StateStoreError
 from megatron_envpipe.gpu.devices.base import GpuError, GpuPermissionError
 
-EXIT_GPU_ERROR = 2
-EXIT_NO_PERMISSION = 3
-EXIT_UNSAFE_STATE_DIR = 4
+_EXIT_GPU_ERROR = 2
+_EXIT_NO_PERMISSION = 3
+_EXIT_UNSAFE_STATE_DIR = 4
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
@@ -49,13 +49,13 @@ def cmd_reset_clocks(args: argparse.Namespace) -> int:
             report = reset_clocks_from_state(args.state_dir, force=args.force)
     except StateStoreError as exc:
         print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
-        return EXIT_NO_PERMISSION if exc.permission else EXIT_UNSAFE_STATE_DIR
+        return _EXIT_NO_PERMISSION if exc.permission else _EXIT_UNSAFE_STATE_DIR
     except GpuPermissionError as exc:
         print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
-        return EXIT_NO_PERMISSION
+        return _EXIT_NO_PERMISSION
     except GpuError as exc:
         print(f"envpipe reset-clocks: error: {exc}", file=sys.stderr)
-        return EXIT_GPU_ERROR
+        return _EXIT_GPU_ERROR
     problems = set(report.problems)
     for line in report.lines or ["nothing to reset: no GPU clocks were left locked by megatron-envpipe on this host"]:
         print(line, file=sys.stderr if line in problems else sys.stdout, flush=True)
@@ -65,6 +65,6 @@ def cmd_reset_clocks(args: argparse.Namespace) -> int:
     summary = f"envpipe reset-clocks: error: {n} recorded GPU(s) or state file(s) not reset, see above"
     if report.no_permission:
         print(f"{summary}; {REPAIR_HINT}", file=sys.stderr)
-        return EXIT_NO_PERMISSION
+        return _EXIT_NO_PERMISSION
     print(f"{summary}; each line says what to do", file=sys.stderr)
-    return EXIT_GPU_ERROR
+    return _EXIT_GPU_ERROR

@@ -11,7 +11,7 @@ from megatron_envpipe.apps.cli.outputs import check_outputs, json_text, write_ou
 from megatron_envpipe.apps.cli.plausibility import check_profile_on_gpu
 from megatron_envpipe.apps.cli.render import print_json
 from megatron_envpipe.apps.menu_table import menu_dict, print_menu
-from megatron_envpipe.core.kinds import scheduling_kind
+from megatron_envpipe.core.kinds import plan_kind, scheduling_kind
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy
 from megatron_envpipe.planning.basis import PlannerConfig, PlanResult
@@ -56,7 +56,7 @@ def check_deadline_flags(args: argparse.Namespace) -> None:
     flag = f"--deadline-from {args.deadline_from}"
     if args.compat is not None:
         raise CliError(f"{flag} plans with --type optimal, and --compat perseus reproduces Perseus's EnvPipe: drop one")
-    if args.type != PlanType.OPTIMAL:
+    if not plan_kind(args.type).has_deadline:
         raise CliError(f"{flag} plans to 1F1B's iteration time, which needs --type optimal (the minimum-energy "
                        f"plan for a deadline), not --type {args.type}: add --type optimal")
     for other, given in (("--max-slowdown", args.max_slowdown is not None), ("--target-time", args.target_time is not None)):

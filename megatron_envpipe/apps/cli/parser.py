@@ -1,38 +1,34 @@
-"""The ``envpipe`` argument parser: flag types, the flag groups commands share, one sub-parser per command."""
+"""The ``envpipe`` argument parser: the flag groups commands share, one sub-parser per command.
+
+A flag that twins a training flag (``--type``, ``--max-slowdown``, ...) is generated from the one field
+table by ``twins.add_twin`` (its help, choices and range are the table's); the command's own flags are
+written here."""
 
 from __future__ import annotations
 
 import argparse
 
-from megatron_envpipe.apps.cli.arg_types import (
-    add_menu_args,
-    add_switching_args,
-    budget_arg,
-    fraction,
-    ranged,
-    warmup_list,
-)
+from megatron_envpipe.apps.cli.arg_types import menu_schedules, ranged
 from megatron_envpipe.apps.cli.demo_cmd import cmd_demo
 from megatron_envpipe.apps.cli.gpu_cmds import cmd_gpus, cmd_reset_clocks
 from megatron_envpipe.apps.cli.menu_cmd import cmd_menu
 from megatron_envpipe.apps.cli.pipeline_cmds import cmd_programs, cmd_schedule, cmd_simulate
 from megatron_envpipe.apps.cli.planning_cmds import cmd_frontier, cmd_plan, cmd_show
 from megatron_envpipe.apps.cli.rows import ROW_LIMIT_CHARS, ROWS_CHOICES
+from megatron_envpipe.apps.cli.twins import add_switching_args, add_twin
 from megatron_envpipe.apps.gpu_check.cli import add_gpu_check_args, cmd_gpu_check
-from megatron_envpipe.core.kinds import plan_type_names, scheduling_names
 from megatron_envpipe.core.resources import shipped_profiles
 from megatron_envpipe.core.vocabulary import (
     COMM_NAMES,
-    RECONFIG_NAMES,
     CommModel,
     PlanType,
     ReconfigPolicy,
     Scheduling,
 )
-from megatron_envpipe.planning.deadline import DEADLINE_FROM_NAMES
+from megatron_envpipe.planning.menu import MENU_SCHEDULES
 
 
-class Given(argparse.Action):
+class _Given(argparse.Action):
     """Stores the value like ``store`` and records the flag in ``namespace.given_flags``: a flag left at its
     default is then told apart from one the user gave (an error names only flags on the command line)."""
 
@@ -42,7 +38,7 @@ class Given(argparse.Action):
         namespace.given_flags = (given or frozenset()) | {self.option_strings[0]}
 
 
-def add_rows_arg(p: argparse.ArgumentParser) -> None:
+def _add_rows_arg(p: argparse.ArgumentParser) -> None:
     """--rows of 'plan', 'simulate' and 'show': every unit of every stage, or a summary of long rows."""
     p.add_argument("--rows", choices=ROWS_CHOICES, default="auto",
                    help="per-stage rows: full (every unit, clock and receive wait), summary (clock runs such as "
@@ -50,7 +46,7 @@ def add_rows_arg(p: argparse.ArgumentParser) -> None:
                         "row, else summary); --json always has every unit")
 
 
-class EnvpipeArgumentParser(argparse.ArgumentParser):
+class _EnvpipeArgumentParser(argparse.ArgumentParser):
     """argparse, with a bad flag reported on one line like every other envpipe error (no usage block),
     by the command it belongs to (``envpipe plan: error: ...``, also for an unknown flag)."""
 
@@ -68,7 +64,7 @@ class EnvpipeArgumentParser(argparse.ArgumentParser):
 
 
 # -- flag groups ----------------------------------------------------------------------
-def add_profile_args(p: argparse.ArgumentParser) -> None:
+def _add_profile_args(p: argparse.ArgumentParser) -> None:
     """The profile and GPU flags of 'plan', 'frontier' and 'simulate' (read by ``common.gpu_for``)."""
     names = ", ".join(shipped_profiles())
     p.add_argument("--profile", required=True, help=f"Perseus-format CSV, or a shipped profile: {names}")
@@ -77,8 +73,7 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
         help="GPU table entry (configs/gpus.toml): clock range, steps, P2P power "
         "(default for a shipped profile: the GPU it was measured on)",
     )
-    p.add_argument("--p2p-power", type=ranged("p2p_power_w"),
-                   help="P2P blocking power in W (default: the GPU table's)")
+    add_twin(p, "p2p_power_w")
     p.add_argument("--p2p-latency", type=ranged("p2p_latency_s"), default=0.0,
                    help="latency of each P2P message in s (default 0)")
     p.add_argument("--time-scale", type=ranged("profile_scale"), default=1.0,
@@ -89,19 +84,16 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw a Gantt chart of the iteration (.png, .pdf, .svg, ...)")
 
 
-def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """The pipeline and schedule flags of 'plan' and 'frontier' (read by ``common.planner_config``)."""
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True,
                    help="micro-batches per iteration")
     p.add_argument("--stages", type=ranged("stages"), help="pipeline stages (checked against the profile)")
-    p.add_argument("--scheduling", choices=scheduling_names(), default=Scheduling.OURS.value, action=Given,
-                   help="unit order (default ours; 1f1b with --compat perseus); interleaved: Megatron's virtual pipeline, with --virtual-stages")
+    add_twin(p, "scheduling", "; default ours (1f1b with --compat perseus); interleaved: Megatron's "
+             "virtual pipeline, with --virtual-stages", default=Scheduling.OURS.value, action=_Given)
     _add_virtual_stages(p)
-    p.add_argument("--max-inflight", type=budget_arg, metavar="N|b0,b1,...|none",
-                   help="activation budget of ours, in micro-batch activations: N for every stage or one per "
-                        "stage, e.g. 8,7,6,5,4,3,2,1 (default none: no limit)")
-    p.add_argument("--extra-warmup", type=warmup_list,
-                   help="override the extra warm-up r_s of ours, one per stage, e.g. 4,3,1,0 (still clamped)")
+    add_twin(p, "max_inflight", "; default none")
+    add_twin(p, "extra_warmup")
     p.add_argument("--comm", choices=COMM_NAMES, default=CommModel.PER_DIRECTION.value,
                    help="communication plans are scored with: one channel per direction (what the executor "
                         "runs, no extra dependency) or EnvPipe's paired order (activations held until a gradient)")
@@ -117,14 +109,37 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     """The sizes and unit order of 'schedule' and 'programs'."""
     p.add_argument("--stages", type=ranged("stages"), required=True)
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True)
-    p.add_argument("--scheduling", choices=scheduling_names(), default=Scheduling.ONE_F_ONE_B.value)
+    add_twin(p, "scheduling", "; default 1f1b", default=Scheduling.ONE_F_ONE_B.value)
     _add_virtual_stages(p)
-    p.add_argument("--extra-warmup", type=warmup_list, help="r_s for ours, one per stage, e.g. 4,3,1,0 (clamped)")
+    add_twin(p, "extra_warmup")
+
+
+def _add_menu_args(p: argparse.ArgumentParser) -> None:
+    """The flags of 'menu': the profile and GPU flags of 'plan' (no --plot), M, the budget, the switching flags."""
+    names = ", ".join(shipped_profiles())
+    p.add_argument("--profile", required=True, help=f"Perseus-format CSV, or a shipped profile: {names}")
+    p.add_argument("--gpu", help="GPU table entry (configs/gpus.toml; default for a shipped profile: its GPU)")
+    add_twin(p, "p2p_power_w")
+    p.add_argument("--p2p-latency", type=ranged("p2p_latency_s"), default=0.0, help="latency of each P2P message in s")
+    p.add_argument("--time-scale", type=ranged("profile_scale"), default=1.0, help="multiply profile times")
+    p.add_argument("--energy-scale", type=ranged("profile_scale"), default=1.0, help="multiply profile energies")
+    p.add_argument("--microbatches", "-m", type=ranged("microbatches"), required=True, help="micro-batches per iteration")
+    p.add_argument("--stages", type=ranged("stages"), help="pipeline stages (checked against the profile)")
+    add_twin(p, "max_inflight", "; ours plans within it, interleaved must fit it (an error if not); default none")
+    p.add_argument("--schedules", type=menu_schedules, default=MENU_SCHEDULES, metavar="1f1b,ours,interleaved",
+                   help="the schedules to plan (default all; interleaved only where Megatron allows M)")
+    p.add_argument("--virtual-stages", type=ranged("virtual_stages"), default=2, metavar="V",
+                   help="model chunks per rank of the interleaved rows (default 2)")
+    add_switching_args(p, "")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--out", metavar="MENU.json", help="write the menu as JSON")
+    # What planner_config reads from plan's flags: the budget reaches ours through scheduling "ours".
+    p.set_defaults(scheduling=Scheduling.OURS.value, extra_warmup=None, comm=CommModel.PER_DIRECTION.value)
 
 
 # -- the parser -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = EnvpipeArgumentParser(
+    parser = _EnvpipeArgumentParser(
         prog="envpipe",
         description="Energy-saving pipeline schedules and GPU clock plans (EnvPipe) for Megatron-core.",
     )
@@ -132,77 +147,66 @@ def build_parser() -> argparse.ArgumentParser:
     parser.command_parsers = sub.choices
 
     p = sub.add_parser("plan", help="plan per-unit SM clocks from a profile and compare with the baseline")
-    add_profile_args(p)
-    add_pipeline_args(p)
-    p.add_argument("--type", choices=plan_type_names(), default=PlanType.ENVELOPE.value, action=Given,
-                   help="initial plan (default envelope)")
-    p.add_argument("--reconfig", choices=RECONFIG_NAMES, default=ReconfigPolicy.BALANCED.value, action=Given,
-                   help="policy (default balanced)")
-    p.add_argument("--reconfig-step", type=ranged("clock_mhz"),
-                   help="MHz per reconfiguration step (default: GPU table)")
-    p.add_argument("--max-slowdown", type=fraction,
-                   help="--type optimal: allowed iteration-time increase over the baseline, e.g. 0.05 or 5%% (default 0)")
-    p.add_argument("--target-time", type=ranged("target_time_s"), metavar="S",
-                   help="--type optimal: plan for iterations lasting S seconds anyway (e.g. a straggler's pace); "
-                        "energy is counted until then")
-    p.add_argument("--deadline-from", choices=DEADLINE_FROM_NAMES,
-                   help="--type optimal: plan to 1F1B's iteration time at f_max (predicted from the profile); "
-                        "interleaved, faster at f_max, spends the difference on lower clocks; the saving against "
-                        "1F1B at f_max and the activations this needs are printed (docs/menu.md)")
+    _add_profile_args(p)
+    _add_pipeline_args(p)
+    add_twin(p, "plan_type", "; default envelope", default=PlanType.ENVELOPE.value, action=_Given)
+    add_twin(p, "reconfig", " (default balanced)", default=ReconfigPolicy.BALANCED.value, action=_Given)
+    add_twin(p, "reconfig_step_mhz")
+    add_twin(p, "max_slowdown", " (default 0)")
+    add_twin(p, "target_time_s")
+    add_twin(p, "deadline_from", "; the saving against 1F1B at f_max and the activations this needs are printed")
     add_switching_args(p, "for --type optimal: ")
-    p.add_argument("--timing-margin", type=ranged("timing_margin"), metavar="FRACTION",
-                   help="keep this fraction of every slowed unit's time as slack against unit-time jitter, e.g. "
-                        "0.01 (default 0 here; training's --envpipe-timing-margin defaults to 0.01)")
+    add_twin(p, "timing_margin", " (default 0 here; training's --envpipe-timing-margin defaults to 0.01)")
     p.add_argument("--compat", choices=("perseus",),
                    help="reproduce Perseus's EnvPipe re-implementation (envelope, 1f1b, balanced)")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan and its scores as JSON")
-    add_rows_arg(p)
+    _add_rows_arg(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("frontier", help="the iteration-time vs energy Pareto frontier of optimal plans")
-    add_profile_args(p)
-    add_pipeline_args(p)
+    _add_profile_args(p)
+    _add_pipeline_args(p)
     p.add_argument("--points", type=ranged("points"), default=20,
                    help="deadlines from fastest to valley (default 20)")
     add_switching_args(p, "")
     p.add_argument("--csv", metavar="OUT.csv", help="write time_s,energy_j,saving,slowdown")
-    p.add_argument("--target-time", type=ranged("target_time_s"), metavar="S",
-                   help="pick the plan to run when iterations last S seconds anyway (e.g. a straggler's pace)")
+    # The same value as plan's, another use: it picks a point of the frontier.
+    add_twin(p, "target_time_s", help="pick the plan to run when iterations last S seconds anyway (e.g. a "
+             "straggler's pace)")
     p.set_defaults(func=cmd_frontier)
 
     p = sub.add_parser("menu", help="every schedule at 1F1B's iteration time and at its own fastest: time, "
                        "energy, saving against 1F1B at f_max, activations (optimal clocks)")
-    add_menu_args(p)
+    _add_menu_args(p)
     p.set_defaults(func=cmd_menu)
 
     p = sub.add_parser("show", help="print a plan written by 'envpipe plan --out'")
     p.add_argument("plan", help="PLAN.json")
     p.add_argument("--json", action="store_true", help="print the stored JSON")
-    add_rows_arg(p)
+    _add_rows_arg(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("simulate", help="simulate one iteration of a plan or schedule on a profile")
-    add_profile_args(p)
+    _add_profile_args(p)
     p.add_argument("--plan", metavar="PLAN.json", help="a plan from 'envpipe plan --out'")
     p.add_argument("--microbatches", "-m", type=ranged("microbatches"), help="micro-batches (without --plan)")
     # No default: given with --plan it would be ignored, which is reported instead (see cmd_simulate).
-    p.add_argument("--scheduling", choices=scheduling_names(), help="unit order (without --plan; default 1f1b)")
+    add_twin(p, "scheduling", "; without --plan, default 1f1b")
     _add_virtual_stages(p)
-    p.add_argument("--extra-warmup", type=warmup_list, help="r_s for --scheduling ours, one per stage, e.g. 4,3,1,0")
+    add_twin(p, "extra_warmup")
     p.add_argument("--freq", type=ranged("clock_mhz"),
                    help="one clock for every unit (default: the profile's max)")
-    add_rows_arg(p)
+    _add_rows_arg(p)
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("schedule", help="print a schedule's per-stage unit order")
     _add_schedule_args(p)
-    p.add_argument("--max-inflight", type=budget_arg, metavar="N|b0,b1,...|none",
-                   help="activation budget of ours: N for every stage or one per stage")
+    add_twin(p, "max_inflight", "; default none")
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("programs", help="print each stage's instruction program and prove it deadlock-free")
     _add_schedule_args(p)
-    p.add_argument("--prefetch", type=ranged("prefetch"), default=2, help="receives posted ahead per channel")
+    add_twin(p, "prefetch", " (default 2)", default=2)
     p.add_argument("--shared-stream", action="store_true",
                    help="check against one shared stream per stage pair instead (shows why we avoid it)")
     p.set_defaults(func=cmd_programs)

@@ -22,10 +22,10 @@ from megatron_envpipe.apps.cli.rows import plan_rows
 from megatron_envpipe.apps.plot import image_format, timelines_image
 from megatron_envpipe.core.deadlock import check_deadlock
 from megatron_envpipe.core.instructions import DeadlockError, build_programs
-from megatron_envpipe.core.kinds import scheduling_kind
+from megatron_envpipe.core.kinds import build_schedule, scheduling_kind
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import ProfileError
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup_explained
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, clamp_extra_warmup_explained
 from megatron_envpipe.core.sizes import MAX_SIMULATED_SIZE, check_schedule_size
 from megatron_envpipe.core.timeline import PlanEvaluator
 from megatron_envpipe.core.vocabulary import Scheduling

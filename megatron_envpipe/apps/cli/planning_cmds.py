@@ -26,6 +26,7 @@ from megatron_envpipe.apps.cli.render import print_json, print_result, result_to
 from megatron_envpipe.apps.cli.rows import plan_rows
 from megatron_envpipe.apps.plot import frontier_image, image_format, timelines_image
 from megatron_envpipe.core.file_numbers import one_line, short
+from megatron_envpipe.core.kinds import plan_kind, scheduling_kind
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import ScheduleError
@@ -47,7 +48,7 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
     check_deadline_flags(args)
     if args.max_slowdown is not None and args.target_time is not None:
         raise CliError("--target-time and --max-slowdown both set the deadline: give one of them")
-    if args.type != PlanType.OPTIMAL:
+    if not plan_kind(args.type).has_deadline:
         for flag, value in (("--max-slowdown", args.max_slowdown), ("--target-time", args.target_time)):
             if value is not None:
                 raise CliError(f"{flag} needs --type optimal (--type {args.type} plans have no deadline): "
@@ -184,7 +185,7 @@ def _print_frontier(fr: Frontier, profile: Profile, target_time: float | None, p
     b = fr.baseline
     print(f"profile     {profile.source}")
     print(f"pipeline    {fr.num_stages} stages x {fr.schedule.num_microbatches} micro-batches; schedule {fr.schedule.name}"
-          + (f", extra warm-up {list(fr.schedule.extra_warmup)}" if fr.schedule.name == Scheduling.OURS else "")
+          + (f", extra warm-up {list(fr.schedule.extra_warmup)}" if scheduling_kind(fr.schedule.name).extra_warmup else "")
           + f"; peak in-flight activations {list(fr.schedule.peak_inflight())}; P2P {fr.p2p_power_w:g} W")
     shown = "1F1B, all at f_max" if fr.config.virtual_stages == 1 else fr.config.baseline_name
     print(f"baseline    {b.iteration_time_s:.4f} s  {b.energy_j:.1f} J   ({shown})")

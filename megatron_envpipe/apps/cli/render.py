@@ -121,7 +121,7 @@ def _budget_entry(result: PlanResult) -> dict[str, Any]:
     return {"max_inflight": [budget] * result.schedule.num_stages if isinstance(budget, int) else list(budget)}
 
 
-def in_flight_text(result: PlanResult) -> str:
+def _in_flight_text(result: PlanResult) -> str:
     """``peak in-flight [...] (1F1B [...]; budget ...)``: activations per stage, the memory side of a saving."""
     budget = result.config.max_inflight
     return (f"peak in-flight {list(result.schedule.peak_inflight())} "
@@ -129,7 +129,7 @@ def in_flight_text(result: PlanResult) -> str:
             + (f"; budget {show_budget(budget)}" if budget is not None else "") + ")")
 
 
-def clock_changes_text(result: PlanResult) -> str:
+def _clock_changes_text(result: PlanResult) -> str:
     """``clock changes per rank per iteration [...] (mean x; before the switch-cost pass [...])``, then what
     the changes kept cost in the plan's energy."""
     changes = result.plan.clock_changes()
@@ -181,11 +181,11 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
           + (f"   (of which clock changes {result.switch_energy_j:.1f} J)" if result.switch_cost_j else ""), file=out)
     print(
         f"\nenergy saving {100 * result.energy_saving:.2f} %   slowdown {100 * result.slowdown:.2f} %   "
-        f"{in_flight_text(result)}   ({result.iterations} reconfiguration iterations, "
+        f"{_in_flight_text(result)}   ({result.iterations} reconfiguration iterations, "
         f"{result.planner_seconds:.3f} s to plan)",
         file=out,
     )
-    print(f"clocks      {clock_changes_text(result)}", file=out)
+    print(f"clocks      {_clock_changes_text(result)}", file=out)
     print(f"stopped: {result.stop_reason}", file=out)
     if result.deadline_s is not None:
         d = result.details
@@ -194,7 +194,7 @@ def print_result(result: PlanResult, profile: Profile, out: TextIO | None = None
         if d.get("padded_to_deadline"):
             print(f"at target   {d['energy_at_deadline_j']:.1f} J vs the baseline's {d['baseline_energy_at_deadline_j']:.1f} J "
                   f"(both blocking until {result.deadline_s:.4f} s): saving {100 * d['energy_saving_at_deadline']:.2f} %; "
-                  f"{in_flight_text(result)}",
+                  f"{_in_flight_text(result)}",
                   file=out)
     for w in result.warnings:
         print(f"WARNING: {w}", file=out)

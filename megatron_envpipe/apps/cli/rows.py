@@ -21,10 +21,10 @@ ROWS_CHOICES = ("auto", "full", "summary")
 # (~360 characters a row) stay as EnvPipe printed them; 8 x 24 (~720) becomes a summary.
 ROW_LIMIT_CHARS = 400
 # A summary shows clock runs where every stage's fit in this many characters, else a count per clock.
-RUNS_LIMIT_CHARS = 120
+_RUNS_LIMIT_CHARS = 120
 
 
-def full_rows(plan: FrequencyPlan, recv_wait_ms: Sequence[Sequence[float]] | None,
+def _full_rows(plan: FrequencyPlan, recv_wait_ms: Sequence[Sequence[float]] | None,
               critical: Collection[tuple[int, Unit]] = ()) -> str:
     """Every unit: ``F0 1740 0.0`` (unit, MHz, receive wait in ms), or ``F0 1740`` where no wait is known."""
     if recv_wait_ms is not None:
@@ -37,7 +37,7 @@ def full_rows(plan: FrequencyPlan, recv_wait_ms: Sequence[Sequence[float]] | Non
     return "\n".join(lines)
 
 
-def clock_runs(freqs_mhz: Sequence[int]) -> str:
+def _clock_runs(freqs_mhz: Sequence[int]) -> str:
     """``1740x1 1140x1 1110x3``: each clock and how many consecutive units run at it, in unit order."""
     runs: list[list[int]] = []
     for f in freqs_mhz:
@@ -48,23 +48,23 @@ def clock_runs(freqs_mhz: Sequence[int]) -> str:
     return " ".join(f"{f}x{n}" for f, n in runs)
 
 
-def clock_counts(freqs_mhz: Sequence[int]) -> str:
+def _clock_counts(freqs_mhz: Sequence[int]) -> str:
     """``1035:45 1380:60 1560:87``: each clock (MHz, ascending) and how many units run at it."""
     return " ".join(f"{f}:{n}" for f, n in sorted(Counter(freqs_mhz).items()))
 
 
-def summary_rows(plan: FrequencyPlan, recv_wait_ms: Sequence[Sequence[float]] | None,
+def _summary_rows(plan: FrequencyPlan, recv_wait_ms: Sequence[Sequence[float]] | None,
                  critical: Collection[tuple[int, Unit]] = ()) -> str:
     """One short row per stage: its clocks, total receive wait (when known) and critical units.
 
     The clocks as runs in unit order (``1740x1 1140x1 1110x3 ... 1230x159``) where every stage's runs
-    fit in :data:`RUNS_LIMIT_CHARS`, as envelope plans' do; else (plans whose clocks alternate unit by
+    fit in :data:`_RUNS_LIMIT_CHARS`, as envelope plans' do; else (plans whose clocks alternate unit by
     unit, as optimal ones can) as a count per clock (``1035:45 1380:60 1560:87``)."""
-    runs = [clock_runs(freqs) for freqs in plan.freqs_mhz]
-    if max(map(len, runs), default=0) <= RUNS_LIMIT_CHARS:
+    runs = [_clock_runs(freqs) for freqs in plan.freqs_mhz]
+    if max(map(len, runs), default=0) <= _RUNS_LIMIT_CHARS:
         lines = ["clocks per stage as runs: MHz x consecutive units, in unit order (--rows full lists every unit)"]
     else:
-        runs = [clock_counts(freqs) for freqs in plan.freqs_mhz]
+        runs = [_clock_counts(freqs) for freqs in plan.freqs_mhz]
         lines = ["clocks per stage: MHz:units, ascending; they change too often for runs (--rows full lists "
                  "every unit)"]
     crit = set(critical)
@@ -83,7 +83,7 @@ def plan_rows(plan: FrequencyPlan, recv_wait_ms: Sequence[Sequence[float]] | Non
               critical: Collection[tuple[int, Unit]] = (), rows: str = "auto") -> str:
     """The rows as ``--rows`` asks: ``full``, ``summary``, or ``auto`` (full while no row is longer
     than :data:`ROW_LIMIT_CHARS`)."""
-    full = full_rows(plan, recv_wait_ms, critical) if rows != "summary" else ""
+    full = _full_rows(plan, recv_wait_ms, critical) if rows != "summary" else ""
     if rows == "full" or (rows == "auto" and max(map(len, full.splitlines()), default=0) <= ROW_LIMIT_CHARS):
         return full
-    return summary_rows(plan, recv_wait_ms, critical)
+    return _summary_rows(plan, recv_wait_ms, critical)

@@ -10,7 +10,7 @@ clocks, locked through the ClockGuard, one energy window each with edges on coun
 The window length comes from step 2's ``counter_period_s`` and ``read_cost_s`` via
 ``window_length_s`` for a 0.5 % tolerance, stretched to what the budget allows (at most
 ``MAX_WINDOW_S``: power settles over seconds as the GPU warms). Without step 2's figures the
-period defaults to ``DEFAULT_COUNTER_PERIOD_S`` (100 ms, A100's), said in ``counter_period_from``.
+period defaults to ``_DEFAULT_COUNTER_PERIOD_S`` (100 ms, A100's), said in ``counter_period_from``.
 Figures: ``idle_power_w``, ``blocking_power_w_by_clock`` {"<MHz>": W}, ``blocking_power_w`` (at the
 highest clock), ``spin_kind``, per-clock uncertainty and the SM clock read back in each window.
 
@@ -33,20 +33,20 @@ from megatron_envpipe.core.device_dynamics import DeviceDynamics
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.control.safety import ClockGuard
 
-__all__ = ["DEFAULT_COUNTER_PERIOD_S", "run", "window_plan_s"]
+__all__ = ["run"]
 
 MARGIN_S = 5.0                  # clock reset, the child's exit
-TOLERANCE = 0.005               # relative power error of one window from its edges
+_TOLERANCE = 0.005               # relative power error of one window from its edges
 MAX_WINDOW_S = 5.0              # readings settle over seconds (ml.energy): longer says no more here
-DEFAULT_COUNTER_PERIOD_S = 0.1  # when step 2 gave none (A100's ~100 ms)
-WINDOWS = 5                     # four clocks and idle
+_DEFAULT_COUNTER_PERIOD_S = 0.1  # when step 2 gave none (A100's ~100 ms)
+_WINDOWS = 5                     # four clocks and idle
 SIMULATED_DYNAMICS = DeviceDynamics(counter_period_s=0.1, source="gpu-check --device cpu: a 100 ms counter")
 
 
-def window_plan_s(counter_period_s: float, read_cost_s: float, left_s: float, windows: int = WINDOWS) -> float:
-    """Each window's body: long enough for ``TOLERANCE``, as long as the budget allows (per window:
+def _window_plan_s(counter_period_s: float, read_cost_s: float, left_s: float, windows: int = _WINDOWS) -> float:
+    """Each window's body: long enough for ``_TOLERANCE``, as long as the budget allows (per window:
     the body, two counter periods of edges and the settle), at most ``MAX_WINDOW_S``."""
-    shortest = window_length_s(counter_period_s, TOLERANCE, read_cost_s)
+    shortest = window_length_s(counter_period_s, _TOLERANCE, read_cost_s)
     per_window_overhead_s = 2 * counter_period_s + 0.2 + 1.0
     fits = left_s / max(1, windows) - per_window_overhead_s
     return max(shortest, min(MAX_WINDOW_S, fits))
@@ -57,7 +57,7 @@ def run(ctx: StepContext) -> StepResult:
     period = counter.get("counter_period_s")
     period_from = "step 2 (counter)"
     if not isinstance(period, int | float) or not math.isfinite(period) or period < 0:
-        period, period_from = DEFAULT_COUNTER_PERIOD_S, f"default {DEFAULT_COUNTER_PERIOD_S:g} s (no step 2 figure)"
+        period, period_from = _DEFAULT_COUNTER_PERIOD_S, f"default {_DEFAULT_COUNTER_PERIOD_S:g} s (no step 2 figure)"
     read_cost = counter.get("read_cost_s")
     read_cost = float(read_cost) if isinstance(read_cost, int | float) and math.isfinite(read_cost) else 0.0
     try:
@@ -78,7 +78,7 @@ def run(ctx: StepContext) -> StepResult:
             spinning = spin.spinning
             left = ctx.left_s(MARGIN_S)
             left_fn = lambda: ctx.left_s(MARGIN_S)  # noqa: E731 - the budget, read as the windows go
-        window_s = window_plan_s(float(period), read_cost, left)
+        window_s = _window_plan_s(float(period), read_cost, left)
         clocks = spin_clocks_mhz(device.supported_clocks_mhz())
         result = measure_blocking_power(device, guard, clocks, spinning, counter_period_s=float(period),
                                         window_s=window_s, clock=opened.clock, sleep=opened.sleep, left_s=left_fn)

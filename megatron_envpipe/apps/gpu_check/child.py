@@ -22,10 +22,10 @@ from pathlib import Path
 from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
 from megatron_envpipe.core.atomic import write_json_atomic
 
-__all__ = ["main", "run_entry"]
+__all__ = ["main"]
 
 
-def run_entry(entry: str, ctx: StepContext) -> StepResult:
+def _run_entry(entry: str, ctx: StepContext) -> StepResult:
     """Import and run one step; any exception becomes a failed result (one line, the type and message)."""
     try:
         module_name, _, func_name = entry.partition(":")
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = StepContext.from_json(data)
     if "started_monotonic" in data:
         ctx = dataclasses.replace(ctx, started_monotonic=float(data["started_monotonic"]))
-    result = run_entry(entry, ctx)
+    result = _run_entry(entry, ctx)
     try:
         write_json_atomic(result_path, result.to_json())
     except (TypeError, ValueError) as exc:  # figures JSON cannot hold (StepResult checks NaN; other types end here)

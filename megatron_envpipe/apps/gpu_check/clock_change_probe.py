@@ -1,6 +1,6 @@
 """Clock changes measured three ways: the NVML call, NVML's report, the SMs themselves.
 
-For one change from ``f_from`` to ``f_to`` (:func:`trace_change`), while a train of short
+For one change from ``f_from`` to ``f_to`` (:func:`_trace_change`), while a train of short
 spin kernels keeps the GPU busy (:class:`KernelTrain`: enqueued ahead, so the stream never
 starves while the host waits on NVML):
 
@@ -10,7 +10,7 @@ starves while the host waits on NVML):
     (polled from this thread every ``poll_s``);
 (c) ``settle_s``: request -> the SMs at the target, from the kernels' own timestamps
     (:func:`megatron_envpipe.core.clock_trace.analyse_trace`), each kernel's fixed overhead
-    (measured once by :func:`measure_overhead`) taken off.
+    (measured once by :func:`_measure_overhead`) taken off.
 
 The request's time on the GPU's timebase comes from the kernels too: every time this thread
 sees a kernel finished (host clock ``h``), the kernel's end ``e`` (GPU timestamp) bounds the
@@ -19,7 +19,7 @@ request is the offset (the host saw that kernel end within one poll), and its di
 with the smallest bound after the request, or the poll interval if larger, is the request
 time's uncertainty.
 
-The same :func:`trace_change` runs on a real GPU (:class:`CudaKernelTrain`,
+The same :func:`_trace_change` runs on a real GPU (:class:`CudaKernelTrain`,
 :class:`ThreadedRequester`) and on the simulated GPU in virtual time
 (:class:`SimKernelTrain`, :class:`VirtualRequester`): that is how it is tested on CPU.
 Locks go through the :class:`~megatron_envpipe.gpu.control.safety.ClockGuard` only.
@@ -38,18 +38,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from megatron_envpipe.core.clock_trace import ClockChange, TraceKernel, analyse_trace, launch_overhead_s
-from megatron_envpipe.core.device_dynamics import DeviceDynamics
-from megatron_envpipe.core.profile import Profile, ProfilePoint
 from megatron_envpipe.core.virtual_clock import VirtualClock
 from megatron_envpipe.gpu.control.safety import ClockGuard
 from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 __all__ = ["CudaKernelTrain", "KernelTrain", "ProbeTiming", "Requester", "SimKernelTrain", "ThreadedRequester",
-           "TracedChange", "VirtualRequester", "measure_overhead", "run_clock_changes", "simulated_clock_gpu", "trace_change"]
+           "TracedChange", "VirtualRequester", "run_clock_changes"]
 
 # An NVML lock call that has not returned by then is hung (they take 10-20 ms: Zeus #29).
-CALL_TIMEOUT_S = 5.0
+_CALL_TIMEOUT_S = 5.0
 _MIN_BEFORE = 20  # kernels finished before the request, at least: they place it on the GPU's timeline
 
 
@@ -105,7 +103,7 @@ class TracedChange:
 
 # -- the probe ---------------------------------------------------------------------------
 
-def trace_change(device: GpuDevice, train: KernelTrain, requester: Requester, f_from: int, f_to: int,
+def _trace_change(device: GpuDevice, train: KernelTrain, requester: Requester, f_from: int, f_to: int,
                  step_mhz: int, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep, timing: ProbeTiming = ProbeTiming(),
                  overhead_s: float = 0.0) -> TracedChange:
@@ -135,8 +133,8 @@ def trace_change(device: GpuDevice, train: KernelTrain, requester: Requester, f_
 
     t0 = clock()
     while clock() - t0 < timing.settle_before_s or done_count < _MIN_BEFORE:  # kernels place the request
-        if clock() - t0 > CALL_TIMEOUT_S:
-            raise GpuError(f"{device.info().label()}: no spin kernel finished within {CALL_TIMEOUT_S:g} s")
+        if clock() - t0 > _CALL_TIMEOUT_S:
+            raise GpuError(f"{device.info().label()}: no spin kernel finished within {_CALL_TIMEOUT_S:g} s")
         feed()
         sleep(timing.poll_s)
     asked_s = clock()
@@ -153,9 +151,9 @@ def trace_change(device: GpuDevice, train: KernelTrain, requester: Requester, f_
         call_done = call_done or requester.done()
         if call_done and now - asked_s >= timing.watch_s:
             break
-        if not call_done and now - asked_s > CALL_TIMEOUT_S:
+        if not call_done and now - asked_s > _CALL_TIMEOUT_S:
             raise GpuError(f"{device.info().label()}: the clock lock to {f_to} MHz did not return within "
-                           f"{CALL_TIMEOUT_S:g} s (a hung driver?); reset with `envpipe reset-clocks`")
+                           f"{_CALL_TIMEOUT_S:g} s (a hung driver?); reset with `envpipe reset-clocks`")
         sleep(timing.poll_s)
     kernels = train.finish()
     # The request is the call's start (on its thread), not when this thread asked for it.
@@ -183,7 +181,7 @@ def run_clock_changes(device: GpuDevice, train: KernelTrain, requester: Requeste
         return out, 0.0, f"stopped before the first change: {left_s:.1f} s left, a change takes {slowest_s:.1f} s"
     requester.request(pairs[0][0])
     _wait_done(requester, pairs[0][0], clock, sleep, timing.poll_s)
-    overhead_s = measure_overhead(train, _cycles(timing, *pairs[0]), timing)
+    overhead_s = _measure_overhead(train, _cycles(timing, *pairs[0]), timing)
     for rep in range(reps):
         for hi, lo in pairs:
             for f_from, f_to in ((hi, lo), (lo, hi)):
@@ -192,13 +190,13 @@ def run_clock_changes(device: GpuDevice, train: KernelTrain, requester: Requeste
                     return out, overhead_s, (f"stopped after {len(out)} changes (rep {rep + 1} of {reps}): "
                                              f"{left_s:.1f} s left, a change takes up to {slowest_s:.1f} s")
                 w0 = wall()
-                out.append(trace_change(device, train, requester, f_from, f_to, step_mhz, clock=clock,
+                out.append(_trace_change(device, train, requester, f_from, f_to, step_mhz, clock=clock,
                                         sleep=sleep, timing=timing, overhead_s=overhead_s))
                 slowest_s = max(slowest_s, wall() - w0)
     return out, overhead_s, ""
 
 
-def measure_overhead(train: KernelTrain, cycles: int, timing: ProbeTiming = ProbeTiming(),
+def _measure_overhead(train: KernelTrain, cycles: int, timing: ProbeTiming = ProbeTiming(),
                      pairs: int = 100) -> float:
     """Each kernel's fixed cost (s), at the clock running now: ``settle_before_s`` of kernels to
     let it settle, then ``pairs`` kernels of ``cycles`` and of twice that, interleaved
@@ -223,8 +221,8 @@ def _wait_done(requester: Requester, freq_mhz: int, clock: Callable[[], float],
                sleep: Callable[[float], None], poll_s: float) -> None:
     t0 = clock()
     while not requester.done():
-        if clock() - t0 > CALL_TIMEOUT_S:
-            raise GpuError(f"the clock lock to {freq_mhz} MHz did not return within {CALL_TIMEOUT_S:g} s "
+        if clock() - t0 > _CALL_TIMEOUT_S:
+            raise GpuError(f"the clock lock to {freq_mhz} MHz did not return within {_CALL_TIMEOUT_S:g} s "
                            "(a hung driver?); reset with `envpipe reset-clocks`")
         sleep(poll_s)
 
@@ -423,15 +421,3 @@ class SimKernelTrain:
                 kernel[1] -= (now - t) * hz
                 t = now
         self._last_s = now
-
-
-def simulated_clock_gpu(vc: VirtualClock, dynamics: DeviceDynamics,
-                        clocks_mhz: Sequence[int] = tuple(range(1980, 209, -15)),
-                        sm_clock_range_mhz: tuple[int, int] | None = None) -> SimulatedGpu:
-    """A simulated GPU with these SM clocks (H100-like by default) and ``dynamics``, on ``vc``:
-    only its clocks matter here (its units' times and powers are placeholders)."""
-    top = max(clocks_mhz)
-    points = [ProfilePoint(int(f), 1e-3 * top / f, 0.3 * top / f) for f in sorted(clocks_mhz, reverse=True)]
-    profile = Profile({(0, "forward"): points, (0, "backward"): points}, source="<clock-change probe>")
-    return SimulatedGpu(profile, 0, clock=vc.now, sleep=vc.sleep, dynamics=dynamics,
-                        sm_clock_range_mhz=sm_clock_range_mhz, name="Simulated GPU (clock-change probe)")

@@ -45,14 +45,14 @@ from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 
 __all__ = ["run"]
 
-REPS_GPU = 5       # each pair lowered and raised this often on a GPU, while the budget lasts
-REPS_SIMULATED = 1  # the simulated GPU is deterministic: once is all it says
+_REPS_GPU = 5       # each pair lowered and raised this often on a GPU, while the budget lasts
+_REPS_SIMULATED = 1  # the simulated GPU is deterministic: once is all it says
 MARGIN_S = 5.0     # left for the clock reset, the CSV and the child's exit
 # The simulated GPU's latency is known to be well under 0.1 s: a shorter watch spares CI's host time.
-SIMULATED_TIMING = ProbeTiming(settle_before_s=0.05, watch_s=0.1)
+_SIMULATED_TIMING = ProbeTiming(settle_before_s=0.05, watch_s=0.1)
 # Each simulated kernel's fixed cost (an assumed ~1 us, as a kernel's start and its events take):
 # the probe measures it and takes it off, as on a GPU.
-SIMULATED_OVERHEAD_S = 1.5e-6
+_SIMULATED_OVERHEAD_S = 1.5e-6
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,9 @@ def _simulated(guard: ClockGuard) -> _Probe:
     if not isinstance(device, SimulatedGpu):
         raise GpuError(f"simulated:{SIMULATED_PROFILE} opened a {type(device).__name__}, not a simulated GPU")
     supported = device.supported_clocks_mhz()
-    return _Probe(device, SimKernelTrain(device, vc, overhead_s=SIMULATED_OVERHEAD_S),
+    return _Probe(device, SimKernelTrain(device, vc, overhead_s=_SIMULATED_OVERHEAD_S),
                   VirtualRequester(guard, device, vc, dynamics.nvml_call_s), supported, clock_step(supported),
-                  REPS_SIMULATED, SIMULATED_TIMING, {"clock": vc.now, "sleep": vc.sleep},
+                  _REPS_SIMULATED, _SIMULATED_TIMING, {"clock": vc.now, "sleep": vc.sleep},
                   "simulated GPU (realistic dynamics preset)", dynamics.source)
 
 
@@ -113,7 +113,7 @@ def _cuda(ctx: StepContext, guard: ClockGuard) -> _Probe:
     supported = tuple(facts.get("supported_sm_clocks_mhz") or device.supported_clocks_mhz())
     step_mhz = int(facts.get("clock_step_mhz") or clock_step(supported))
     return _Probe(device, CudaKernelTrain(ctx.device_index), ThreadedRequester(guard, device), supported, step_mhz,
-                  REPS_GPU, ProbeTiming(), {}, device.info().label(), "measured")
+                  _REPS_GPU, ProbeTiming(), {}, device.info().label(), "measured")
 
 
 def _median(values: Sequence[float | None]) -> float | None:

@@ -25,7 +25,7 @@ __all__ = ["CounterProbeError", "MatmulLoad", "POLL_S", "SimulatedUnitLoad", "po
 
 # Fast enough that each update of a ~100 ms counter lands in a ~1 ms bracket, light enough for the driver.
 POLL_S = 0.001
-POWER_EVERY_S = 0.05
+_POWER_EVERY_S = 0.05
 
 
 class CounterProbeError(EnvPipeError, RuntimeError):
@@ -33,7 +33,7 @@ class CounterProbeError(EnvPipeError, RuntimeError):
 
 
 def poll_counter(device: GpuDevice, duration_s: float, *, poll_s: float = POLL_S,
-                 power_every_s: float = POWER_EVERY_S, feed: Callable[[], None] | None = None,
+                 power_every_s: float = _POWER_EVERY_S, feed: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> tuple[list[CounterRead], list[PowerRead]]:
     """Counter reads and power readings for ``duration_s`` seconds (module docstring)."""

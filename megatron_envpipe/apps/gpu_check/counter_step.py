@@ -29,12 +29,12 @@ from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 __all__ = ["SIMULATED_DYNAMICS", "run"]
 
 MARGIN_S = 6.0           # CUDA start-up of the load, the CSV, the child's exit
-WARMUP_S = 1.0           # the load reaches steady power before its phase is recorded
-IDLE_SHARE = 0.4         # of the polling time left after the margin and warm-up
-SIMULATED_POLL_S = 8.0   # virtual seconds polled in CI (each phase gets its share)
-MIN_PHASE_S = 1.0        # a phase shorter than this says nothing about a ~100 ms counter
-POWER_AVERAGE_S = 1.0    # NVML power readings are 1 s averages on Ampere and later (Zeus #45)
-SIMULATED_DYNAMICS = DeviceDynamics(counter_period_s=0.1, power_average_s=POWER_AVERAGE_S,
+_WARMUP_S = 1.0           # the load reaches steady power before its phase is recorded
+_IDLE_SHARE = 0.4         # of the polling time left after the margin and warm-up
+_SIMULATED_POLL_S = 8.0   # virtual seconds polled in CI (each phase gets its share)
+_MIN_PHASE_S = 1.0        # a phase shorter than this says nothing about a ~100 ms counter
+_POWER_AVERAGE_S = 1.0    # NVML power readings are 1 s averages on Ampere and later (Zeus #45)
+SIMULATED_DYNAMICS = DeviceDynamics(counter_period_s=0.1, power_average_s=_POWER_AVERAGE_S,
                                     source="gpu-check --device cpu: a 100 ms counter, 1 s power averages")
 
 
@@ -49,16 +49,16 @@ def run(ctx: StepContext) -> StepResult:
         if opened.modelled:
             assert isinstance(device, SimulatedGpu)
             load = SimulatedUnitLoad(device)
-            total_s = SIMULATED_POLL_S
+            total_s = _SIMULATED_POLL_S
         else:
             load = MatmulLoad(ctx.device_index)  # CUDA start-up here, before the idle phase
-            total_s = ctx.left_s(MARGIN_S) - WARMUP_S
-        idle_s, load_s = IDLE_SHARE * total_s, (1 - IDLE_SHARE) * total_s
-        if load_s < MIN_PHASE_S:
+            total_s = ctx.left_s(MARGIN_S) - _WARMUP_S
+        idle_s, load_s = _IDLE_SHARE * total_s, (1 - _IDLE_SHARE) * total_s
+        if load_s < _MIN_PHASE_S:
             return StepResult("skipped", reason=f"only {ctx.left_s():.0f} s left: too little to poll the counter")
         timing = {"clock": clock, "sleep": sleep}
         idle_reads, idle_powers = poll_counter(device, idle_s, **timing)
-        poll_counter(device, WARMUP_S, feed=load.feed, power_every_s=WARMUP_S, **timing)
+        poll_counter(device, _WARMUP_S, feed=load.feed, power_every_s=_WARMUP_S, **timing)
         load_reads, load_powers = poll_counter(device, load_s, feed=load.feed, **timing)
         load.stop()
     except EnvPipeError as exc:
@@ -80,7 +80,7 @@ def run(ctx: StepContext) -> StepResult:
 
 def _analyze(reads: list, powers: list, phase: str) -> tuple[CounterFigures | None, str]:
     try:
-        return analyze_counter(reads, powers, power_average_s=POWER_AVERAGE_S, where=f"counter {phase}"), ""
+        return analyze_counter(reads, powers, power_average_s=_POWER_AVERAGE_S, where=f"counter {phase}"), ""
     except CounterAnalysisError as exc:
         return None, _line(exc)
 

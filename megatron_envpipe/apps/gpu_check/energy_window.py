@@ -38,22 +38,22 @@ from dataclasses import dataclass
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.devices.base import GpuDevice
 
-__all__ = ["COUNTER_STEP_J", "EnergyWindowError", "MIN_WINDOW_PERIODS", "POLL_DIVISIONS", "WindowEnergy",
+__all__ = ["EnergyWindowError", "WindowEnergy",
            "measure_window", "poll_interval_s", "window_length_s"]
 
 # NVML reports whole millijoules: one step of quantisation per edge.
-COUNTER_STEP_J = 1e-3
+_COUNTER_STEP_J = 1e-3
 # Polls per counter period while waiting for an update (100 ms period: every 2 ms, light on the driver).
-POLL_DIVISIONS = 50
+_POLL_DIVISIONS = 50
 # No faster than this, whatever the period (NVML calls cost tens of microseconds).
-MIN_POLL_S = 1e-4
+_MIN_POLL_S = 1e-4
 # A window spans at least this many updates: within one period the counter is built from power
 # samples covering only part of the runtime (Yang et al., SC24), which averages out over several.
-MIN_WINDOW_PERIODS = 4
+_MIN_WINDOW_PERIODS = 4
 # An update is waited for this many periods before the counter is declared stalled, and at least
-# MIN_EDGE_TIMEOUT_S: a period measured under load may be short, and a real driver skips an update now and then.
-EDGE_TIMEOUT_PERIODS = 5
-MIN_EDGE_TIMEOUT_S = 0.5
+# _MIN_EDGE_TIMEOUT_S: a period measured under load may be short, and a real driver skips an update now and then.
+_EDGE_TIMEOUT_PERIODS = 5
+_MIN_EDGE_TIMEOUT_S = 0.5
 
 
 class EnergyWindowError(EnvPipeError, RuntimeError):
@@ -64,7 +64,7 @@ class EnergyWindowError(EnvPipeError, RuntimeError):
 class WindowEnergy:
     """One window between two counter updates."""
 
-    energy_j: float            # counter difference between the two updates (exact up to COUNTER_STEP_J each)
+    energy_j: float            # counter difference between the two updates (exact up to _COUNTER_STEP_J each)
     time_s: float              # between the two updates (bracket middles)
     uncertainty_j: float       # bound on |energy_j - energy over a window of exactly time_s| (edge timing + steps)
     reads: int                 # counter reads it took
@@ -94,7 +94,7 @@ def _check_period(counter_period_s: float, where: str) -> float:
 def poll_interval_s(counter_period_s: float) -> float:
     """Seconds between counter reads while waiting for an update (0 for an exact counter)."""
     period = _check_period(counter_period_s, "poll_interval_s")
-    return 0.0 if period == 0 else max(MIN_POLL_S, period / POLL_DIVISIONS)
+    return 0.0 if period == 0 else max(_MIN_POLL_S, period / _POLL_DIVISIONS)
 
 
 def window_length_s(counter_period_s: float, tolerance: float, read_cost_s: float = 0.0) -> float:
@@ -102,7 +102,7 @@ def window_length_s(counter_period_s: float, tolerance: float, read_cost_s: floa
 
     Each edge's update lies in a bracket of one poll interval plus up to two reads; stamping it at
     the middle errs by at most half that, so two edges err by one bracket: ``T >= bracket / tolerance``.
-    At least ``MIN_WINDOW_PERIODS`` updates long (see there)."""
+    At least ``_MIN_WINDOW_PERIODS`` updates long (see there)."""
     period = _check_period(counter_period_s, "window_length_s")
     if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 < tolerance < 1:
         raise EnergyWindowError(f"window_length_s: tolerance is relative, a number in (0, 1) such as 0.01 for "
@@ -112,7 +112,7 @@ def window_length_s(counter_period_s: float, tolerance: float, read_cost_s: floa
         raise EnergyWindowError(f"window_length_s: read_cost_s must be a finite number of seconds >= 0 (one "
                                 f"counter read), got {read_cost_s!r}")
     bracket_s = poll_interval_s(period) + 2.0 * read_cost_s
-    return max(bracket_s / tolerance, MIN_WINDOW_PERIODS * period)
+    return max(bracket_s / tolerance, _MIN_WINDOW_PERIODS * period)
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def measure_window(device: GpuDevice, body: Callable[[], None], *, counter_perio
         return _window(start_mj, end_mj, time_s, width_s, reads=2, edge_wait_s=0.0,
                        body_s=end_before - start_after)
     poll_s = poll_interval_s(period)
-    timeout_s = max(EDGE_TIMEOUT_PERIODS * period, MIN_EDGE_TIMEOUT_S)
+    timeout_s = max(_EDGE_TIMEOUT_PERIODS * period, _MIN_EDGE_TIMEOUT_S)
     start = _next_update(device, clock, sleep, poll_s, timeout_s)
     body_begin_s = clock()
     body()
@@ -195,6 +195,6 @@ def _window(start_mj: float, end_mj: float, time_s: float, time_uncertainty_s: f
                                 "driver reload?); measure the window again")
     power_w = energy_j / time_s if time_s > 0 else 0.0
     # The stamps err by up to half a bracket each: that much time at the window's power, plus one step per edge.
-    uncertainty_j = power_w * time_uncertainty_s + 2 * COUNTER_STEP_J
+    uncertainty_j = power_w * time_uncertainty_s + 2 * _COUNTER_STEP_J
     return WindowEnergy(energy_j=energy_j, time_s=max(0.0, time_s), uncertainty_j=uncertainty_j, reads=reads,
                         edge_wait_s=edge_wait_s, body_s=max(0.0, body_s), time_uncertainty_s=time_uncertainty_s)

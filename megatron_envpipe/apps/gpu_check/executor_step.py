@@ -38,25 +38,24 @@ from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.resources import shipped_profile
 
-__all__ = ["ENVPIPE_FLAGS", "EXECUTOR", "ITERATIONS", "MEGATRON_1F1B", "RunOutcome", "STAGES", "compare_runs",
-           "run", "train_command"]
+__all__ = ["MEGATRON_1F1B", "STAGES", "run"]
 
 STAGES = 4
-ITERATIONS = 4          # 2 baseline iterations at the top clock, then 2 planned
-SIM_PROFILE = "a40/gpt3-175b"
+_ITERATIONS = 4          # 2 baseline iterations at the top clock, then 2 planned
+_SIM_PROFILE = "a40/gpt3-175b"
 MEGATRON_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
-EXECUTOR = "megatron_envpipe.megatron.executor.envpipe_forward_backward"
+_EXECUTOR = "megatron_envpipe.megatron.executor.envpipe_forward_backward"
 # --envpipe-max-inflight none: one plan on CPU and GPU (a GPU shared by 4 ranks has no per-stage memory to budget).
-ENVPIPE_FLAGS = ("--envpipe-type", "envelope", "--envpipe-scheduling", "ours",
-                 "--envpipe-gpu", f"simulated:{SIM_PROFILE}", "--envpipe-max-inflight", "none",
+_ENVPIPE_FLAGS = ("--envpipe-type", "envelope", "--envpipe-scheduling", "ours",
+                 "--envpipe-gpu", f"simulated:{_SIM_PROFILE}", "--envpipe-max-inflight", "none",
                  "--envpipe-log-interval", "1")
-MIN_RUN_S = 15.0        # less time than this left: do not start the runs
+_MIN_RUN_S = 15.0        # less time than this left: do not start the runs
 MARGIN_S = 4.0          # kept back from the step's limit for writing the result
-LOG_TAIL_LINES = 40     # of each run's output, into check.log
+_LOG_TAIL_LINES = 40     # of each run's output, into check.log
 
 
 @dataclass(frozen=True)
-class RunOutcome:
+class _RunOutcome:
     """One torchrun: its exit status, wall time, output and the ``--losses-out`` JSON (None if absent)."""
 
     label: str
@@ -66,12 +65,12 @@ class RunOutcome:
     losses: Mapping[str, Any] | None
 
 
-def train_command(device: str, cache_dir: Path, losses_out: Path, extra: Sequence[str]) -> list[str]:
+def _train_command(device: str, cache_dir: Path, losses_out: Path, extra: Sequence[str]) -> list[str]:
     """The torchrun command of one run (the same on CPU and GPU but for ``--device``)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(STAGES),
             "-m", "megatron_envpipe.apps.train_tiny_gpt",
             "--pipeline-model-parallel-size", str(STAGES), "--device", device, "--p2p-transport", "host",
-            "--train-iters", str(ITERATIONS), "--cache-dir", str(cache_dir), "--losses-out", str(losses_out),
+            "--train-iters", str(_ITERATIONS), "--cache-dir", str(cache_dir), "--losses-out", str(losses_out),
             *extra]
 
 
@@ -121,11 +120,11 @@ class _Running:
             self.proc.wait()
             self.ended = time.monotonic()
 
-    def outcome(self, timed_out: bool) -> RunOutcome:
+    def outcome(self, timed_out: bool) -> _RunOutcome:
         code = None if timed_out else self.proc.returncode
         losses = json.loads(self.losses_out.read_text()) if code == 0 and self.losses_out.is_file() else None
         wall_s = (self.ended or time.monotonic()) - self.started
-        return RunOutcome(self.label, code, wall_s, self.log_path.read_text(errors="replace"), losses)
+        return _RunOutcome(self.label, code, wall_s, self.log_path.read_text(errors="replace"), losses)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -144,7 +143,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _wait_all(running: Sequence[_Running], deadline: float, poll_s: float = 0.1) -> list[RunOutcome]:
+def _wait_all(running: Sequence[_Running], deadline: float, poll_s: float = 0.1) -> list[_RunOutcome]:
     """Wait for every run until ``deadline`` (monotonic s); the ones still going then are stopped."""
     while not all([r.poll() for r in running]) and time.monotonic() < deadline:  # a list: poll every run
         time.sleep(poll_s)
@@ -172,7 +171,7 @@ def _staged(losses: Mapping[str, Any]) -> tuple[int, int]:
             sum(int(r.get("bytes", 0)) for r in ranks))
 
 
-def compare_runs(envpipe: RunOutcome, stock: RunOutcome) -> StepResult:
+def _compare_runs(envpipe: _RunOutcome, stock: _RunOutcome) -> StepResult:
     """The step's verdict from its two runs: ok only if the losses agree bit for bit and each side ran
     the schedule it should, through the host-staged transport."""
     for outcome in (envpipe, stock):
@@ -183,7 +182,7 @@ def compare_runs(envpipe: RunOutcome, stock: RunOutcome) -> StepResult:
                               figures={f"{outcome.label}_run_s": round(outcome.wall_s, 2)})
     envpipe_losses, stock_losses = envpipe.losses or {}, stock.losses or {}
     mine, ref = list(envpipe_losses.get("losses", [])), list(stock_losses.get("losses", []))
-    equal = len(mine) == len(ref) == ITERATIONS and [x.hex() for x in mine] == [x.hex() for x in ref]
+    equal = len(mine) == len(ref) == _ITERATIONS and [x.hex() for x in mine] == [x.hex() for x in ref]
     diff = max((abs(a - b) for a, b in zip(mine, ref, strict=False)), default=None)
     run_info = envpipe_losses.get("envpipe_run") or {}
     plan = run_info.get("plan") or {}
@@ -216,8 +215,8 @@ def compare_runs(envpipe: RunOutcome, stock: RunOutcome) -> StepResult:
     problems = []
     if not equal:
         problems.append(f"losses differ from stock Megatron's (largest difference {diff!r})")
-    if figures["schedule_functions_envpipe"] != [EXECUTOR]:
-        problems.append(f"the EnvPipe run ran {figures['schedule_functions_envpipe']}, not {EXECUTOR}")
+    if figures["schedule_functions_envpipe"] != [_EXECUTOR]:
+        problems.append(f"the EnvPipe run ran {figures['schedule_functions_envpipe']}, not {_EXECUTOR}")
     if figures["schedule_functions_stock"] != [MEGATRON_1F1B]:
         problems.append(f"the stock run ran {figures['schedule_functions_stock']}, not Megatron's 1F1B")
     if any(r.get("envpipe_installed") or r.get("executor_imported") for r in stock_losses.get("schedule", [])):
@@ -230,7 +229,7 @@ def compare_runs(envpipe: RunOutcome, stock: RunOutcome) -> StepResult:
              f"({figures['loss_first']!r} .. {figures['loss_last']!r})",
              "EnvPipe ran " + ", ".join(figures["schedule_functions_envpipe"]) + "; stock ran "
              + ", ".join(figures["schedule_functions_stock"]),
-             f"simulated {SIM_PROFILE} plan: predicted saving "
+             f"simulated {_SIM_PROFILE} plan: predicted saving "
              + (f"{100 * saving:.2f} %" if isinstance(saving, float) else "none (no plan)")
              + f"; runs took {envpipe.wall_s:.1f} s (EnvPipe) and {stock.wall_s:.1f} s (stock)")
     if problems:
@@ -238,33 +237,33 @@ def compare_runs(envpipe: RunOutcome, stock: RunOutcome) -> StepResult:
     return StepResult("ok", figures=figures, lines=lines)
 
 
-def _print_tail(outcome: RunOutcome) -> None:
-    tail = outcome.output.splitlines()[-LOG_TAIL_LINES:]
+def _print_tail(outcome: _RunOutcome) -> None:
+    tail = outcome.output.splitlines()[-_LOG_TAIL_LINES:]
     print(f"--- step 7, {outcome.label} run (exit {outcome.returncode}, {outcome.wall_s:.1f} s), last "
           f"{len(tail)} lines:", *tail, sep="\n", flush=True)
 
 
 def run(ctx: StepContext) -> StepResult:
     """Both runs at once (8 processes; the GPU's host has the cores, and each run alone idles in its
-    pipeline's bubbles), each stopped at the step's limit less a margin; then :func:`compare_runs`."""
+    pipeline's bubbles), each stopped at the step's limit less a margin; then :func:`_compare_runs`."""
     if ctx.device not in ("cpu", "cuda"):
         return StepResult("failed", f"step 7: unknown device {ctx.device!r} (cpu or cuda)")
     left_s = ctx.left_s(MARGIN_S)
-    if left_s < MIN_RUN_S:
-        return StepResult("failed", f"only {left_s:.0f} s left for step 7's runs (they need {MIN_RUN_S:.0f} s "
+    if left_s < _MIN_RUN_S:
+        return StepResult("failed", f"only {left_s:.0f} s left for step 7's runs (they need {_MIN_RUN_S:.0f} s "
                                     f"at the very least)")
     deadline = time.monotonic() + left_s
     env = _child_env(ctx)
     with tempfile.TemporaryDirectory(prefix="envpipe-step7-") as tmp:
         work = Path(tmp)
         profile_csv = work / f"profile-{STAGES}-stages.csv"
-        Profile.from_csv(shipped_profile(SIM_PROFILE)).for_pipeline(STAGES).to_csv(profile_csv)
+        Profile.from_csv(shipped_profile(_SIM_PROFILE)).for_pipeline(STAGES).to_csv(profile_csv)
         # One tokenizer cache for both runs, trained by the first rank to get its lock (about 0.1 s).
         cache = work / "cache"
-        running = [_Running.start(label, train_command(ctx.device, cache, work / f"{label}.json", extra), env, work)
-                   for label, extra in (("envpipe", [*ENVPIPE_FLAGS, "--envpipe-profile", str(profile_csv)]),
+        running = [_Running.start(label, _train_command(ctx.device, cache, work / f"{label}.json", extra), env, work)
+                   for label, extra in (("envpipe", [*_ENVPIPE_FLAGS, "--envpipe-profile", str(profile_csv)]),
                                         ("stock", ["--no-envpipe"]))]
         envpipe, stock = _wait_all(running, deadline)
         for outcome in (envpipe, stock):
             _print_tail(outcome)
-        return compare_runs(envpipe, stock)
+        return _compare_runs(envpipe, stock)

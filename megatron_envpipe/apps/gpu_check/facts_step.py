@@ -23,10 +23,10 @@ from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError
 from megatron_envpipe.gpu.devices.nvml import NvmlGpu
 from megatron_envpipe.gpu.devices.nvml_library import nvml_module
 
-__all__ = ["cuda_status", "nvml_extras", "run"]
+__all__ = ["run"]
 
 
-def cuda_status(device_index: int) -> tuple[bool, str]:
+def _cuda_status(device_index: int) -> tuple[bool, str]:
     """(torch has CUDA and the device, one phrase saying so)."""
     try:
         import torch  # the child's business: the runner never loads torch
@@ -39,7 +39,7 @@ def cuda_status(device_index: int) -> tuple[bool, str]:
     return True, f"torch {torch.__version__}, CUDA {torch.version.cuda}"
 
 
-def nvml_extras(device: GpuDevice) -> dict[str, Any]:
+def _nvml_extras(device: GpuDevice) -> dict[str, Any]:
     """Persistence mode and memory clocks, straight from NVML (None where the driver does not say)."""
     out: dict[str, Any] = {"persistence_mode": None, "memory_clocks_mhz": None}
     if not isinstance(device, NvmlGpu):
@@ -60,7 +60,7 @@ def nvml_extras(device: GpuDevice) -> dict[str, Any]:
 
 
 def run(ctx: StepContext) -> StepResult:
-    cuda_ok, cuda_detail = (True, "CPU tensors (--device cpu)") if ctx.device == "cpu" else cuda_status(ctx.device_index)
+    cuda_ok, cuda_detail = (True, "CPU tensors (--device cpu)") if ctx.device == "cpu" else _cuda_status(ctx.device_index)
     opened = open_check_device(ctx)
     device = opened.device
     try:
@@ -68,7 +68,7 @@ def run(ctx: StepContext) -> StepResult:
         clocks = device.supported_clocks_mhz()
         figures: dict[str, Any] = {
             "gpu_name": info.name, "driver": info.driver_version, "uuid": info.uuid, "pci_bus_id": info.pci_bus_id,
-            "simulated": opened.modelled, **nvml_extras(device),
+            "simulated": opened.modelled, **_nvml_extras(device),
             "supported_sm_clocks_mhz": list(clocks), "max_sm_clock_mhz": clocks[0], "min_sm_clock_mhz": clocks[-1],
             "clock_step_mhz": clock_step(clocks, default=None), "cuda_available": cuda_ok, "cuda_detail": cuda_detail,
             "can_set_clocks": device.can_set_clocks(), "permission": device.permission_reason(),
@@ -76,7 +76,7 @@ def run(ctx: StepContext) -> StepResult:
         }
         load = None
         if cuda_ok and ctx.device == "cuda":
-            import torch  # CUDA is there (cuda_status said so)
+            import torch  # CUDA is there (_cuda_status said so)
 
             torch.cuda.set_device(ctx.device_index)
             # Create the CUDA context and load the spin kernel now: done lazily by the first spin, they

@@ -18,10 +18,10 @@ from typing import Any
 
 from megatron_envpipe.apps.gpu_check.step_api import Step
 
-__all__ = ["Machine", "find_module", "unmet_needs"]
+__all__ = ["Machine", "unmet_needs"]
 
 
-def find_module(name: str) -> bool:
+def _find_module(name: str) -> bool:
     """Whether ``name`` (a top-level module, or ``megatron.core``) is installed, without importing it."""
     top, _, rest = name.partition(".")
     try:
@@ -47,8 +47,8 @@ class Machine:
 
     @classmethod
     def probe(cls, device: str, no_gpu: str | None) -> "Machine":
-        torch = None if find_module("torch") else "torch is not installed"
-        megatron = None if find_module("megatron.core") else "megatron-core is not installed"
+        torch = None if _find_module("torch") else "torch is not installed"
+        megatron = None if _find_module("megatron.core") else "megatron-core is not installed"
         return cls(device, no_gpu, torch, megatron)
 
 

@@ -18,14 +18,14 @@ from megatron_envpipe.core.calibration import calibration_from_figures, preset_t
 from megatron_envpipe.core.device_dynamics import PRESETS, load_dynamics
 from megatron_envpipe.core.resources import configs_dir
 
-__all__ = ["BASE_PRESET", "run"]
+__all__ = ["run"]
 
-BASE_PRESET = "realistic"
+_BASE_PRESET = "realistic"
 
 
 def run(ctx: StepContext) -> StepResult:
-    base = load_dynamics(BASE_PRESET, configs_dir())
-    calibration = calibration_from_figures(ctx.earlier, base, base_name=str(PRESETS[BASE_PRESET]),
+    base = load_dynamics(_BASE_PRESET, configs_dir())
+    calibration = calibration_from_figures(ctx.earlier, base, base_name=str(PRESETS[_BASE_PRESET]),
                                            date_utc=time.strftime("%Y-%m-%d", time.gmtime()))
     text = preset_text(calibration)
     with tempfile.TemporaryDirectory(prefix="envpipe-preset-") as tmp:  # the file must load as users will load it
@@ -37,7 +37,7 @@ def run(ctx: StepContext) -> StepResult:
                "counter_period_s": loaded.counter_period_s, "blocking_power_w": loaded.blocking_power_w,
                "simulated": calibration.simulated}
     lines = [f"measured: {', '.join(calibration.measured) or 'nothing (every figure is the published one)'}",
-             f"kept from {PRESETS[BASE_PRESET]}: {', '.join(calibration.kept)}",
+             f"kept from {PRESETS[_BASE_PRESET]}: {', '.join(calibration.kept)}",
              f"clock latency {1e3 * loaded.clock_latency_s:g} ms (call {1e3 * loaded.nvml_call_s:g} ms), counter "
              f"period {1e3 * loaded.counter_period_s:g} ms, blocking power "
              + ("table's" if loaded.blocking_power_w is None else f"{loaded.blocking_power_w:g} W"),

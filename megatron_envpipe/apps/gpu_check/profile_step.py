@@ -25,11 +25,11 @@ from megatron_envpipe.apps.gpu_check.step_api import StepContext, StepResult
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.megatron.stage_model import open_stage, parameter_count
 
-__all__ = ["MAX_CLOCKS", "MIN_CLOCKS", "REPEATS", "run"]
+__all__ = ["MAX_CLOCKS", "run"]
 
 MAX_CLOCKS = 12  # enough for the planner's envelope; more only costs the GPU's time
-MIN_CLOCKS = 2   # the maximum and one lower clock, or nothing to plan with
-REPEATS = 2      # windows per instruction and clock: the spread between them is the row's uncertainty
+_MIN_CLOCKS = 2   # the maximum and one lower clock, or nothing to plan with
+_REPEATS = 2      # windows per instruction and clock: the spread between them is the row's uncertainty
 MARGIN_S = 8.0   # left for writing the result and the runner's clock reset
 
 
@@ -48,7 +48,7 @@ def _supported(ctx: StepContext, device_clocks: tuple[int, ...]) -> tuple[int, .
     return device_clocks
 
 
-def figures_of(result: StageProfile, extra: dict[str, Any]) -> dict[str, Any]:
+def _figures_of(result: StageProfile, extra: dict[str, Any]) -> dict[str, Any]:
     rows = result.reached_rows
     return {
         **extra,
@@ -74,17 +74,17 @@ def run(ctx: StepContext) -> StepResult:
     with open_bench(ctx, period_s) as bench:
         with open_stage(spec, f"cuda:{ctx.device_index}" if bench.cuda else "cpu") as stage:
             supported = _supported(ctx, bench.device.supported_clocks_mhz())
-            # Per clock: the warm-up pair, an idle window and 2 x REPEATS unit windows, each up to one
+            # Per clock: the warm-up pair, an idle window and 2 x _REPEATS unit windows, each up to one
             # counter period longer than asked (the edges wait for updates).
-            per_clock_s = (1 + 2 * REPEATS) * (win_s + 1.5 * period_s) + 0.5
+            per_clock_s = (1 + 2 * _REPEATS) * (win_s + 1.5 * period_s) + 0.5
             fit = int(ctx.left_s(MARGIN_S) // per_clock_s) if not bench.virtual_clock else MAX_CLOCKS
             count = min(MAX_CLOCKS, fit)
-            if count < MIN_CLOCKS:
-                return StepResult("failed", f"no time left to profile {MIN_CLOCKS} clocks ({ctx.left_s():.0f} s left "
+            if count < _MIN_CLOCKS:
+                return StepResult("failed", f"no time left to profile {_MIN_CLOCKS} clocks ({ctx.left_s():.0f} s left "
                                             f"after building the stage, {per_clock_s:.1f} s per clock)")
             clocks = pick_clocks(supported, count)
             result = measure_stage_profile(bench.device, stage, clocks, bench.lock, counter_period_s=period_s,
-                                           window_s=win_s, repeats=REPEATS,
+                                           window_s=win_s, repeats=_REPEATS,
                                            reach_tolerance_mhz=_reach_tolerance_mhz(ctx), clock=bench.clock,
                                            sleep=bench.sleep, progress=print)
             params = parameter_count(stage)
@@ -95,10 +95,10 @@ def run(ctx: StepContext) -> StepResult:
              "stage": {"hidden_size": spec.hidden_size, "num_heads": spec.num_heads, "num_layers": spec.num_layers,
                        "seq_length": spec.seq_length, "micro_batch_size": spec.micro_batch_size},
              "simulated": bench.device.capabilities().modelled}
-    figures = figures_of(result, extra)
+    figures = _figures_of(result, extra)
     f_max = clocks[0]
     lines.append(f"{len(rows)} of {len(clocks)} clocks profiled ({clocks[-1]}..{f_max} MHz), windows {win_s:.2f} s "
-                 f"x {REPEATS} (counter period {1e3 * period_s:.0f} ms, {period_from})")
+                 f"x {_REPEATS} (counter period {1e3 * period_s:.0f} ms, {period_from})")
     if rows:
         r = rows[0]
         lines.append(f"at {r.freq_mhz} MHz: forward {1e3 * r.forward.time_s:.2f} ms {r.forward.energy_j:.3g} J, "
@@ -111,7 +111,7 @@ def run(ctx: StepContext) -> StepResult:
     if not rows or rows[0].freq_mhz != f_max:
         return StepResult("failed", f"the maximum clock {f_max} MHz was not reached: clocks are not under control",
                           figures=figures, lines=tuple(lines), files=files)
-    if len(rows) < MIN_CLOCKS:
+    if len(rows) < _MIN_CLOCKS:
         return StepResult("failed", f"only {len(rows)} clock(s) reached: nothing to plan with",
                           figures=figures, lines=tuple(lines), files=files)
     return StepResult("ok", figures=figures, lines=tuple(lines), files=files)

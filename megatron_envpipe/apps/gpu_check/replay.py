@@ -7,7 +7,7 @@ planned start time. Until then the stage WAITS AS IN TRAINING: ``wait(seconds)``
 spinning on a flag (:class:`megatron_envpipe.apps.gpu_check.spin_wait.FlagSpin`, as a GPU does waiting on
 NCCL P2P) at the clock already requested for the next unit, so the energy of a wait is the
 blocking power AT THAT LOCKED CLOCK times its length. The prediction charges exactly that
-(:func:`predicted_stage_energy_j`: profile energy of the units plus ``blocking_w_at(f)`` times
+(:func:`_predicted_stage_energy_j`: profile energy of the units plus ``blocking_w_at(f)`` times
 each wait, ``f`` the clock locked during it), with ``blocking_w_at`` from the measured blocking
 power per clock (step 4, interpolated), never a power measured at another clock.
 
@@ -48,11 +48,10 @@ __all__ = [
     "StageKernels",
     "StageReplay",
     "interpolated_power",
-    "predicted_stage_energy_j",
     "replay_plan",
 ]
 
-IDLE_EDGE_REL_UNC = 0.10  # bound on the idle power charged to a window's edges
+_IDLE_EDGE_REL_UNC = 0.10  # bound on the idle power charged to a window's edges
 
 
 class ReplayError(EnvPipeError, RuntimeError):
@@ -151,7 +150,7 @@ class PlanReplay:
         return statistics.median(after) - (statistics.median(steady) if steady else 0.0)
 
 
-def predicted_stage_energy_j(plan: FrequencyPlan, timeline: Timeline, profile: Profile, stage: int,
+def _predicted_stage_energy_j(plan: FrequencyPlan, timeline: Timeline, profile: Profile, stage: int,
                              blocking_w_at: Callable[[int], float], clocks: Callable[[int], int] = int) -> float:
     """Stage ``stage``'s energy per iteration as the replay runs it: each unit's profile energy at its
     clock, and every wait (before each unit, and the bubble to the iteration's end) at the blocking
@@ -227,8 +226,8 @@ def _replay_stage(setup: ReplaySetup, plan: FrequencyPlan, timeline: Timeline, p
     edge_j = setup.idle_w_at(freqs[-1]) * w.edge_wait_s  # the window's edges: synchronised, idle
     wall_s = w.body_s / iterations
     return StageReplay(stage, (w.energy_j - edge_j) / iterations,
-                       predicted_stage_energy_j(plan, timeline, profile, stage, blocking_w_at),  # as planned
-                       (w.uncertainty_j + IDLE_EDGE_REL_UNC * edge_j) / iterations, wall_s,
+                       _predicted_stage_energy_j(plan, timeline, profile, stage, blocking_w_at),  # as planned
+                       (w.uncertainty_j + _IDLE_EDGE_REL_UNC * edge_j) / iterations, wall_s,
                        max(0.0, wall_s - period_s), iterations, tuple(switch), tuple(steady))
 
 

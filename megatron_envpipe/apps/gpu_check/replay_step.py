@@ -40,10 +40,10 @@ from megatron_envpipe.megatron.stage_model import open_stage
 from megatron_envpipe.planning.basis import PlannerConfig
 from megatron_envpipe.planning.planner import plan_envpipe
 
-__all__ = ["CONTROL", "MICROBATCHES", "PLANS", "STAGES", "replay_plans", "run"]
+__all__ = ["MICROBATCHES", "STAGES", "run"]
 
-PLANS = ("envelope:1f1b", "envelope:ours", "optimal:1f1b", "optimal:ours")
-CONTROL = "optimal:ours"  # replayed once more with every unit at the maximum clock: must mismatch
+_PLANS = ("envelope:1f1b", "envelope:ours", "optimal:1f1b", "optimal:ours")
+_CONTROL = "optimal:ours"  # replayed once more with every unit at the maximum clock: must mismatch
 STAGES = 4
 MICROBATCHES = 8
 MARGIN_S = 6.0
@@ -76,8 +76,8 @@ def _wait_fn(bench: Bench, ctx: StepContext) -> tuple[Callable[[float, int], Non
     return spin.spin, f"FlagSpin ({spin.spin_kind})"
 
 
-def replay_plans(ctx: StepContext, profile: Profile, setup: ReplaySetup, blocking_w_at: Callable[[int], float],
-                 profile_unc: float, *, plans: tuple[str, ...] = PLANS, replay_clocks: str = "planned",
+def _replay_plans(ctx: StepContext, profile: Profile, setup: ReplaySetup, blocking_w_at: Callable[[int], float],
+                 profile_unc: float, *, plans: tuple[str, ...] = _PLANS, replay_clocks: str = "planned",
                  control: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
     """(one summary per plan, one CSV row per plan and stage, why it stopped early or None)."""
     f_max = profile.max_frequency()
@@ -86,7 +86,7 @@ def replay_plans(ctx: StepContext, profile: Profile, setup: ReplaySetup, blockin
     baselines: dict[str, PlanReplay] = {}
     summaries: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
-    runs = [(p, replay_clocks) for p in plans] + ([(CONTROL, "max")] if control else [])
+    runs = [(p, replay_clocks) for p in plans] + ([(_CONTROL, "max")] if control else [])
     last_s = 0.0  # host seconds the previous plan took: the next one needs about as long
     for name, how in runs:
         if ctx.left_s(MARGIN_S) <= last_s:
@@ -166,7 +166,7 @@ def run(ctx: StepContext, *, replay_clocks: str = "planned") -> StepResult:
             with open_stage(GPU_SPEC if bench.cuda else CPU_SPEC,
                             f"cuda:{ctx.device_index}" if bench.cuda else "cpu") as stage:
                 setup = ReplaySetup(hooks, stage, wait, period_s, win_s, idle_w_at, bench.clock, bench.sleep)
-                summaries, rows, stopped = replay_plans(ctx, profile, setup, blocking_w_at, profile_unc,
+                summaries, rows, stopped = _replay_plans(ctx, profile, setup, blocking_w_at, profile_unc,
                                                         replay_clocks=replay_clocks)
             lost = hooks.clock_control_lost
         finally:

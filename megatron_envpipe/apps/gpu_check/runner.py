@@ -48,13 +48,13 @@ from megatron_envpipe.gpu.control.repair import reset_clocks_from_state
 from megatron_envpipe.gpu.devices.base import GpuDevice, GpuPermissionError
 from megatron_envpipe.gpu.devices.nvml import NvmlGpu
 
-__all__ = ["CheckOptions", "GpuCheckError", "DEFAULT_OUT", "GRACE_S", "parse_steps", "run_check"]
+__all__ = ["CheckOptions", "GpuCheckError", "DEFAULT_OUT", "parse_steps", "run_check"]
 
 DEFAULT_OUT = "out/gpu-check"
-GRACE_S = 5.0                  # SIGTERM -> SIGKILL for a step past its limit
-LOG_LIMIT_CHARS = 200_000      # per step in check.log (its tail): a chatty step cannot fill the disk
+_GRACE_S = 5.0                  # SIGTERM -> SIGKILL for a step past its limit
+_LOG_LIMIT_CHARS = 200_000      # per step in check.log (its tail): a chatty step cannot fill the disk
 # Temporary names core/atomic.py leaves only if killed mid-write: ours to remove.
-STEP_FILES_ALL = frozenset(name for names in STEP_FILES.values() for name in names)
+_STEP_FILES_ALL = frozenset(name for names in STEP_FILES.values() for name in names)
 _OUR_TEMP = re.compile(r"^\.(" + "|".join(re.escape(n) for n in OUTPUT_FILES) + r")\.[0-9a-f]{8}\.(tmp|bak)$")
 
 
@@ -108,7 +108,7 @@ def _prepare_out(out_dir: Path, steps: Sequence[Step] = STEPS, selected: frozens
                                 "writes a file there; remove it or give another folder")
     running = {name for s in steps if selected is None or s.name in selected for name in STEP_FILES.get(s.name, ())}
     stale = [e for e in entries if e in running or _OUR_TEMP.match(e)]
-    kept = [e for e in entries if e in STEP_FILES_ALL and e not in running]
+    kept = [e for e in entries if e in _STEP_FILES_ALL and e not in running]
     for e in stale:
         try:
             (out_dir / e).unlink()
@@ -289,7 +289,7 @@ def _apply(record: StepRecord, result: StepResult, writer: _Writer) -> None:
 
 
 def run_check(options: CheckOptions, *, steps: Sequence[Step] = STEPS, out: TextIO | None = None,
-              python: str = sys.executable, grace_s: float = GRACE_S,
+              python: str = sys.executable, grace_s: float = _GRACE_S,
               clocks_factory: Callable[[CheckOptions], tuple[_Clocks, str, str | None]] = _open_clocks) -> int:
     """Run the check (module docstring); returns the exit status."""
     say = out or sys.stdout
@@ -391,8 +391,8 @@ def _run_one(record: StepRecord, options: CheckOptions, earlier: dict[str, dict[
     finally:
         record.time_s = round(time.monotonic() - began, 3)
         record.clocks = clocks.reset()
-    if len(output) > LOG_LIMIT_CHARS:
-        output = f"[... {len(output) - LOG_LIMIT_CHARS} characters cut ...]\n" + output[-LOG_LIMIT_CHARS:]
+    if len(output) > _LOG_LIMIT_CHARS:
+        output = f"[... {len(output) - _LOG_LIMIT_CHARS} characters cut ...]\n" + output[-_LOG_LIMIT_CHARS:]
     writer.log.append(f"===== step {step.number} {step.name} (limit {step.planned_s:g} s, exit status "
                       f"{record.exit_status}) =====\n{output}{'' if output.endswith(chr(10)) or not output else chr(10)}")
     _apply(record, result, writer)

@@ -8,7 +8,7 @@ from a side stream (ordered after the flag's reset by an event) and waits for th
 
 * ``spin_kind == "triton_flag"``: that kernel in Triton, checked at construction (it compiles,
   returns at once on a set flag, and a release ends it early). Its loop is also bounded by an
-  iteration count worth ``SAFETY_FACTOR`` times the longest spin asked for at the calibrated
+  iteration count worth ``_SAFETY_FACTOR`` times the longest spin asked for at the calibrated
   rate, so a release that never lands cannot hang the GPU for long.
 * ``spin_kind == "torch_sleep"``: without Triton (or when the check fails), ``torch.cuda._sleep``
   spins on the SM's cycle counter for ``max_s`` at the clock given: the same one busy program,
@@ -33,10 +33,10 @@ from megatron_envpipe.errors import OutOfOrderError
 from megatron_envpipe.gpu.control.safety import ClockGuard
 from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError
 
-__all__ = ["BlockingPower", "FlagSpin", "SAFETY_FACTOR", "measure_blocking_power", "spin_clocks_mhz"]
+__all__ = ["BlockingPower", "FlagSpin", "measure_blocking_power", "spin_clocks_mhz"]
 
 # The flag kernel's iteration bound, in multiples of the longest spin asked for (at the calibrated rate).
-SAFETY_FACTOR = 3.0
+_SAFETY_FACTOR = 3.0
 # Cycles per second _sleep counts when no clock is known: above any current GPU's maximum, so it
 # spins at least the time asked for.
 _SLEEP_MHZ_FALLBACK = 2200
@@ -122,7 +122,7 @@ class FlagSpin:
         self.start(1.0)
         time.sleep(0.05)
         iters = self.release()
-        if iters >= int(self.iters_per_s * 1.0 * SAFETY_FACTOR):
+        if iters >= int(self.iters_per_s * 1.0 * _SAFETY_FACTOR):
             raise GpuError("a release from the side stream did not end the spin (streams serialised?)")
 
     def start(self, max_s: float, clock_mhz: int | None = None) -> None:
@@ -131,7 +131,7 @@ class FlagSpin:
         torch = self._torch
         if self._running is not None:
             raise OutOfOrderError("FlagSpin.start while a spin is running: release it first")
-        bound = min((1 << 31) - 1, max(2, int(self.iters_per_s * max_s * SAFETY_FACTOR)))
+        bound = min((1 << 31) - 1, max(2, int(self.iters_per_s * max_s * _SAFETY_FACTOR)))
         with torch.cuda.stream(self._main):
             if self._kernel is not None:
                 self._flag.zero_()

@@ -35,14 +35,14 @@ from megatron_envpipe.gpu.devices.nvml import NvmlGpu
 from megatron_envpipe.gpu.devices.simulated import SimulatedGpu
 from megatron_envpipe.megatron.stage_model import StageSpec
 
-__all__ = ["Bench", "CPU_SPEC", "DEFAULTS", "GPU_SPEC", "SIM_SOURCE", "StageBenchError", "blocking_by_clock",
-           "counter_figures", "open_bench", "sim_blocking_w_at", "window_s"]
+__all__ = ["Bench", "CPU_SPEC", "DEFAULTS", "GPU_SPEC", "StageBenchError", "blocking_by_clock",
+           "counter_figures", "open_bench", "window_s"]
 
 # Four Megatron GPT layers of a 1.3B-class model: a forward of a few ms in bf16 on an H100, long
 # enough that launch gaps do not dominate, short enough for dozens of units per energy window.
 GPU_SPEC = StageSpec(hidden_size=2048, num_heads=16, num_layers=4, seq_length=2048, micro_batch_size=1)
 CPU_SPEC = StageSpec(hidden_size=32, num_heads=4, num_layers=1, seq_length=16, micro_batch_size=1)
-SIM_SOURCE = "a40/gpt3-175b"  # the CPU run's simulated GPU: stage 0 of this shipped profile
+_SIM_SOURCE = "a40/gpt3-175b"  # the CPU run's simulated GPU: stage 0 of this shipped profile
 DEFAULTS = {
     "counter_period_s": 0.1,  # NVML's energy counter on A100/H100 (docs/energy-measurement.md)
     "read_cost_s": 0.0,
@@ -89,14 +89,14 @@ def blocking_by_clock(ctx: StepContext) -> dict[int, float] | None:
     return {f: w for f, w in out.items() if math.isfinite(w) and w >= 0} or None
 
 
-def sim_blocking_w_at(ctx: StepContext, f_max_mhz: int) -> Callable[[int], float]:
+def _sim_blocking_w_at(ctx: StepContext, f_max_mhz: int) -> Callable[[int], float]:
     """The CPU run's simulated GPU's blocking power per clock: step 4's figures when they exist, else
     the A40's table P2P power at the maximum clock falling to 60 % of it at zero MHz (a GPU spinning
     on a flag draws less at a lower clock; the slope only has to be clearly non-zero here)."""
     table = blocking_by_clock(ctx)
     if table is not None:
         return interpolated_power(table)
-    spec = spec_for_profile_source(SIM_SOURCE)
+    spec = spec_for_profile_source(_SIM_SOURCE)
     base_w = spec.p2p_power_w if spec is not None and spec.p2p_power_w else 70.0
     return lambda f: base_w * (0.6 + 0.4 * f / f_max_mhz)
 
@@ -128,13 +128,13 @@ def open_bench(ctx: StepContext, counter_period_s: float) -> Iterator[Bench]:
         device: GpuDevice = NvmlGpu.for_torch_device(ctx.device_index)
         bench = Bench(device, guard, True, time.perf_counter, time.sleep, None)
     else:
-        profile = Profile.from_csv(shipped_profile(SIM_SOURCE))
+        profile = Profile.from_csv(shipped_profile(_SIM_SOURCE))
         vc = VirtualClock()
         dynamics = DeviceDynamics(counter_period_s=counter_period_s,
                                   source="gpu-check on the CPU: the energy counter's measured period")
-        device = SimulatedGpu(profile, 0, name=f"Simulated GPU ({SIM_SOURCE})", clock=vc.now, sleep=vc.sleep,
+        device = SimulatedGpu(profile, 0, name=f"Simulated GPU ({_SIM_SOURCE})", clock=vc.now, sleep=vc.sleep,
                               dynamics=dynamics,
-                              blocking_power_w_at=sim_blocking_w_at(ctx, profile.max_frequency()))
+                              blocking_power_w_at=_sim_blocking_w_at(ctx, profile.max_frequency()))
         bench = Bench(device, guard, False, vc.now, vc.sleep, vc)
     try:
         yield bench

@@ -39,10 +39,10 @@ from megatron_envpipe.core.schedule import Unit
 from megatron_envpipe.errors import EnvPipeError
 from megatron_envpipe.gpu.devices.base import GpuDevice
 
-__all__ = ["ClockRow", "IDLE_POWER_REL_UNC", "Measured", "ProfileRunError", "StageProfile", "identical_stages",
+__all__ = ["ClockRow", "Measured", "ProfileRunError", "StageProfile", "identical_stages",
            "measure_stage_profile", "pick_clocks"]
 
-IDLE_POWER_REL_UNC = 0.10  # bound on the idle power at the window edges (it is measured once per clock)
+_IDLE_POWER_REL_UNC = 0.10  # bound on the idle power at the window edges (it is measured once per clock)
 
 
 class ProfileRunError(EnvPipeError, RuntimeError):
@@ -145,7 +145,7 @@ def _unit_energy(w: WindowEnergy, units: int, idle: WindowEnergy) -> tuple[float
     """(time per unit, energy per unit, absolute energy uncertainty of the window): the window's idle
     edges are taken off at the idle power measured at the same clock."""
     edge_j = idle.power_w * w.edge_wait_s
-    unc = w.uncertainty_j + (IDLE_POWER_REL_UNC + idle.relative_error) * edge_j
+    unc = w.uncertainty_j + (_IDLE_POWER_REL_UNC + idle.relative_error) * edge_j
     return w.body_s / units, (w.energy_j - edge_j) / units, unc
 
 

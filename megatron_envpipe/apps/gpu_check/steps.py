@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from megatron_envpipe.apps.gpu_check.step_api import Step
 
-__all__ = ["MAX_TOTAL_S", "NEEDS", "STEPS", "planned_total_s"]
+__all__ = ["STEPS"]
 
-MAX_TOTAL_S = 480.0  # the issue's "under 8 minutes", for the sum of the steps' hard limits
-NEEDS = frozenset({"gpu", "cuda", "clock_control", "megatron"})
+_MAX_TOTAL_S = 480.0  # the issue's "under 8 minutes", for the sum of the steps' hard limits
+_NEEDS = frozenset({"gpu", "cuda", "clock_control", "megatron"})
 
 _PKG = "megatron_envpipe.apps.gpu_check"
 
@@ -41,7 +41,7 @@ STEPS: tuple[Step, ...] = (
 )
 
 
-def planned_total_s(steps: tuple[Step, ...] | list[Step] = STEPS) -> float:
+def _planned_total_s(steps: tuple[Step, ...] | list[Step] = STEPS) -> float:
     return float(sum(s.planned_s for s in steps))
 
 
@@ -49,11 +49,11 @@ def _check(steps: tuple[Step, ...]) -> None:
     """Import-time guard: the plan the issue promises (numbers in order, names unique, known needs, <= 8 min)."""
     if [s.number for s in steps] != list(range(1, len(steps) + 1)) or len({s.name for s in steps}) != len(steps):
         raise AssertionError("gpu-check steps must be numbered 1..N in order with unique names")
-    unknown = set().union(*(s.needs for s in steps)) - NEEDS
+    unknown = set().union(*(s.needs for s in steps)) - _NEEDS
     if unknown:
         raise AssertionError(f"gpu-check steps need unknown things: {sorted(unknown)}")
-    if planned_total_s(steps) > MAX_TOTAL_S:
-        raise AssertionError(f"gpu-check steps plan {planned_total_s(steps):g} s, more than {MAX_TOTAL_S:g} s")
+    if _planned_total_s(steps) > _MAX_TOTAL_S:
+        raise AssertionError(f"gpu-check steps plan {_planned_total_s(steps):g} s, more than {_MAX_TOTAL_S:g} s")
 
 
 _check(STEPS)

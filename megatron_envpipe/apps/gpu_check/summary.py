@@ -14,10 +14,10 @@ from typing import Any
 
 from megatron_envpipe.apps.gpu_check.step_api import Step
 
-__all__ = ["CheckRecord", "StepRecord", "format_duration", "plan_lines", "results_json", "summary_markdown"]
+__all__ = ["CheckRecord", "StepRecord", "plan_lines", "results_json", "summary_markdown"]
 
 
-def format_duration(seconds: float) -> str:
+def _format_duration(seconds: float) -> str:
     """``455`` -> ``7 min 35 s`` (whole seconds; under a minute just ``45 s``)."""
     total = int(round(seconds))
     minutes, secs = divmod(total, 60)
@@ -27,17 +27,17 @@ def format_duration(seconds: float) -> str:
 NOT_SELECTED = "not selected (--steps)"
 
 
-def planned_line(steps: Sequence[Step], selected: Collection[str] | None = None) -> str:
+def _planned_line(steps: Sequence[Step], selected: Collection[str] | None = None) -> str:
     """``N steps, planned total T``: of the steps that will run (``selected``: the ``--steps`` names)."""
     chosen = [s for s in steps if selected is None or s.name in selected]
     total = sum(s.planned_s for s in chosen)
     count = f"{len(chosen)} steps" if selected is None else f"{len(chosen)} of {len(steps)} steps (--steps)"
-    return f"{count}, planned total {format_duration(total)} (each step stopped at its limit)"
+    return f"{count}, planned total {_format_duration(total)} (each step stopped at its limit)"
 
 
 def plan_lines(steps: Sequence[Step], selected: Collection[str] | None = None) -> list[str]:
     """The plan printed at the start: every step with its limit, then the planned total of those selected."""
-    lines = [f"envpipe gpu-check: {planned_line(steps, selected)}"]
+    lines = [f"envpipe gpu-check: {_planned_line(steps, selected)}"]
     width = max(len(s.name) for s in steps)
     lines += [f"  {s.number} {s.name:<{width}} {s.planned_s:>4g} s  {s.title}"
               + ("" if selected is None or s.name in selected else "  (not selected)") for s in steps]
@@ -93,7 +93,7 @@ def summary_markdown(check: CheckRecord) -> str:
            f"- device: {check.device} {check.device_index}: {_cell(check.device_label)}",
            f"- started: {check.started_utc} UTC; state: **{check.state}**"
            + (f"; finished {check.finished_utc} UTC" if check.finished_utc else ""),
-           f"- planned: {planned_line(steps, selected)}"]
+           f"- planned: {_planned_line(steps, selected)}"]
     if check.clocks_at_exit:
         out.append(f"- clocks at exit: {_cell(check.clocks_at_exit)}")
     out += [f"- note: {_cell(n)}" for n in check.notes]

@@ -39,8 +39,7 @@ from megatron_envpipe.gpu.devices.base import (
     GpuPermissionError,
 )
 
-__all__ = ["ClockProof", "ProofOutcome", "clock_step_mhz", "cuda_spin_load", "probe_clock_mhz",
-           "prove_clock_control"]
+__all__ = ["ClockProof", "ProofOutcome", "clock_step_mhz", "cuda_spin_load", "prove_clock_control"]
 
 # Plans lower clocks to roughly half to 90 % of the maximum: prove one in that range.
 _PROBE_FRACTION = 0.6
@@ -83,7 +82,7 @@ def clock_step_mhz(clocks: Sequence[int], near_mhz: int) -> int:
     return max(1, min(gaps)) if gaps else 1
 
 
-def probe_clock_mhz(clocks: Sequence[int], default_mhz: int | None = None) -> int:
+def _probe_clock_mhz(clocks: Sequence[int], default_mhz: int | None = None) -> int:
     """The clock to try: the supported one nearest 60 % of the maximum, other than the
     maximum, the minimum and the clock the GPU runs at now, where the list allows."""
     ordered = sorted({int(c) for c in clocks}, reverse=True)
@@ -132,7 +131,7 @@ def prove_clock_control(device: GpuDevice, guard: ClockGuard, *, freq_mhz: int |
     """
     clocks = device.supported_clocks_mhz()
     default = _read_clock(device)
-    f = int(freq_mhz) if freq_mhz is not None else probe_clock_mhz(clocks, default)
+    f = int(freq_mhz) if freq_mhz is not None else _probe_clock_mhz(clocks, default)
     tolerance = clock_step_mhz(clocks, f)
 
     def proof(outcome: ProofOutcome, message: str, seen: int | None = None,

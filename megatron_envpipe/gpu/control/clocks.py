@@ -44,7 +44,7 @@ __all__ = ["ClockController", "DelayedEvent", "Synchronizable"]
 
 log = logging.getLogger("megatron_envpipe")
 
-ON_ERROR = ("raise", "monitor")
+_ON_ERROR = ("raise", "monitor")
 
 
 class Synchronizable(Protocol):
@@ -86,8 +86,8 @@ class ClockController:
 
     def __init__(self, device: GpuDevice, guard: ClockGuard | None = None, *,
                  drain_timeout_s: float = 60.0, name: str = "envpipe-clocks", on_error: str = "raise") -> None:
-        if on_error not in ON_ERROR:
-            raise InvalidValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if on_error not in _ON_ERROR:
+            raise InvalidValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
         self.device = device
         self.on_error = on_error
         self.monitor_only: str | None = None  # why clock control stopped (on_error="monitor")

@@ -51,20 +51,17 @@ from megatron_envpipe.gpu.devices.base import GpuDevice, GpuError
 
 __all__ = [
     "ClockGuard",
-    "DEFAULT_STATE_DIR",
     "REPAIR_COMMAND",
     "REPAIR_HINT",
-    "STATE_DIR_ENV",
     "default_guard",
     "device_label",
     "hostname",
-    "install_signal_handlers",
     "pid_alive",
     "resolve_state_dir",
 ]
 
-DEFAULT_STATE_DIR = "/var/lib/megatron-envpipe/locked-clocks"
-STATE_DIR_ENV = "ENVPIPE_STATE_DIR"
+_DEFAULT_STATE_DIR = "/var/lib/megatron-envpipe/locked-clocks"
+_STATE_DIR_ENV = "ENVPIPE_STATE_DIR"
 REPAIR_COMMAND = "envpipe reset-clocks"
 REPAIR_HINT = (
     "resetting GPU clocks needs root or CAP_SYS_ADMIN: run `sudo envpipe reset-clocks` "
@@ -76,7 +73,7 @@ def resolve_state_dir(state_dir: str | os.PathLike[str] | None = None) -> Path:
     """``state_dir``, else ``$ENVPIPE_STATE_DIR``, else the default."""
     if state_dir is not None:
         return Path(state_dir)
-    return Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+    return Path(os.environ.get(_STATE_DIR_ENV) or _DEFAULT_STATE_DIR)
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +179,7 @@ class ClockGuard:
         thread (idempotent); True when they are in place."""
         if not self.handles_signals:
             return False
-        return install_signal_handlers() or bool(_INSTALLED)
+        return _install_signal_handlers() or bool(_INSTALLED)
 
     # -- context manager: reset on the way out, whatever happened --------------
 
@@ -321,11 +318,11 @@ class ClockGuard:
             time=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
             unix_time=now,
             command=" ".join(sys.argv)[:300],
-            repair=REPAIR_COMMAND + ("" if self.state_dir == Path(DEFAULT_STATE_DIR)
+            repair=REPAIR_COMMAND + ("" if self.state_dir == Path(_DEFAULT_STATE_DIR)
                                      else f" --state-dir {self.state_dir}"),
         )
         path = self.state_dir / state_file_name(info.uuid)
-        tail = (f"it lets `{REPAIR_COMMAND}` repair the GPU after a crash: set {STATE_DIR_ENV} to a folder of "
+        tail = (f"it lets `{REPAIR_COMMAND}` repair the GPU after a crash: set {_STATE_DIR_ENV} to a folder of "
                 "this node that only root (or you) can write")
         try:
             if self._store is None:
@@ -416,7 +413,7 @@ def _on_signal(signum: int, frame: Any) -> Any:
     os._exit(128 + signum)
 
 
-def install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
+def _install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
     """Install the reset-then-chain handlers (once per process; main thread only).
 
     Returns False when called from another thread (nothing installed). A signal

@@ -17,7 +17,7 @@ users share, so the store is built like a privileged daemon's state folder
 * Every later operation goes through the verified folder's descriptor: files
   are opened relative to it with ``O_NOFOLLOW | O_NONBLOCK`` (a link is not
   followed, a FIFO cannot block), must be regular, ours, singly linked and at
-  most :data:`MAX_STATE_BYTES`; they are parsed into a :class:`LockRecord` whose
+  most :data:`_MAX_STATE_BYTES`; they are parsed into a :class:`LockRecord` whose
   every field is type- and range-checked; unlinking is relative to the same
   descriptor and only of the file that was read (same inode), so no path swapped
   in meanwhile can redirect a read, a write or an unlink.
@@ -42,8 +42,6 @@ from typing import Any
 from megatron_envpipe.gpu.devices.base import GpuError
 
 __all__ = [
-    "MAX_STATE_BYTES",
-    "STATE_VERSION",
     "ClockStateStore",
     "LockRecord",
     "StateEntry",
@@ -53,11 +51,11 @@ __all__ = [
     "state_file_name",
 ]
 
-STATE_VERSION = 1
-MAX_STATE_BYTES = 64 * 1024  # a record is ~600 bytes; anything larger was not written by a guard
-MAX_PID = 2**31 - 1  # pid_t; Linux's pid_max is at most 2**22
-MAX_LOCKED_MHZ = 100_000
-MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
+_STATE_VERSION = 1
+_MAX_STATE_BYTES = 64 * 1024  # a record is ~600 bytes; anything larger was not written by a guard
+_MAX_PID = 2**31 - 1  # pid_t; Linux's pid_max is at most 2**22
+_MAX_LOCKED_MHZ = 100_000
+_MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 _UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # NVML: GPU-<hex...>, MIG-<...>
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -113,7 +111,7 @@ class LockRecord:
     unix_time: float | None = None
     command: str = ""
     repair: str = ""
-    version: int = STATE_VERSION
+    version: int = _STATE_VERSION
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False) + "\n"
@@ -140,7 +138,7 @@ class LockRecord:
         unknown = sorted(set(data) - {f for f in cls.__dataclass_fields__})
         if unknown:
             raise StateFileError(f"unknown field {printable(unknown[0], 40)!r}")
-        version = _int(data, "version", 1, STATE_VERSION, default=STATE_VERSION)
+        version = _int(data, "version", 1, _STATE_VERSION, default=_STATE_VERSION)
         uuid = _str(data, "uuid", 128)
         if not _UUID.fullmatch(uuid):
             raise StateFileError(f"'uuid' {printable(uuid, 60)!r} is not a GPU UUID")
@@ -151,9 +149,9 @@ class LockRecord:
             raise StateFileError("'unix_time' must be a finite number of seconds >= 0")
         return cls(
             uuid=uuid,
-            pid=_int(data, "pid", 1, MAX_PID),
+            pid=_int(data, "pid", 1, _MAX_PID),
             hostname=_str(data, "hostname", 255),
-            locked_mhz=_int(data, "locked_mhz", 1, MAX_LOCKED_MHZ),
+            locked_mhz=_int(data, "locked_mhz", 1, _MAX_LOCKED_MHZ),
             pci_bus_id=_str(data, "pci_bus_id", 64, default="?"),
             name=_str(data, "name", 96, default="?"),
             backend=_str(data, "backend", 32, default="nvml"),
@@ -265,13 +263,13 @@ class ClockStateStore:
             why = self._file_problem(st)
             if why:
                 return StateEntry(file_name, problem=why, inode=inode)
-            data = _read_capped(fd, MAX_STATE_BYTES)
+            data = _read_capped(fd, _MAX_STATE_BYTES)
         except OSError as exc:
             return StateEntry(file_name, problem=f"cannot read it: {exc.strerror or exc}")
         finally:
             os.close(fd)
-        if len(data) > MAX_STATE_BYTES:
-            return StateEntry(file_name, problem=f"larger than {MAX_STATE_BYTES} bytes", inode=inode)
+        if len(data) > _MAX_STATE_BYTES:
+            return StateEntry(file_name, problem=f"larger than {_MAX_STATE_BYTES} bytes", inode=inode)
         try:
             record = LockRecord.from_json(data.decode("utf-8"))
         except UnicodeDecodeError:
@@ -290,8 +288,8 @@ class ClockStateStore:
             return f"owned by uid {st.st_uid}, not by the store's owner (uid {self.owner_uid})"
         if st.st_nlink != 1:
             return f"has {st.st_nlink} hard links"
-        if st.st_size > MAX_STATE_BYTES:
-            return f"{st.st_size} bytes, larger than the {MAX_STATE_BYTES} a state file may take"
+        if st.st_size > _MAX_STATE_BYTES:
+            return f"{st.st_size} bytes, larger than the {_MAX_STATE_BYTES} a state file may take"
         return None
 
     # -- writing and removing ---------------------------------------------------------
@@ -476,7 +474,7 @@ def _open_verified(path: Path, create: bool) -> int | None:
                                          f"(uid {os.geteuid()}), so it is not followed",
                                   "pass a path without it") from None
                 hops += 1
-                if hops > MAX_LINK_HOPS:
+                if hops > _MAX_LINK_HOPS:
                     raise _refuse(where, "too many symbolic links", "pass the real folder") from None
                 target = os.readlink(name, dir_fd=parent_fd)
                 if target.startswith("/"):

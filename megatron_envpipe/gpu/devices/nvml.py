@@ -42,7 +42,7 @@ from megatron_envpipe.gpu.devices.nvml_library import (
     nvml_text,
 )
 
-__all__ = ["NvmlGpu", "normalize_pci_bus_id", "parse_cuda_visible_devices"]
+__all__ = ["NvmlGpu"]
 
 
 # ---------------------------------------------------------------------------
@@ -65,7 +65,7 @@ _PCI_RE = re.compile(
 )
 
 
-def normalize_pci_bus_id(text: str) -> str:
+def _normalize_pci_bus_id(text: str) -> str:
     """NVML's form ``DDDDDDDD:BB:DD.F`` (upper-case hex) of ``0000:3b:00.0``, ``3B:00.0``, ..."""
     match = _PCI_RE.match(nvml_text(text))
     if match is None:
@@ -77,7 +77,7 @@ def normalize_pci_bus_id(text: str) -> str:
     return f"{domain:08X}:{bus:02X}:{dev:02X}.{fn:X}"
 
 
-def parse_cuda_visible_devices(value: str | None) -> list[int | str] | None:
+def _parse_cuda_visible_devices(value: str | None) -> list[int | str] | None:
     """``CUDA_VISIBLE_DEVICES`` as CUDA reads it: None when unset (all GPUs).
 
     Entries are indices, ``GPU-<uuid or unique prefix>`` or ``MIG-...``; like
@@ -120,7 +120,7 @@ def _enumerate(m: ModuleType) -> list[_Physical]:
                 nvml_index=i,
                 handle=h,
                 uuid=nvml_text(nvml_call(m, "nvmlDeviceGetUUID", label, h)),
-                pci_bus_id=normalize_pci_bus_id(nvml_text(nvml_call(m, "nvmlDeviceGetPciInfo", label, h).busId)),
+                pci_bus_id=_normalize_pci_bus_id(nvml_text(nvml_call(m, "nvmlDeviceGetPciInfo", label, h).busId)),
                 name=nvml_text(nvml_call(m, "nvmlDeviceGetName", label, h)),
             )
         )
@@ -146,7 +146,7 @@ def _by_cuda_index(devices: list[_Physical], index: int, where: str) -> _Physica
 def _resolve_visible(m: ModuleType, local_index: int) -> tuple[Any, str]:
     """(handle, description) of CUDA device ``local_index`` from CUDA_VISIBLE_DEVICES alone."""
     raw = os.environ.get("CUDA_VISIBLE_DEVICES")
-    entries = parse_cuda_visible_devices(raw)
+    entries = _parse_cuda_visible_devices(raw)
     devices = _enumerate(m)
     if entries is None:
         d = _by_cuda_index(devices, local_index, "CUDA_VISIBLE_DEVICES unset")
@@ -171,7 +171,7 @@ def _resolve_visible(m: ModuleType, local_index: int) -> tuple[Any, str]:
     return d.handle, f"CUDA device {local_index} = {d.uuid} = NVML {d.nvml_index} ({where})"
 
 
-def torch_pci_bus_id(local_index: int) -> str | None:
+def _torch_pci_bus_id(local_index: int) -> str | None:
     """The PCI bus id torch/CUDA reports for a local CUDA device, or None without it."""
     try:
         import torch  # optional: the gpu layer imports without torch
@@ -216,7 +216,7 @@ class NvmlGpu(GpuDevice):
         m = nvml
         try:
             self._uuid = nvml_text(nvml_call(m, "nvmlDeviceGetUUID", origin or "GPU", handle))
-            self._pci = normalize_pci_bus_id(
+            self._pci = _normalize_pci_bus_id(
                 nvml_text(nvml_call(m, "nvmlDeviceGetPciInfo", self._uuid, handle).busId)
             )
             self._name = nvml_text(nvml_call(m, "nvmlDeviceGetName", self._uuid, handle))
@@ -247,7 +247,7 @@ class NvmlGpu(GpuDevice):
                 if uuid.upper().startswith("MIG-"):
                     raise GpuNotSupportedError(f"CUDA device {local_index} is MIG slice {uuid}: {MIG_REFUSAL}")
             if pci_bus_id is not None:
-                bus = normalize_pci_bus_id(pci_bus_id)
+                bus = _normalize_pci_bus_id(pci_bus_id)
                 handle = nvml_call(m, "nvmlDeviceGetHandleByPciBusId", f"PCI {bus}", bus)
                 origin = f"CUDA device {local_index} = PCI {bus}"
             elif uuid is not None:
@@ -271,7 +271,7 @@ class NvmlGpu(GpuDevice):
             if torch.cuda.is_available():
                 if local_index is None:
                     local_index = torch.cuda.current_device()
-                pci = torch_pci_bus_id(local_index)
+                pci = _torch_pci_bus_id(local_index)
         except ImportError:
             pass
         return cls.for_cuda_device(0 if local_index is None else local_index, pci)

@@ -22,7 +22,7 @@ from megatron_envpipe.gpu.devices.base import (
 
 __all__ = [
     "MIG_REFUSAL", "clock_permission", "decode_clock_event_reasons", "nvml_acquire", "nvml_call", "nvml_module",
-    "nvml_refcount", "nvml_release", "nvml_text",
+    "nvml_release", "nvml_text",
 ]
 
 
@@ -87,7 +87,7 @@ def nvml_release(m: ModuleType) -> None:
                 pass  # nothing to undo: the library is unusable either way
 
 
-def nvml_refcount() -> int:
+def _nvml_refcount() -> int:
     """How many NvmlGpu objects (and other users) hold NVML open in this process."""
     with _init_lock:
         return int(_init_state["count"])

@@ -30,23 +30,23 @@ from collections import deque
 
 from megatron_envpipe.errors import InvalidValueError
 
-__all__ = ["MIN_UPDATES", "TickGrid"]
+__all__ = ["TickGrid"]
 
 # Changes seen before a period is trusted: the first estimate is their median spacing.
-MIN_UPDATES = 4
+_MIN_UPDATES = 4
 # Recent brackets whose intersection pins the phase (hard bounds: the tick lies inside every one).
-PHASE_BRACKETS = 64
+_PHASE_BRACKETS = 64
 # The newest of them pin the phase (few periods: the period's own error cannot add up).
-PHASE_FROM = 12
+_PHASE_FROM = 12
 # A bracket is wide (a starved poll) when it spans a period (before a fit: this many times the first
 # estimate) and this many times the poller's usual bracket: polls aliased near the period are not starved.
-WIDE = 1.5
+_WIDE = 1.5
 
 
 class TickGrid:
     """Online least-squares tick grid of a stepped counter (see the module docstring)."""
 
-    def __init__(self, min_updates: int = MIN_UPDATES) -> None:
+    def __init__(self, min_updates: int = _MIN_UPDATES) -> None:
         if min_updates < 2:
             raise InvalidValueError(f"min_updates must be >= 2, got {min_updates}")
         self.min_updates = min_updates
@@ -64,7 +64,7 @@ class TickGrid:
         self._sn = self._sm = self._snn = self._snm = 0.0
         self._period_s: float | None = getattr(self, "_period_s", None)
         self._phase_s = 0.0
-        self._recent: deque[tuple[int, float, float]] = deque(maxlen=PHASE_BRACKETS)  # (n, lo, hi)
+        self._recent: deque[tuple[int, float, float]] = deque(maxlen=_PHASE_BRACKETS)  # (n, lo, hi)
         self._period_bounds: tuple[float, float] | None = None  # periods all recent brackets allow
         self._after_wide = False  # a wide bracket was left out since the last one fitted
 
@@ -101,7 +101,7 @@ class TickGrid:
             # A starved poll among the first (wider than the poller's usual and than a gap): wait for
             # narrow ones; a gap across it spans several periods, so it does not estimate the period.
             usual = max(self._period_s or statistics.median(steps), statistics.median(b - a for a, b in self._first))
-            wide = [b - a >= WIDE * usual for a, b in self._first]
+            wide = [b - a >= _WIDE * usual for a, b in self._first]
             if any(wide):
                 self.wide += sum(wide)
                 kept = [i for i, w in enumerate(wide) if not w]
@@ -147,7 +147,7 @@ class TickGrid:
         if width_s < period_s:
             return False
         usual = statistics.median(hi - lo for _, lo, hi in self._recent) if self._recent else 0.0
-        return width_s >= WIDE * usual
+        return width_s >= _WIDE * usual
 
     def _advance(self, mid: float, period: float) -> None:
         # Local rounding: a gap of a few periods rounds safely even with a rough period.
@@ -186,7 +186,7 @@ class TickGrid:
                 period = min(max(period, t_low), t_high)
         self._period_bounds = (t_low, t_high) if pairs and t_low <= t_high else None
         self._period_s = period
-        newest = recent[-PHASE_FROM:]
+        newest = recent[-_PHASE_FROM:]
         low = max(lo - n * period for n, lo, _ in newest)
         high = min(hi - n * period for n, _, hi in newest)
         if low <= high:
@@ -234,10 +234,10 @@ class TickGrid:
         """A bound on how far ``stamp(lo_s, hi_s)`` is from the update it stands for (the last one in
         the bracket): from the hard bounds the recent brackets put on each tick that can be that update
         (in a wide bracket: the fitted last tick or a neighbour whose bounds straddle ``hi_s``); the
-        bracket's width where the fit is young (fewer than ``PHASE_FROM`` brackets) or the bounds disagree."""
+        bracket's width where the fit is young (fewer than ``_PHASE_FROM`` brackets) or the bounds disagree."""
         stamp = self.stamp(lo_s, hi_s)
         width = hi_s - lo_s
-        if self._count < PHASE_FROM or self._period_s is None or stamp == 0.5 * (lo_s + hi_s):
+        if self._count < _PHASE_FROM or self._period_s is None or stamp == 0.5 * (lo_s + hi_s):
             return width  # a young fit may still be misnumbered; a middle is within the bracket
         n = round((stamp - self._phase_s) / self._period_s)
         wide = self._is_wide(width, self._period_s)

@@ -58,14 +58,14 @@ log = logging.getLogger("megatron_envpipe")
 
 # A stepped counter (NVML: ~100 ms on A100) is assumed to update at least this often while
 # the GPU draws power until its period is measured (for stall detection only).
-STEPPED_COUNTER_PERIOD_S = 0.1
+_STEPPED_COUNTER_PERIOD_S = 0.1
 # Reads under load that all changed before a counter being measured counts as exact.
-EXACT_AFTER_READS = 8
+_EXACT_AFTER_READS = 8
 # Below this a GPU draws no power at all: only a simulated GPU idles there, and its
 # counter then rightly stands still. Real GPUs idle at tens of watts.
-ZERO_POWER_W = 0.5
+_ZERO_POWER_W = 0.5
 # The poller retries a failing counter with growing pauses, up to this one.
-MAX_RETRY_PAUSE_S = 0.5
+_MAX_RETRY_PAUSE_S = 0.5
 
 
 _GAP_ERRORS: dict[str, type[EnergyMonitorError]] = {STALLED: CounterStalledError, WENT_BACK: CounterWentBackError}
@@ -87,11 +87,11 @@ class EnergyMonitor:
     ``counter_period_s``: 0 for a counter that is exact at every read (an
     unchanged read at zero power is then a sample of the trace); > 0 for a
     stepped counter updating that often; None (default) to measure it: 0 once
-    :data:`EXACT_AFTER_READS` reads under load all changed, else the period of
+    :data:`_EXACT_AFTER_READS` reads under load all changed, else the period of
     the update ticks fitted to the changes seen (:attr:`measured_period_s`).
     ``stall_after_s``: a stepped counter unchanged this long while the device
     reports power is stalled (default ``max(0.5, 5 * period)``, with
-    :data:`STEPPED_COUNTER_PERIOD_S` while the period is unknown); an exact
+    :data:`_STEPPED_COUNTER_PERIOD_S` while the period is unknown); an exact
     counter is stalled as soon as it reads unchanged while the device drew power.
     """
 
@@ -118,7 +118,7 @@ class EnergyMonitor:
         self.counter_period_s: float | None = None if counter_period_s is None else float(counter_period_s)
         self._stall_given = stall_after_s is not None
         if stall_after_s is None:
-            stall_after_s = max(0.5, 5 * (self.counter_period_s or STEPPED_COUNTER_PERIOD_S))
+            stall_after_s = max(0.5, 5 * (self.counter_period_s or _STEPPED_COUNTER_PERIOD_S))
         self.stall_after_s = float(stall_after_s)
         self._ticks = TickGrid()
         self._loaded_changed = 0  # reads under load that changed, while measuring
@@ -199,7 +199,7 @@ class EnergyMonitor:
                 self.trim(self._last_read_s - self.retain_s)
             # A failing counter is retried ever more slowly: the poll must not busy a broken driver.
             pause = self.poll_interval_s * 2 ** min(failures, 10)
-            self._stop.wait(min(pause, max(MAX_RETRY_PAUSE_S, self.poll_interval_s)))
+            self._stop.wait(min(pause, max(_MAX_RETRY_PAUSE_S, self.poll_interval_s)))
 
     def _poll_once(self) -> bool:
         """One poll; a failed read is counted and logged once, never raised (whatever the
@@ -260,7 +260,7 @@ class EnergyMonitor:
         with self._lock:
             self._failing = None
             last = self._last_raw_mj
-            loaded = power_w is None or power_w >= ZERO_POWER_W
+            loaded = power_w is None or power_w >= _ZERO_POWER_W
             if last is not None and raw_mj == last:
                 if period is None and loaded:
                     self._loaded_unchanged += 1  # stepped: an exact counter moves under load
@@ -308,7 +308,7 @@ class EnergyMonitor:
         """While measuring (lock held): exact once enough reads under load all changed; stepped at
         the fitted period once the tick grid has one (earlier samples re-stamped on it)."""
         if self._loaded_unchanged == 0:
-            if self._loaded_changed >= EXACT_AFTER_READS:
+            if self._loaded_changed >= _EXACT_AFTER_READS:
                 self.counter_period_s = 0.0
             return
         period = self._ticks.period_s
@@ -335,7 +335,7 @@ class EnergyMonitor:
         self._last_read_s = max(t, self._last_read_s or t)
         if self._stall_from is not None or not self._times or t <= self._times[-1]:
             return False  # (no time passed since the last sample: a virtual clock's reads; no evidence)
-        if power_w is None or power_w >= ZERO_POWER_W:
+        if power_w is None or power_w >= _ZERO_POWER_W:
             self._open_stall()
             return False
         if len(self._times) >= 2 and self._energies_mj[-2] == self._energies_mj[-1]:
@@ -356,7 +356,7 @@ class EnergyMonitor:
         flat_s = t - (self._last_change_s if self._last_change_s is not None else t)
         if self._stall_from is None and self._times and flat_s > self.stall_after_s:
             power_w = self._power_w()
-            if power_w is None or power_w >= ZERO_POWER_W:
+            if power_w is None or power_w >= _ZERO_POWER_W:
                 self._open_stall()
         return False
 
@@ -413,7 +413,7 @@ class EnergyMonitor:
         if self._thread is None and self._virtual is not None:
             # Virtual time moves only when slept on: the device waits (idles) for its counter's next
             # update, as a host would wait on a real GPU, up to a few update periods.
-            limit = self._virtual.now() + max(1.0, 5 * (self.counter_period_s or STEPPED_COUNTER_PERIOD_S))
+            limit = self._virtual.now() + max(1.0, 5 * (self.counter_period_s or _STEPPED_COUNTER_PERIOD_S))
             while self.covered_until() is None or self.covered_until() < t - self.edge_tolerance_s:
                 if self._stall_from is not None or self._virtual.now() >= limit:
                     break

@@ -1,8 +1,8 @@
 """Energy of labelled windows from an :class:`~megatron_envpipe.gpu.energy.monitor.EnergyMonitor` trace,
 and the per-unit samples the start-up profiler (:mod:`megatron_envpipe.gpu.profiler.sweep`) is fed.
 
-:func:`attribute_windows` interpolates the trace at each window's edges;
-:func:`fit_window_powers` fits one power per label to every counter increment,
+:func:`_attribute_windows` interpolates the trace at each window's edges;
+:func:`_fit_window_powers` fits one power per label to every counter increment,
 which stays exact for windows shorter than the counter's update period. Both
 raise the monitor's :class:`~megatron_envpipe.gpu.energy.monitor.EnergyMonitorError`
 when the trace cannot answer (a gap, a stalled or failing counter).
@@ -19,17 +19,16 @@ from megatron_envpipe.errors import EnvPipeError, InvalidValueError
 from megatron_envpipe.gpu.energy.monitor import EnergyMonitor
 
 __all__ = [
-    "ATTRIBUTION_METHODS", "BlockingSample", "InseparablePowersError", "KindPowers", "PowerFit", "StageSamples",
-    "UnitSample", "UnitWindow", "attribute_blocking", "attribute_units", "attribute_windows", "fit_window_powers",
-    "fit_window_powers_cov", "fit_window_powers_se", "stage_samples",
+    "ATTRIBUTION_METHODS", "BlockingSample", "KindPowers", "PowerFit", "StageSamples",
+    "UnitSample", "UnitWindow", "attribute_blocking", "attribute_units", "stage_samples",
 ]
 
 
-class InseparablePowersError(EnvPipeError, ValueError):
+class _InseparablePowersError(EnvPipeError, ValueError):
     """The counter samples cannot tell the labels' powers apart (too few samples)."""
 
 
-def attribute_windows(
+def _attribute_windows(
     monitor: EnergyMonitor, windows: Sequence[tuple[float, float]], wait_timeout_s: float = 1.0
 ) -> list[float]:
     """Energy (J) of each ``(t0, t1)`` window; waits until the trace covers the last one."""
@@ -39,17 +38,17 @@ def attribute_windows(
     return [monitor.energy_j(t0, t1) for t0, t1 in windows]
 
 
-def fit_window_powers(
+def _fit_window_powers(
     monitor: EnergyMonitor,
     windows: Sequence[tuple[str, float, float]],
     other_label: str = "other",
     wait_timeout_s: float = 1.0,
 ) -> dict[str, float]:
-    """Power of each label (:func:`fit_window_powers_se` without the standard errors)."""
-    return {lbl: p for lbl, (p, _) in fit_window_powers_se(monitor, windows, other_label, wait_timeout_s).items()}
+    """Power of each label (:func:`_fit_window_powers_se` without the standard errors)."""
+    return {lbl: p for lbl, (p, _) in _fit_window_powers_se(monitor, windows, other_label, wait_timeout_s).items()}
 
 
-def fit_window_powers_se(
+def _fit_window_powers_se(
     monitor: EnergyMonitor,
     windows: Sequence[tuple[str, float, float]],
     other_label: str = "other",
@@ -67,10 +66,10 @@ def fit_window_powers_se(
     per second of the monitor's clock; the standard error comes from the
     residuals of the increments (power that is not constant per label, counter
     updates stamped off their tick, the counter's 1 mJ step) and is 0 without
-    spare increments. Raises :class:`InseparablePowersError` if the labels
+    spare increments. Raises :class:`_InseparablePowersError` if the labels
     cannot be told apart.
     """
-    fit = fit_window_powers_cov(monitor, windows, other_label, wait_timeout_s)
+    fit = _fit_window_powers_cov(monitor, windows, other_label, wait_timeout_s)
     return {lbl: (p, math.sqrt(max(fit.covariance[(lbl, lbl)], 0.0))) for lbl, p in fit.powers.items()}
 
 
@@ -83,13 +82,13 @@ class PowerFit:
     increments: int = 0  # counter increments the fit saw
 
 
-def fit_window_powers_cov(
+def _fit_window_powers_cov(
     monitor: EnergyMonitor,
     windows: Sequence[tuple[str, float, float]],
     other_label: str = "other",
     wait_timeout_s: float = 1.0,
 ) -> PowerFit:
-    """:func:`fit_window_powers_se` with the whole covariance: short forwards and backwards that
+    """:func:`_fit_window_powers_se` with the whole covariance: short forwards and backwards that
     alternate faster than the counter updates are told apart only along one direction (their sum
     is sharp, their difference is not), which the standard errors alone do not say."""
     if not windows:
@@ -138,7 +137,7 @@ def fit_window_powers_cov(
     present = [i for i in range(k) if normal[i][i] > 0]
     solution = _solve([[normal[r][c] for c in present] for r in present], [rhs[r] for r in present])
     if solution is None:
-        raise InseparablePowersError(
+        raise _InseparablePowersError(
             f"cannot separate the powers of {[labels[i] for i in present]}: too few counter samples"
         )
     # A stepped counter's increments have edges (its updates) stamped to within a poll: at the power
@@ -283,7 +282,7 @@ def attribute_units(
     ``time_scale``; 1 on real GPUs). Energy needs no scaling.
     """
     ws = [w if isinstance(w, UnitWindow) else UnitWindow(*w) for w in windows]
-    energies = attribute_windows(monitor, [(w.start_s, w.end_s) for w in ws], wait_timeout_s)
+    energies = _attribute_windows(monitor, [(w.start_s, w.end_s) for w in ws], wait_timeout_s)
     return [UnitSample(w.kind, (w.end_s - w.start_s) / time_scale, e) for w, e in zip(ws, energies)]
 
 
@@ -300,7 +299,7 @@ def attribute_blocking(
     power on both sides), so keep ones several counter periods long (NVML: ~100 ms on A100).
     """
     kept = [(t0, t1) for t0, t1 in windows if t1 - t0 >= min_time_s and t1 > t0]
-    energies = attribute_windows(monitor, kept, wait_timeout_s)
+    energies = _attribute_windows(monitor, kept, wait_timeout_s)
     return [BlockingSample((t1 - t0) / time_scale, e) for (t0, t1), e in zip(kept, energies)]
 
 
@@ -328,7 +327,7 @@ def stage_samples(
     (Perseus/Merak; biased towards the neighbours' power where a window's edges
     fall between counter samples). ``"regress"`` (default): one power per kind
     (F, B, blocking, the rest) fitted to all counter increments of the
-    iteration (:func:`~megatron_envpipe.gpu.profiler.attribution.fit_window_powers`), exact for a
+    iteration (:func:`~megatron_envpipe.gpu.profiler.attribution._fit_window_powers`), exact for a
     constant power per kind, which holds within a profiling iteration (one
     clock); falls back to interpolation if the kinds cannot be separated.
     """
@@ -348,8 +347,8 @@ def stage_samples(
         # their power does not leak into "the rest".
         labelled += [(_BLOCKING, t0, t1) for t0, t1 in blocking if t1 > t0]
         try:
-            fit = fit_window_powers_cov(monitor, labelled, wait_timeout_s=wait_timeout_s)
-        except InseparablePowersError:
+            fit = _fit_window_powers_cov(monitor, labelled, wait_timeout_s=wait_timeout_s)
+        except _InseparablePowersError:
             fit = PowerFit({}, {})
         powers = fit.powers
         stepped = monitor.counter_period_s != 0  # as the fit left it (None: the period is still being measured)

@@ -6,7 +6,7 @@ energy, and a start-up profiler that measures the fastest clock first would
 record it cheaper than it will be. Every power scales alike with temperature
 (leakage rises with it), so the power of something that does not change between
 iterations, the P2P blocking windows every profiling iteration has anyway, traces
-the drift at no extra cost. :func:`fit_heat_drift` fits
+the drift at no extra cost. :func:`_fit_heat_drift` fits
 ``P(t) = P_hot (1 + c exp(-(t - t0) / tau))`` to ``(time, power)`` points by least
 squares over a grid of ``tau``; :meth:`HeatDrift.factor` is then the power at
 ``t`` relative to the hot state, by which the profiler divides that iteration's
@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-__all__ = ["UNSEEN_HEAT_DRIFT", "HeatDrift", "fit_heat_drift", "fit_pipeline_heat_drift"]
+__all__ = ["UNSEEN_HEAT_DRIFT", "HeatDrift", "fit_pipeline_heat_drift"]
 
 # How much less a cold GPU may draw than a hot one ("a few percent": ml.energy, "Thermally stable
 # profiling", 2026). A sweep that ends before the GPU has heated cannot see it: the profiler then
@@ -36,11 +36,11 @@ __all__ = ["UNSEEN_HEAT_DRIFT", "HeatDrift", "fit_heat_drift", "fit_pipeline_hea
 # the hot state.
 UNSEEN_HEAT_DRIFT = 0.03
 # Fewer points than this cannot tell a drift (3 parameters) from noise.
-MIN_POINTS = 4
+_MIN_POINTS = 4
 # A drift smaller than this (relative) is left alone: below what any planner can use.
-MIN_AMPLITUDE = 1e-3
+_MIN_AMPLITUDE = 1e-3
 # Points that must lie measurably off the hot power for a drift to be believed.
-MIN_SHOWN_BY = 3
+_MIN_SHOWN_BY = 3
 # Time constants tried, as multiples of the points' span: a GPU still heating at the end of the
 # sweep gives no hot state to find (longer ones would only extrapolate it).
 _TAU_GRID = tuple(0.02 * 1.15 ** k for k in range(32))  # 0.02 .. ~1.5 spans
@@ -61,12 +61,12 @@ class HeatDrift:
         return 1.0 + self.amplitude * math.exp(-max(0.0, t_s - self.t0_s) / self.tau_s)
 
 
-def fit_heat_drift(points: Sequence[tuple[float, float]]) -> HeatDrift | None:
+def _fit_heat_drift(points: Sequence[tuple[float, float]]) -> HeatDrift | None:
     """The drift of ``(time_s, power_w)`` points (see the module docstring); None when there is
     none to correct: too few points, no span, or a drift within 3 standard errors or under 0.1 %."""
     pts = sorted((float(t), float(p)) for t, p in points if math.isfinite(t) and math.isfinite(p) and p > 0)
     n = len(pts)
-    if n < MIN_POINTS:
+    if n < _MIN_POINTS:
         return None
     t0, span = pts[0][0], pts[-1][0] - pts[0][0]
     if not span > 0:
@@ -89,11 +89,11 @@ def fit_heat_drift(points: Sequence[tuple[float, float]]) -> HeatDrift | None:
     if best is None:
         return None
     _, a, c, tau, se_c = best
-    if not a > 0 or abs(c) / a < MIN_AMPLITUDE or abs(c) <= 3 * se_c:
+    if not a > 0 or abs(c) / a < _MIN_AMPLITUDE or abs(c) <= 3 * se_c:
         return None
     drift = HeatDrift(hot_power_w=a, amplitude=c / a, tau_s=tau, t0_s=t0, points=n)
     # A drift only one or two points show is an outlier (a first iteration's edge effect), not heat.
-    if sum(1 for t, _ in pts if abs(drift.factor(t) - 1) >= MIN_AMPLITUDE) < MIN_SHOWN_BY:
+    if sum(1 for t, _ in pts if abs(drift.factor(t) - 1) >= _MIN_AMPLITUDE) < _MIN_SHOWN_BY:
         return None
     return drift
 
@@ -120,7 +120,7 @@ def fit_pipeline_heat_drift(
     present = sum(1 for m in medians if m is not None)
     trace = [(statistics.median(t for t, _ in v), statistics.median(r for _, r in v))
              for _, v in sorted(by_iteration.items()) if present and 2 * len(v) >= present]
-    shape = fit_heat_drift(trace)
+    shape = _fit_heat_drift(trace)
     if shape is None:
         return tuple(None for _ in stages)
     typical = statistics.median(m for m in medians if m is not None)

@@ -10,7 +10,7 @@ What does not change much is how a stage's backward power relates to its forward
 shipped A40 profiles ``P_B / P_F`` stays within about 2.5 % (standard deviation) of its mean over
 every clock of a stage. So each iteration's two powers are pulled towards that stage's pooled
 ratio, as a Gaussian prior on ``P_B - rho P_F`` with the ratio's spread across clocks
-(:data:`RATIO_SPREAD`) plus the pooled ratio's own uncertainty. The pull is a Kalman update along the
+(:data:`_RATIO_SPREAD`) plus the pooled ratio's own uncertainty. The pull is a Kalman update along the
 fit's own covariance: it moves the estimate only along the direction the counter could not resolve,
 keeps the sharp sum, and is negligible where the data tells the kinds apart (long units, warm-up and
 cool-down phases), so profiles of long units are unchanged. The pooled ratio weights every iteration
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 from megatron_envpipe.gpu.profiler.attribution import KindPowers
 
-__all__ = ["RATIO_SPREAD", "PooledRatio", "RatioPull", "pool_ratio", "pull_towards"]
+__all__ = ["PooledRatio", "RatioPull", "pool_ratio", "pull_towards"]
 
 # The spread (relative standard deviation) of a stage's backward/forward power ratio across its clocks:
 # 2.4-2.5 % on the shipped A40 profiles (tests/gpu/test_power_ratio.py measures it), rounded up.
-RATIO_SPREAD = 0.03
+_RATIO_SPREAD = 0.03
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _ratio_and_variance(fit: KindPowers) -> tuple[float, float]:
     return r, max(var, 0.0)
 
 
-def pool_ratio(fits: Sequence[KindPowers | None], spread: float = RATIO_SPREAD) -> PooledRatio | None:
+def pool_ratio(fits: Sequence[KindPowers | None], spread: float = _RATIO_SPREAD) -> PooledRatio | None:
     """The stage's ratio from its iterations' fits (None without any): each weighted by
     ``1 / (its variance + (spread x ratio)^2)``, since clocks differ by ``spread`` anyway."""
     known = [_ratio_and_variance(f) for f in fits if f is not None]
@@ -71,7 +71,7 @@ def pool_ratio(fits: Sequence[KindPowers | None], spread: float = RATIO_SPREAD) 
     return PooledRatio(ratio, 1.0 / total, len(known))
 
 
-def pull_towards(fit: KindPowers, pooled: PooledRatio, spread: float = RATIO_SPREAD) -> RatioPull:
+def pull_towards(fit: KindPowers, pooled: PooledRatio, spread: float = _RATIO_SPREAD) -> RatioPull:
     """``fit`` after the prior ``P_B - rho P_F ~ N(0, P_F^2 (spread^2 rho^2 + var(rho)))`` (module docstring)."""
     rho = pooled.ratio
     cf, cb = -rho, 1.0  # c . (P_F, P_B) = P_B - rho P_F

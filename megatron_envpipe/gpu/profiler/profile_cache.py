@@ -27,9 +27,9 @@ from megatron_envpipe.core.textfile import read_text
 
 log = logging.getLogger("megatron_envpipe")
 
-CACHE_ENV = "MEGATRON_ENVPIPE_CACHE"
+_CACHE_ENV = "MEGATRON_ENVPIPE_CACHE"
 # Bump when what a cached profile means changes (e.g. how units are timed).
-CACHE_FORMAT = 1
+_CACHE_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ class ProfileKey:
         d = asdict(self)
         d["model"] = dict(self.model) if isinstance(self.model, Mapping) else self.model
         d["extra"] = dict(self.extra)
-        d["format"] = CACHE_FORMAT
+        d["format"] = _CACHE_FORMAT
         return d
 
 
-def canonical_json(key: Mapping[str, Any]) -> str:
+def _canonical_json(key: Mapping[str, Any]) -> str:
     """Key order and whitespace never change the digest; non-JSON values are errors."""
     try:
         return json.dumps(key, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -65,16 +65,16 @@ def canonical_json(key: Mapping[str, Any]) -> str:
         raise ValueError(f"profile cache key is not plain JSON data: {exc}") from None
 
 
-def key_dict(key: ProfileKey | Mapping[str, Any]) -> dict[str, Any]:
+def _key_dict(key: ProfileKey | Mapping[str, Any]) -> dict[str, Any]:
     return key.as_dict() if isinstance(key, ProfileKey) else dict(key)
 
 
-def key_digest(key: ProfileKey | Mapping[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(key_dict(key)).encode()).hexdigest()[:24]
+def _key_digest(key: ProfileKey | Mapping[str, Any]) -> str:
+    return hashlib.sha256(_canonical_json(_key_dict(key)).encode()).hexdigest()[:24]
 
 
-def default_cache_root() -> Path:
-    env = os.environ.get(CACHE_ENV)
+def _default_cache_root() -> Path:
+    env = os.environ.get(_CACHE_ENV)
     if env:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
@@ -101,11 +101,11 @@ class ProfileMeta:
 
 class ProfileCache:
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
-        self.root = Path(root).expanduser() if root is not None else default_cache_root()
+        self.root = Path(root).expanduser() if root is not None else _default_cache_root()
 
     def paths(self, key: ProfileKey | Mapping[str, Any]) -> tuple[Path, Path]:
         """(CSV, sidecar JSON) of ``key``, whether or not they exist."""
-        digest = key_digest(key)
+        digest = _key_digest(key)
         return self.root / f"{digest}.csv", self.root / f"{digest}.json"
 
     def lookup(self, key: ProfileKey | Mapping[str, Any]) -> Path | None:
@@ -114,7 +114,7 @@ class ProfileCache:
         sidecar = self._read_sidecar(meta_path)
         if sidecar is None or not csv_path.is_file():
             return None
-        if sidecar.get("key") != json.loads(canonical_json(key_dict(key))):
+        if sidecar.get("key") != json.loads(_canonical_json(_key_dict(key))):
             log.warning("profile cache %s holds a different key (hash collision or edited); ignoring it", meta_path)
             return None
         return csv_path
@@ -145,7 +145,7 @@ class ProfileCache:
         meta_d = meta.as_dict() if isinstance(meta, ProfileMeta) else dict(meta)
         if not meta_d.get("created_utc"):
             meta_d["created_utc"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        sidecar = {"key": key_dict(key), "meta": meta_d, "csv": csv_path.name}
+        sidecar = {"key": _key_dict(key), "meta": meta_d, "csv": csv_path.name}
         text = json.dumps(sidecar, sort_keys=True, indent=2, allow_nan=False) + "\n"
         profile.to_csv(csv_path)  # atomic (temp file + rename); creates the directory
         write_atomic(meta_path, text)

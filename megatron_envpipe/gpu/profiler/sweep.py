@@ -55,10 +55,10 @@ log = logging.getLogger("megatron_envpipe")
 
 # The profiler's cost goal (issue 13): at most this share of EnvPipe's iterations over the same clocks.
 # Refinement clocks are only measured while the total stays within it.
-COST_SHARE_OF_ENVPIPE = 1 / 3
+_COST_SHARE_OF_ENVPIPE = 1 / 3
 # Clocks added near the valley by default: on the A40 profiles, 4 at 30 MHz fill the two 90 MHz gaps
 # next to the valley and bring optimal plans within 0.3 points of plans from every clock (bench/profiler_cost.py).
-REFINE_CLOCKS = 4
+_REFINE_CLOCKS = 4
 
 
 # -- candidates ---------------------------------------------------------------------
@@ -77,7 +77,7 @@ def startup_sweep(
     """
     return ClockSweep(sweep_candidates(supported_mhz, step_mhz), iterations_per_clock=iterations_per_clock,
                       p2p_power_w=p2p_power_w, supported_mhz=supported_mhz, refine_step_mhz=refine_step_mhz,
-                      refine_clocks=REFINE_CLOCKS if iterations_per_clock > 1 else 0)
+                      refine_clocks=_REFINE_CLOCKS if iterations_per_clock > 1 else 0)
 
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
@@ -153,7 +153,7 @@ class ClockSweep(SweepReadout):
         max_iterations_per_clock: int | None = None,
         supported_mhz: Sequence[int] = (),
         refine_step_mhz: float = 30.0,
-        refine_clocks: int = REFINE_CLOCKS,
+        refine_clocks: int = _REFINE_CLOCKS,
     ) -> None:
         cands = tuple(int(f) for f in candidates_mhz)
         if not cands:
@@ -353,7 +353,7 @@ class ClockSweep(SweepReadout):
     def budget_iterations(self) -> int:
         """The most iterations the sweep may use: a third of EnvPipe's on the same coarse clocks, but
         never fewer than one per coarse clock after the warm-up."""
-        share = math.floor(COST_SHARE_OF_ENVPIPE * self.envpipe_iterations() + 1e-9)
+        share = math.floor(_COST_SHARE_OF_ENVPIPE * self.envpipe_iterations() + 1e-9)
         return max(share, self.warmup_iterations + len(self.candidates_mhz))
 
     def _budget_left(self) -> int:

@@ -12,11 +12,11 @@ from megatron_envpipe.gpu.profiler.attribution import StageSamples
 from megatron_envpipe.gpu.profiler.sweep_lengths import iteration_estimates
 from megatron_envpipe.gpu.profiler.sweep_stats import robust_mean_se
 
-__all__ = ["MIN_COUNTER_UPDATES", "counter_updates_note", "stage_estimates"]
+__all__ = ["counter_updates_note", "stage_estimates"]
 
 # Fewer counter increments per iteration than this and the per-iteration power fit (forward, backward, P2P
 # wait, the rest) is barely determined: bench/fast_gpus.py, units x0.05 on 4 stages (4 updates), errs by 80 %.
-MIN_COUNTER_UPDATES = 5
+_MIN_COUNTER_UPDATES = 5
 
 
 def stage_estimates(it: StageSamples, reference: MicrobatchSize | None = None, trim_fraction: float = 0.2,
@@ -51,7 +51,7 @@ def counter_updates_note(updates: list[int]) -> str:
         return ""
     median = sorted(updates)[len(updates) // 2]
     note = f"; iterations spanned {median} energy-counter updates (median)"
-    if median < MIN_COUNTER_UPDATES:
+    if median < _MIN_COUNTER_UPDATES:
         note += ("; TOO FEW to tell forwards, backwards and waits apart, rows may err by tens of percent: profile "
                  "with more micro-batches per iteration, or give --envpipe-profile (docs/fast-gpus.md)")
     return note

@@ -75,7 +75,7 @@ def _by_key(samples: Iterable[LengthSample]) -> dict[LengthKey, list[LengthSampl
     return out
 
 
-def why_no_fit(samples: Sequence[LengthSample]) -> str:
+def _why_no_fit(samples: Sequence[LengthSample]) -> str:
     """Why these samples cannot fit a length model ('' when they can): a unit type and clock seen at
     fewer than 2 distinct token counts."""
     for key, group in _by_key(samples).items():
@@ -90,7 +90,7 @@ def why_no_fit(samples: Sequence[LengthSample]) -> str:
 def rows_at(samples: Sequence[LengthSample], size: MicrobatchSize) -> dict[LengthKey, tuple[float, float]] | None:
     """(time s, energy J) per key at ``size``: the measured mean where that size was measured, else the
     key's fit; None when some key cannot be fitted (the caller averages as without sizes)."""
-    if why_no_fit(samples):
+    if _why_no_fit(samples):
         return None
     try:
         model = fit_length_costs(samples, size, source="the profiler's samples")
@@ -111,7 +111,7 @@ def sized_profile(samples: Sequence[LengthSample], source: str) -> tuple[Profile
     """The profile of a sweep's sized samples, or (None, why not): plain rows at the reference size (the
     largest measured: measured means where measured, else the fit's value) plus every other size's
     samples, from which the model is re-fitted when the profile is read."""
-    why = why_no_fit(samples)
+    why = _why_no_fit(samples)
     if why:
         return None, why
     reference = max(x.size for x in samples)

@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from megatron_envpipe.core.kinds import build_schedule, scheduling_kind
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule, clamp_extra_warmup, raw_extra_warmup
+from megatron_envpipe.core.schedule import Schedule, ScheduleError, clamp_extra_warmup, raw_extra_warmup
 from megatron_envpipe.core.sizes import check_plan_size
-from megatron_envpipe.core.vocabulary import Scheduling
 from megatron_envpipe.planning.basis import (
     SLOWDOWN_WARNING,
     PlannerConfig,
@@ -28,16 +28,16 @@ from megatron_envpipe.planning.optimal.search import DEFAULT_SEARCH_WORK
 from megatron_envpipe.planning.switching import reduce_clock_changes_remembered
 
 # Local-search work (unit visits, planning/optimal/search.py) when clock changes are charged and the problem
-# is large (more than RUNNER_UP_MAX_UNITS units): the minimum. The searches lower switch-free energy, then the
+# is large (more than _RUNNER_UP_MAX_UNITS units): the minimum. The searches lower switch-free energy, then the
 # merge pass and the segment DP re-plan the clocks; on bench/switch_costs.py's cells the searches took about a
 # quarter of the planning time for ~0.01 points of counted saving per cell. Small problems keep the full search
 # (cheap there, and worth up to 0.1 points on P = 4, M = 8: bench/switch_costs_exact.py).
-COUNTED_SEARCH_WORK = 0
+_COUNTED_SEARCH_WORK = 0
 
 # Small problems (at most this many units) also round the runner-up schedule when its LP bound
 # is within this of the best one's: rounding, not the bound, decides between close candidates.
-RUNNER_UP_MAX_UNITS = 800
-RUNNER_UP_RTOL = 0.002
+_RUNNER_UP_MAX_UNITS = 800
+_RUNNER_UP_RTOL = 0.002
 
 
 def extra_warmup_candidates(
@@ -55,7 +55,7 @@ def extra_warmup_candidates(
     the energy-valley clock); ``1.5x``: half as many again (long pipelines,
     many micro-batches). All are clamped by the activation budget.
 
-    ``counts_changes`` (a switch cost is charged, small problems: :func:`small_problem`): also ``f_max@2x``, ``f_max`` held to twice 1F1B's
+    ``counts_changes`` (a switch cost is charged, small problems: :func:`_small_problem`): also ``f_max@2x``, ``f_max`` held to twice 1F1B's
     in-flight activations per stage (``2 (P - s)``). Switch-free it ties ``f_max`` on the LP bound on the
     shipped profiles; counting changes it can be worth less (A40 GPT-3, M = 12: 18.17 % vs 18.09 %), and
     without it an unbounded budget planned less than that bounded one (issue 34).
@@ -84,10 +84,10 @@ def extra_warmup_candidates(
     return out
 
 
-def small_problem(num_stages: int, num_microbatches: int) -> bool:
-    """Whether an ``ours`` schedule has at most :data:`RUNNER_UP_MAX_UNITS` units: plan_optimal then rounds every
+def _small_problem(num_stages: int, num_microbatches: int) -> bool:
+    """Whether an ``ours`` schedule has at most :data:`_RUNNER_UP_MAX_UNITS` units: plan_optimal then rounds every
     candidate whose LP bound ties the best one's (by their clock changes, where changes are charged)."""
-    return 2 * num_stages * num_microbatches <= RUNNER_UP_MAX_UNITS
+    return 2 * num_stages * num_microbatches <= _RUNNER_UP_MAX_UNITS
 
 
 @dataclass
@@ -111,7 +111,7 @@ def optimal_setup(
                     config.virtual_stages)
     basis = planning_basis(profile, num_microbatches, config, num_stages)
     p = basis.num_stages
-    if config.scheduling == Scheduling.OURS:
+    if scheduling_kind(config.scheduling).extra_warmup:
         try:
             if config.extra_warmup is not None:
                 warmups = [("given", clamp_extra_warmup(p, num_microbatches, list(config.extra_warmup),
@@ -119,7 +119,7 @@ def optimal_setup(
             else:
                 warmups = extra_warmup_candidates(profile, num_microbatches, basis.f_max_mhz, basis.valley_mhz,
                                                   config.max_inflight,
-                                                  config.effective_switch_cost_j > 0 and small_problem(p, num_microbatches))
+                                                  config.effective_switch_cost_j > 0 and _small_problem(p, num_microbatches))
         except ScheduleError as exc:
             raise PlannerError(str(exc)) from None
         schedules = [(label, build_schedule("ours", p, num_microbatches, r)) for label, r in warmups]
@@ -169,7 +169,7 @@ def rank_schedules(
             return "slow"
         # Each LP starts from the best one's optimal basis so far (same shape, a few units moved) and
         # stops once its bound cannot make it the one plan_optimal rounds (or a runner-up it rounds too).
-        cutoff = best * (1 + RUNNER_UP_RTOL) if model.n <= RUNNER_UP_MAX_UNITS else best
+        cutoff = best * (1 + _RUNNER_UP_RTOL) if model.n <= _RUNNER_UP_MAX_UNITS else best
         return model.lp_bound(deadline, weight, warm, cutoff)
 
     def record(label: str, schedule: Schedule, model: TimeEnergyModel, answer: Any) -> None:
@@ -205,8 +205,7 @@ def rank_schedules(
     if not ranked:
         fastest, _, label, schedule = min(skipped)
         what = (
-            "1F1B at f_max" if schedule.name == Scheduling.ONE_F_ONE_B
-            else f"{config.baseline_name}" if not schedule.extra_warmup
+            f"{config.baseline_name}" if not schedule.extra_warmup  # 1F1B's: "1F1B at f_max"
             else f"{schedule.name} (extra warm-up {list(schedule.extra_warmup)}) at f_max"
         )
         raise InfeasibleDeadline(
@@ -247,27 +246,27 @@ def plan_optimal(
     speculated: dict[int, Any] = {}
     units = sum(len(order) for order in setup.baseline_plan.schedule.orders)
     # Where clock changes are charged, the merge pass and the segment DP re-plan the clocks after this: on large
-    # problems the switch-free local searches are cut to their minimum (COUNTED_SEARCH_WORK).
-    counted_large = config.effective_switch_cost_j > 0 and units > RUNNER_UP_MAX_UNITS
-    work = COUNTED_SEARCH_WORK if counted_large else DEFAULT_SEARCH_WORK
-    large = len(setup.schedules) > 1 and units > RUNNER_UP_MAX_UNITS
+    # problems the switch-free local searches are cut to their minimum (_COUNTED_SEARCH_WORK).
+    counted_large = config.effective_switch_cost_j > 0 and units > _RUNNER_UP_MAX_UNITS
+    work = _COUNTED_SEARCH_WORK if counted_large else DEFAULT_SEARCH_WORK
+    large = len(setup.schedules) > 1 and units > _RUNNER_UP_MAX_UNITS
     ranked = rank_schedules(setup, profile, config, deadline, padded, cut_off,
                             (lambda model: model.solve(deadline, padded=padded, search_work=work)) if large else None,
                             speculated)
     best_bound = ranked[0].lp_bound_j
     best = None
-    small = ranked[0].model.n <= RUNNER_UP_MAX_UNITS
+    small = ranked[0].model.n <= _RUNNER_UP_MAX_UNITS
     # Small problems whose clock changes are charged compare every candidate within 0.2 % of the best bound by
     # what it is worth with its changes counted (the bound counts none: near-ties are decided by the changes).
     switch_cost = config.effective_switch_cost_j if small else 0.0
     # Round the best-ranked schedule, and (small problems) a runner-up whose bound is within 0.2 %.
     for bound, _, label, schedule, model in ranked[: len(ranked) if switch_cost > 0 else 2 if small else 1]:
-        if best is not None and bound > best_bound * (1 + RUNNER_UP_RTOL):
+        if best is not None and bound > best_bound * (1 + _RUNNER_UP_RTOL):
             break
         sol = speculated.get(id(model)) or model.solve(deadline, padded=padded, search_work=work)
         energy = sol.score.energy_j + (p2p * p * (deadline - sol.score.iteration_time_s) if padded else 0.0)
         if switch_cost > 0:
-            energy += counted_extra_j(FrequencyPlan.from_flat(schedule, sol.freqs_mhz), model,
+            energy += _counted_extra_j(FrequencyPlan.from_flat(schedule, sol.freqs_mhz), model,
                                       deadline if padded else None, switch_cost)
         if best is None or energy < best[0] - 1e-9 * abs(energy):
             best = (energy, label, schedule, model, sol)
@@ -275,14 +274,15 @@ def plan_optimal(
     energy, label, schedule, model, sol = best
     plan = FrequencyPlan.from_flat(schedule, sol.freqs_mhz)
     score = sol.score
+    warmup = scheduling_kind(config.scheduling).extra_warmup  # schedules differ in their extra warm-up
     details: dict[str, Any] = {
         "method": "lp+rounding",
         "lp_bound_j": sol.lp_bound_j,
         "padded_to_deadline": padded,
         "extra_warmup_tried": (
-            {lab: list(s.extra_warmup) for lab, s in setup.schedules} if config.scheduling == Scheduling.OURS else {}
+            {lab: list(s.extra_warmup) for lab, s in setup.schedules} if warmup else {}
         ),
-        "extra_warmup_chosen": label if config.scheduling == Scheduling.OURS else None,
+        "extra_warmup_chosen": label if warmup else None,
         "extra_warmup_cut_off": cut_off,  # LP stopped early: its bound could not beat the chosen one
         **sol.stats,
     }
@@ -316,7 +316,7 @@ def plan_optimal(
     return result
 
 
-def counted_extra_j(plan: FrequencyPlan, model: TimeEnergyModel, deadline_s: float | None,
+def _counted_extra_j(plan: FrequencyPlan, model: TimeEnergyModel, deadline_s: float | None,
                     switch_cost_j: float) -> float:
     """What ``plan`` is worth beyond its simulated energy once the planner's merge pass
     (planning/switching.py) has priced its clock changes at ``switch_cost_j``: energy the merges give up plus
@@ -326,7 +326,7 @@ def counted_extra_j(plan: FrequencyPlan, model: TimeEnergyModel, deadline_s: flo
 
 
 # What the LP lower bound (``lower_bound_j``) is a bound on, as --json and the stop reason say it.
-LP_BOUND_INCLUDES = ("unit energies at convex-hull clocks and P2P blocking power until the iteration's end; "
+_LP_BOUND_INCLUDES = ("unit energies at convex-hull clocks and P2P blocking power until the iteration's end; "
                      "no clock changes (switch cost) and no clock latency: a plan's gap includes what its changes cost")
 
 
@@ -352,7 +352,7 @@ def account_optimal(result: PlanResult, lp_gap: bool = True) -> None:
     # The bound is on simulated energy; clock changes only add to any plan's, so it bounds their total too.
     gap = energy / result.lower_bound_j - 1.0 if result.lower_bound_j > 0 else 0.0
     details["gap_to_lp_bound"] = gap
-    details["lp_bound_includes"] = LP_BOUND_INCLUDES
+    details["lp_bound_includes"] = _LP_BOUND_INCLUDES
     details["switch_cost_j"] = result.switch_cost_j
     details["switch_energy_j"] = result.switch_energy_j
     how = (
@@ -370,6 +370,6 @@ def account_optimal(result: PlanResult, lp_gap: bool = True) -> None:
         + (f"; {details['clock_changes_removed_by_latency']} clock changes per iteration removed by the clock "
            f"latency (no clock segment shorter than {cfg.clock_latency_s:g} s)"
            if "clock_changes_removed_by_latency" in details else "")
-        + (f"; extra warm-up from '{label}'" if cfg.scheduling == Scheduling.OURS else "")
+        + (f"; extra warm-up from '{label}'" if scheduling_kind(cfg.scheduling).extra_warmup else "")
         + ("" if cfg.reconfig == "default" else f"; '{cfg.reconfig}' corrections apply online only")
     )

@@ -73,13 +73,13 @@ _highs_banner_pending = True
 _highs_lock = threading.Lock()  # the planner builds LPs on two threads: one banner redirect at a time
 
 
-def new_highs(highspy: Any) -> Any:
+def _new_highs(highspy: Any) -> Any:
     """``highspy.Highs()``, with fd 1 pointed at /dev/null while the first one prints its banner."""
     with _highs_lock:
-        return _new_highs(highspy)
+        return _new_highs_unlocked(highspy)
 
 
-def _new_highs(highspy: Any) -> Any:
+def _new_highs_unlocked(highspy: Any) -> Any:
     global _highs_banner_pending
     if not _highs_banner_pending:
         return highspy.Highs()
@@ -107,13 +107,13 @@ def _new_highs(highspy: Any) -> Any:
         os.close(saved_fd)
 
 
-class HighsBackend(LpBackend):
+class _HighsBackend(LpBackend):
     warm_starts = True
 
     def __init__(self, np, highspy, c, start, index, value, row_lo, row_up, col_lo, col_up, integer=None,
                  time_limit_s=None, mip_rel_gap=None):
         self.np, self.highspy = np, highspy
-        h = new_highs(highspy)
+        h = _new_highs(highspy)
         h.setOptionValue("output_flag", False)
         if time_limit_s is not None:
             h.setOptionValue("time_limit", float(time_limit_s))
@@ -197,7 +197,7 @@ class HighsBackend(LpBackend):
         return ok, self.np.asarray(sol.col_value), info.objective_function_value
 
 
-class ScipyBackend(LpBackend):
+class _ScipyBackend(LpBackend):
     """scipy.optimize.linprog / milp with method HiGHS: no warm start, re-solved each time."""
 
     def __init__(self, np, c, start, index, value, row_lo, row_up, col_lo, col_up, integer=None,
@@ -268,13 +268,13 @@ def lp_backend(*args: Any, **kwargs: Any) -> LpBackend:
         try:
             import highspy
 
-            return HighsBackend(np, highspy, *args, **kwargs)
+            return _HighsBackend(np, highspy, *args, **kwargs)
         except ImportError:
             pass
         try:
             import scipy.optimize  # noqa: F401
 
-            return ScipyBackend(np, *args, **kwargs)
+            return _ScipyBackend(np, *args, **kwargs)
         except ImportError:
             pass
     raise SolverUnavailable(

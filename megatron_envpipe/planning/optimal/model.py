@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 from operator import getitem
 from typing import Any
 
+from megatron_envpipe.core.kinds import build_schedule
 from megatron_envpipe.core.length_costs import LengthCostModel, MicrobatchSize
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, build_schedule
+from megatron_envpipe.core.schedule import Schedule, ScheduleError
 from megatron_envpipe.core.timeline import Dependency, PlanEvaluator, PlanScore, Timeline
 from megatron_envpipe.planning.basis import PlannerError
 from megatron_envpipe.planning.optimal.deadline import FEASIBILITY_RTOL, InfeasibleDeadline
@@ -31,16 +32,16 @@ from megatron_envpipe.planning.optimal.search import (
 
 # Smaller LPs solve cold in a few hundredths of a second; below this many units the shorter
 # pipeline's start is not tried, so their plans (all P = 8 cases) stay exactly as before.
-MIN_UNITS_FOR_START = 3000
+_MIN_UNITS_FOR_START = 3000
 # The short pipeline holds this many warm-ups' worth of micro-batches (its middle is the steady state).
-SHORT_PIPELINE_WARMUPS = 3
+_SHORT_PIPELINE_WARMUPS = 3
 # The short LP is itself started from a shorter one only from this many units: at P = 32 (1F1B's 6,144,
 # interleaved's 20,480) it halves the LP's time; at P = 16 (interleaved's 5,120) it saves nothing.
-MIN_UNITS_FOR_NESTED_START = 6000
+_MIN_UNITS_FOR_NESTED_START = 6000
 # From this many units a cold LP skips presolve: HiGHS's presolve finds little to remove in these
 # chains and costs a quarter of the solve (`ours` at P = 32, M = 256: its first LP 8.2 -> 6.2 CPU s, the plan
 # 17.0 -> 15.0 s and 0.003 % less energy; P = 16: 0.7 -> 0.45 s). A warm-started solve never presolves.
-MIN_UNITS_WITHOUT_PRESOLVE = 3000
+_MIN_UNITS_WITHOUT_PRESOLVE = 3000
 
 
 @dataclass
@@ -184,7 +185,7 @@ class TimeEnergyModel:
         self._lp_num_cols = num_cols
         start, index, value, row_lo, row_up = schedule_csc(np, self.preds, n, first, count, t0, num_cols)
         lp = lp_backend(cost, start, index, value, row_lo, row_up, col_lo, col_up)
-        if n >= MIN_UNITS_WITHOUT_PRESOLVE:
+        if n >= _MIN_UNITS_WITHOUT_PRESOLVE:
             lp.set_presolve(False)
         return lp
 
@@ -275,7 +276,7 @@ class TimeEnergyModel:
         :meth:`lp_bound` prefers: the dual simplex starts at once, with no crossover (1F1B
         on gpt3-175b repeated to P = 32, M = 256: 35 s of LP CPU -> 8 s, small LP included;
         the same optimum). Applies to schedules without extra dependencies whose
-        ``M >= 2 M_s`` with at least :data:`MIN_UNITS_FOR_START` units; interleaved ones too,
+        ``M >= 2 M_s`` with at least :data:`_MIN_UNITS_FOR_START` units; interleaved ones too,
         in groups of P micro-batches (Megatron's default group size): ``M_s`` rounded up to a
         multiple of P, ``M >= M_s + 2P``, the middle groups mapped onto one. Extra
         warm-ups long enough to fill the pipeline do not qualify.
@@ -296,11 +297,11 @@ class TimeEnergyModel:
         # group size), and a warm-up of W units is W / V micro-batches.
         period = p if chunks > 1 else 1
         warmup_mb = max(-(-warmup // chunks), p)
-        m_small = SHORT_PIPELINE_WARMUPS * warmup_mb if self.start_microbatches is None else self.start_microbatches
+        m_small = _SHORT_PIPELINE_WARMUPS * warmup_mb if self.start_microbatches is None else self.start_microbatches
         if not m_small:
             return None
         m_small = -(-m_small // period) * period
-        if m < (m_small + 2 * period if chunks > 1 else 2 * m_small) or m % period or self.n < MIN_UNITS_FOR_START:
+        if m < (m_small + 2 * period if chunks > 1 else 2 * m_small) or m % period or self.n < _MIN_UNITS_FOR_START:
             return None
         # Slack: the short LP gets the same relative slack (its steady state then runs at about the
         # long one's pace; M / M_s copies of an absolute slack would overshoot). Only a start either way.
@@ -317,7 +318,7 @@ class TimeEnergyModel:
         # 20k simplex iterations cold -> 8k; interleaved V = 2: 256 <- 160 <- 96, the 160's 48k -> 7k; the
         # same optimum: at P = 32 the same LP durations to 1e-12 s on gpt3-175b and bloom-176b repeated).
         nested = -(-(m_small // 2) // period) * period
-        small.start_microbatches = (nested if nested >= warmup_mb + -(-p // 2) and small.n >= MIN_UNITS_FOR_NESTED_START
+        small.start_microbatches = (nested if nested >= warmup_mb + -(-p // 2) and small.n >= _MIN_UNITS_FOR_NESTED_START
                                     else 0)
         try:
             small.lp_bound(small.fastest_time_s() * slack, time_weight)

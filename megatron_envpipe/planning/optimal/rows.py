@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # A unit's duration as LP terms: ([(column, coefficient), ...], constant seconds).
-DurationTerms = tuple[Sequence[tuple[int, float]], float]
+_DurationTerms = tuple[Sequence[tuple[int, float]], float]
 
 
 class ConstraintRows:
@@ -34,7 +34,7 @@ class ConstraintRows:
         self,
         preds: Sequence[Sequence[tuple[int, float]]],
         t_col: int,
-        duration: Callable[[int], DurationTerms],
+        duration: Callable[[int], _DurationTerms],
         unit_rows: Callable[[int], None] | None = None,
     ) -> None:
         """The iteration DAG over end-time columns ``0..n-1`` and the makespan column ``t_col``.
@@ -77,10 +77,10 @@ class ConstraintRows:
 
     def csc(self, np: Any, num_cols: int) -> tuple[Any, Any, Any]:
         """The matrix in compressed sparse columns: (column starts, row indices, values) as numpy arrays."""
-        return csc_arrays(np, self.rows, self.cols, self.vals, num_cols)
+        return _csc_arrays(np, self.rows, self.cols, self.vals, num_cols)
 
 
-def csc_arrays(
+def _csc_arrays(
     np: Any, triplets_rows: Sequence[int], triplets_cols: Sequence[int], triplets_vals: Sequence[float], num_cols: int
 ) -> tuple[Any, Any, Any]:
     """Triplets -> (column starts, row indices, values), sorted by column then row."""
@@ -138,5 +138,5 @@ def schedule_csc(
     row_lo = np.concatenate([np.asarray(edge_lat, dtype=float) + np.asarray(const_s, dtype=float)[ev],
                              np.full(len(sinks), -math.inf)])
     row_up = np.concatenate([np.full(num_edges, math.inf), np.zeros(len(sinks))])
-    start, index, value = csc_arrays(np, rows, cols, vals, num_cols)
+    start, index, value = _csc_arrays(np, rows, cols, vals, num_cols)
     return start, index, value, row_lo, row_up

@@ -229,15 +229,15 @@ class ClockSearch:
     # The local search's settles: forward first, at most this many passes.
     LOCAL_PASSES = 4
 
-    def _pass_chain(self, idx: list[int], deadline: float) -> "PassChain":
+    def _pass_chain(self, idx: list[int], deadline: float) -> "_PassChain":
         """The settle passes of ``idx``, computed whole as they are asked for."""
-        return PassChain(self.retimer, idx, deadline)
+        return _PassChain(self.retimer, idx, deadline)
 
-    def _moved_chain(self, chain: "PassChain", idx: list[int]) -> "PassChain":
+    def _moved_chain(self, chain: "_PassChain", idx: list[int]) -> "_PassChain":
         """The chain of ``idx``, its passes re-timed from ``chain``'s (another plan's) as they are asked for."""
-        return PassChain(self.retimer, idx, chain.deadline, chain)
+        return _PassChain(self.retimer, idx, chain.deadline, chain)
 
-    def _settle_near(self, chain: "PassChain", idx: list[int], diff: list[int]) -> list[int]:
+    def _settle_near(self, chain: "_PassChain", idx: list[int], diff: list[int]) -> list[int]:
         """:meth:`settle` (forward first, :attr:`LOCAL_PASSES` passes at most) of ``idx``, which differs
         from ``chain.idx`` only at ``diff``: each pass re-times only what moves against ``chain``'s."""
         moved = diff
@@ -398,12 +398,12 @@ class ClockSearch:
             steps += 1
 
 
-class PassChain:
+class _PassChain:
     """The settle passes of one plan ``idx`` (forward first), each built when first asked for: the
     reference the local search's trials are re-timed against. ``prev`` (another plan's chain) lets a
     pass be re-timed from that chain's instead of computed whole."""
 
-    def __init__(self, retimer: Retimer, idx: list[int], deadline: float, prev: "PassChain | None" = None) -> None:
+    def __init__(self, retimer: Retimer, idx: list[int], deadline: float, prev: "_PassChain | None" = None) -> None:
         self.retimer, self.idx, self.deadline = retimer, idx, deadline
         self.passes: list[SlackPass] = []
         self.prev = prev

@@ -24,7 +24,7 @@ from megatron_envpipe.planning.reconfig import DEFAULT_WINDOW, ClockLadder, Reco
 
 
 @dataclass(frozen=True)
-class NoisyRun:
+class _NoisyRun:
     """Per-iteration (time_s, energy_j) of a plan and its baseline under the same jitter."""
 
     time_s: tuple[float, ...]
@@ -65,7 +65,7 @@ def _iteration(evaluator: PlanEvaluator, freqs: list[int], jitter: list[UnitJitt
 
 def run_noisy(result: PlanResult, profile: Profile, iterations: int, jitter: float, seed: int = 0, *,
               online: bool = True, window: int = DEFAULT_WINDOW, two_way: bool = True,
-              finish_limit: int = 10, step_mhz: int | None = None, plain_steps: bool = False) -> NoisyRun:
+              finish_limit: int = 10, step_mhz: int | None = None, plain_steps: bool = False) -> _NoisyRun:
     """``iterations`` noisy iterations of ``result``'s plan (corrected online unless ``online`` is False;
     ``window``, ``two_way`` and ``plain_steps`` (EnvPipe's ladder steps, profile not consulted) as the
     :class:`Reconfigurer`'s)."""
@@ -97,5 +97,5 @@ def run_noisy(result: PlanResult, profile: Profile, iterations: int, jitter: flo
         benergies.append(be)
         if rc is not None:
             rc.observe(measurement)
-    return NoisyRun(tuple(times), tuple(energies), tuple(btimes), tuple(benergies),
+    return _NoisyRun(tuple(times), tuple(energies), tuple(btimes), tuple(benergies),
                     rc.raises if rc else 0, rc.lowers if rc else 0, rc.change_bound() if rc else None)
