@@ -87,13 +87,13 @@ RANGES: dict[str, FlagRange] = {
     "max_slowdown": FlagRange("float", 0.0, 1.0, "", "a fraction: 0.05 = 5 %, 1 = twice the baseline's time"),
     # --target-time / --envpipe-target-time
     "target_time_s": FlagRange("float", 0.0, 1e6, "s", "over 11 days per iteration", low_open=True),
-    # --switch-cost-j / --envpipe-switch-cost-j (= planning.switching.MAX_SWITCH_COST_J)
+    # --switch-cost-j / --envpipe-switch-cost-j (= planning.switching._MAX_SWITCH_COST_J)
     "switch_cost_j": FlagRange("float", 0.0, 1e6, "J", "a megajoule per clock change keeps every clock"),
     # --max-clock-changes / --envpipe-max-clock-changes
     "max_clock_changes": FlagRange("int", 1, 10**6, "changes per iteration", "more than any iteration has units"),
-    # --timing-margin / --envpipe-timing-margin (= planning.basis.MAX_TIMING_MARGIN)
+    # --timing-margin / --envpipe-timing-margin (= planning.basis._MAX_TIMING_MARGIN)
     "timing_margin": FlagRange("float", 0.0, 0.5, "", "beyond half a unit's time no clock would change"),
-    # --virtual-stages / --virtual-pipeline-model-parallel-size (= planning.basis.MAX_VIRTUAL_STAGES)
+    # --virtual-stages / --virtual-pipeline-model-parallel-size (= planning.basis._MAX_VIRTUAL_STAGES)
     "virtual_stages": FlagRange("int", 1, 64, "model chunks per rank", "Megatron needs a layer per chunk"),
     # --max-inflight / --envpipe-max-inflight, each entry
     "max_inflight": FlagRange("int", 1, 10**6, "micro-batch activations", "more than any iteration's micro-batches"),

@@ -20,7 +20,7 @@ from megatron_envpipe.core.kinds import build_schedule, plan_kind, plan_type_nam
 from megatron_envpipe.core.memory import AUTO
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile, ProfileError
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, one_f_one_b
+from megatron_envpipe.core.schedule import ClampedWarmup, Schedule, ScheduleError, one_f_one_b
 from megatron_envpipe.core.timeline import Dependency, PlanEvaluator, PlanScore, Timeline
 from megatron_envpipe.core.vocabulary import (
     RECONFIG_POLICIES,
@@ -263,6 +263,9 @@ class PlanResult:
     deadline_s: float | None = None  # plan type "optimal": the iteration time it had to meet
     lower_bound_j: float | None = None  # "optimal": no plan meeting the deadline uses less
     details: dict = field(default_factory=dict)
+    # --extra-warmup as given, as the plan runs it, and why a stage was lowered: the clamp the planner ran
+    # (the CLI's note reads it rather than clamping again); None where no warm-up was given.
+    warmup_clamp: ClampedWarmup | None = None
 
     @property
     def schedule(self) -> Schedule:

@@ -24,9 +24,10 @@ from megatron_envpipe.core.kinds import KindError, plan_kind, scheduling_kind
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
 from megatron_envpipe.core.schedule import (
+    ClampedWarmup,
     Schedule,
     ScheduleError,
-    clamp_extra_warmup,
+    clamp_extra_warmup_explained,
     one_f_one_b,
     raw_extra_warmup,
 )
@@ -68,6 +69,7 @@ def plan_reconfigured(
     inner = valley if plan_kind(config.plan_type).sets_clocks else (f_max,) * p
     order = scheduling_kind(config.scheduling)
 
+    given: ClampedWarmup | None = None  # a given --extra-warmup, clamped (PlanResult.warmup_clamp)
     if order.extra_warmup:
         raw = (
             list(config.extra_warmup)
@@ -79,9 +81,12 @@ def plan_reconfigured(
             )
         )
         try:
-            r = clamp_extra_warmup(p, num_microbatches, raw, config.max_inflight)
+            clamp = clamp_extra_warmup_explained(p, num_microbatches, raw, config.max_inflight)
         except ScheduleError as exc:
             raise PlannerError(str(exc)) from None
+        r = clamp.clamped
+        if config.extra_warmup is not None:
+            given = clamp
         schedule = order.build(p, num_microbatches, r, 1, None)
     elif order.model_chunks:
         # Megatron's order, as the baseline: EnvPipe's extra warm-up does not carry over to chunks
@@ -158,6 +163,7 @@ def plan_reconfigured(
         stop_reason=reason,
         planner_seconds=0.0,
         warnings=warnings,
+        warmup_clamp=given,
     )
     if result.slowdown > SLOWDOWN_WARNING:
         warnings.append(

@@ -37,7 +37,7 @@ from pathlib import Path
 from megatron_envpipe.core.atomic import write_atomic
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile, pareto_filter
-from megatron_envpipe.core.schedule import Schedule
+from megatron_envpipe.core.schedule import ClampedWarmup, Schedule
 from megatron_envpipe.core.sizes import check_frontier_size
 from megatron_envpipe.core.timeline import PlanScore
 from megatron_envpipe.core.vocabulary import PlanType
@@ -77,6 +77,7 @@ class Frontier:
     planner_seconds: float
     config: PlannerConfig
     warnings: list[str] = field(default_factory=list)
+    warmup_clamp: ClampedWarmup | None = None  # a given --extra-warmup, clamped (as PlanResult's)
 
     @property
     def num_stages(self) -> int:
@@ -180,4 +181,5 @@ def compute_frontier(
         planner_seconds=time.perf_counter() - t0,
         config=config,
         warnings=list(setup.warnings),
+        warmup_clamp=setup.warmup_clamp,
     )

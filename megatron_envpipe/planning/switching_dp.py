@@ -102,7 +102,8 @@ def _stage_dp(units: range, allowed: list[list[int]], tables: _Tables, ready: li
     # from the best entries of any clock; kept: the earliest end and the ``keep - 1`` cheapest, costs falling by
     # more than 1e-12; test_segment_dp_exact's _plain_pareto), built with less work: candidates are made in end
     # order, so the first too late ends the scan; of those ending at the same time (all that wait for the input,
-    # at r + t) only the first cheapest can survive it, so only it is kept (the lists are the same to the bit).
+    # at r + t) only the first cheapest can survive it, so only it is kept (the lists are the same to the bit for
+    # finite costs, which profile energies are).
     for i, v in enumerate(units):
         r, c_lim, tab = ready[i], cap[i], at[v]
         cur: dict[int, list[tuple]] = {}

@@ -15,7 +15,10 @@ SIGKILL) and the launcher exits 1 naming the ranks that failed; a launcher that 
 with it (``PR_SET_PDEATHSIG``).
 
 Tests whose subject is the launch itself (torchrun's own failure report, its start-up) run real
-torchrun; this is for tests of what the ranks train and print (tests/launching.py).
+torchrun; this is for tests of what the ranks train and print (tests/launching.py). It is a launcher
+for CPU ranks: ranks of a dead launcher are killed outright (no clock reset on a real GPU), and CUDA
+must not be initialised before a fork; on GPUs use torchrun. Left out of torchrun's environment: the
+``TORCHELASTIC_*`` variables of its agent (nothing here reads them).
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ def _run_rank(ns: argparse.Namespace, rank: int, parent: int) -> None:
                       ROLE_WORLD_SIZE=str(size), MASTER_ADDR=ns.master_addr, MASTER_PORT=str(ns.master_port))
     if ns.module:
         sys.argv = [ns.target, *ns.args]  # run_module puts the module's file in argv[0], as python -m does
+        # python -m runs the module once, as __main__, never imported under its own name first: a preloaded
+        # copy goes (its imports stay preloaded).
+        sys.modules.pop(ns.target, None)
         runpy.run_module(ns.target, run_name="__main__", alter_sys=True)
     else:
         script = os.path.abspath(ns.target)
@@ -142,6 +148,8 @@ def _wait(ranks: dict[int, int]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parse(sys.argv[1:] if argv is None else argv)
+    if ns.nproc_per_node > 1:  # as torchrun: one OpenMP thread per rank unless the caller says otherwise
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     _preload([name for name in ns.preload.split(",") if name])
     # What the preload made lives as long as every rank: keep the ranks' garbage collector off it, so that
     # they do not copy every page of it on their first collection (copy-on-write).
@@ -156,12 +164,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run_rank(ns, rank, parent)  # raises SystemExit (or the rank's error) up to the interpreter
         ranks[pid] = rank
 
+    received: list[int] = []
+
     def forward(signum: int, frame: object) -> None:
+        received.append(signum)
         _signal_all(ranks, signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
-    return _wait(ranks)
+    rc = _wait(ranks)
+    return 128 + received[0] if received else rc  # stopped by a signal: say so, as torchrun does
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 
 import pytest
 
@@ -191,3 +192,32 @@ def test_simulate_rows_follow_rows_too(capsys):
     assert code == 0 and "Stage 0 | 1740x192 |" in out and max(map(len, stage_rows(out))) <= 250
     code, out, _ = run(capsys, argv + ["--rows", "full"])
     assert code == 0 and max(map(len, stage_rows(out))) > 2000
+
+
+@pytest.mark.parametrize("argv", [
+    [*PLAN, "-m", "12", "--type", "envelope", "--scheduling", "ours", "--extra-warmup", "9,9,9,9,9,9,9,9"],
+    [*PLAN, "-m", "12", "--type", "optimal", "--scheduling", "ours", "--extra-warmup", "1,0,3,0,0,0,0,0"],
+    ["frontier", "--profile", "a40/gpt3-175b", "-m", "12", "--points", "3", "--extra-warmup", "9,9,9,9,9,9,9,9"],
+], ids=["plan-envelope", "plan-optimal", "frontier"])
+def test_plan_and_frontier_note_the_clamp_their_planner_ran(capsys, monkeypatch, argv):
+    """Issue 38: the note is the planner's own clamp (PlanResult/Frontier.warmup_clamp); the CLI does not clamp
+    --extra-warmup a second time to explain it."""
+    import megatron_envpipe.apps.cli.common as common
+    import megatron_envpipe.core.schedule as schedule
+    import megatron_envpipe.planning.envpipe as envpipe_planner
+    import megatron_envpipe.planning.optimal.entry as entry
+
+    callers = []  # the module of each call
+
+    def counting(*args, **kwargs):
+        callers.append(sys._getframe(1).f_globals["__name__"])
+        return real(*args, **kwargs)
+
+    real = schedule.clamp_extra_warmup_explained
+    for module in (schedule, common, envpipe_planner, entry):  # wherever the name is (or was) looked up
+        monkeypatch.setattr(module, "clamp_extra_warmup_explained", counting, raising=False)
+    code, _, err = run(capsys, argv)
+    assert code == 0, err
+    assert err.count("note: --extra-warmup") == 1 and " runs as " in err, err
+    # Optimal plans clamp once for the LP's schedule and once for EnvPipe's rival plan; the CLI never.
+    assert callers and not [c for c in callers if c.startswith("megatron_envpipe.apps")], callers

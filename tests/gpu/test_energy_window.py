@@ -46,7 +46,7 @@ def forwards(gpu: SimulatedGpu, n: int):
 
 
 def test_window_length_from_period_and_tolerance():
-    # bracket = poll (2 ms) + two reads; 1 % => 100 brackets, but never under MIN_WINDOW_PERIODS updates
+    # bracket = poll (2 ms) + two reads; 1 % => 100 brackets, but never under _MIN_WINDOW_PERIODS updates
     assert window_length_s(0.1, 0.01) == pytest.approx(max(0.002 / 0.01, _MIN_WINDOW_PERIODS * 0.1))
     assert window_length_s(0.1, 0.001, read_cost_s=0.0005) == pytest.approx((0.002 + 0.001) / 0.001)
     assert window_length_s(0.1, 0.001) < window_length_s(0.1, 0.0005)

@@ -1,5 +1,5 @@
 """``--envpipe-sim-straggler R:F@I`` slows replica R from iteration I (0-based, the run-time's count) exactly,
-and from the first iteration when no @I is given. In-process: the executor calls apply_sim_straggler
+and from the first iteration when no @I is given. In-process: the executor calls _apply_sim_straggler
 before each iteration with ``runtime.iteration``."""
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from megatron_envpipe.core.schedule import (
     ClampedWarmup,
     ScheduleError,
     check_extra_warmup,
-    clamp_extra_warmup_explained,
 )
 from megatron_envpipe.core.textfile import read_text
 from megatron_envpipe.core.vocabulary import PlanType, ReconfigPolicy
@@ -112,16 +111,12 @@ def _warmup_clamp_text(num_stages: int, num_microbatches: int, clamp: ClampedWar
 
 
 def note_warmup_clamp(args: argparse.Namespace, num_stages: int, num_microbatches: int,
-                      max_inflight: Any = None, clamp: ClampedWarmup | None = None) -> None:
+                      clamp: ClampedWarmup | None) -> None:
     """Say on stderr when --extra-warmup is clamped (the plan, simulation or schedule runs the clamped r).
-    ``clamp``: the clamp the command ran (else it is worked out here, for a planner that clamps inside)."""
-    if args.extra_warmup is None:
+    ``clamp``: the clamp the command (or its planner: PlanResult.warmup_clamp) ran; None where none was
+    given or the scheduling takes none."""
+    if args.extra_warmup is None or clamp is None:
         return
-    if clamp is None:
-        try:
-            clamp = clamp_extra_warmup_explained(num_stages, num_microbatches, args.extra_warmup, max_inflight)
-        except ScheduleError:
-            return  # a budget below 1F1B's own: the command reports it in its own words
     text = _warmup_clamp_text(num_stages, num_microbatches, clamp)
     if text is not None:
         note(args, text)
@@ -220,7 +215,7 @@ def planner_config(
     args: argparse.Namespace, gpu: GpuSpec | None, plan_type: PlanType, reconfig: ReconfigPolicy, **more: Any
 ) -> PlannerConfig:
     """The one place the CLI builds a planner config: from the flags 'plan' and 'frontier' share
-    (``parser.add_pipeline_args`` and ``--p2p-power``/``--p2p-latency``); ``more`` sets or replaces fields."""
+    (``parser._add_pipeline_args`` and ``--p2p-power``/``--p2p-latency``); ``more`` sets or replaces fields."""
     # The same mapping as training's --envpipe-* flags (EnvPipeConfig.planner_config), plus
     # the knobs only offline planning has (P2P latency, communication model). Not validated
     # here: PlannerConfig.validate() reports bad values in the planner's own words.

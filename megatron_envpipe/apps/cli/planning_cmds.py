@@ -115,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         deadline = deadline_for(args, profile, config) if args.deadline_from is not None else None
         result = plan_envpipe(profile, args.microbatches, deadline.config if deadline else config,
                               num_stages=args.stages)
-        note_warmup_clamp(args, profile.num_stages, args.microbatches, args.max_inflight)  # once it planned
+        note_warmup_clamp(args, profile.num_stages, args.microbatches, result.warmup_clamp)  # the planner's clamp
         if deadline is not None:
             reword_warnings(result)
             extra["deadline_from"] = deadline_entry(result, deadline)
@@ -215,7 +215,7 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     config = planner_config(args, gpu, PlanType.OPTIMAL, ReconfigPolicy.DEFAULT, switch_cost_j=args.switch_cost_j,
                             max_clock_changes=args.max_clock_changes)
     fr = compute_frontier(profile, args.microbatches, config, points=args.points, num_stages=args.stages)
-    note_warmup_clamp(args, profile.num_stages, args.microbatches, args.max_inflight)
+    note_warmup_clamp(args, profile.num_stages, args.microbatches, fr.warmup_clamp)
     picked = fr.pick(args.target_time) if args.target_time is not None else None
     picture = None
     if args.plot is not None:

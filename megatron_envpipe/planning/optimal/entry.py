@@ -12,7 +12,14 @@ from typing import Any, NamedTuple
 from megatron_envpipe.core.kinds import build_schedule, scheduling_kind
 from megatron_envpipe.core.plan import FrequencyPlan
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.schedule import Schedule, ScheduleError, clamp_extra_warmup, raw_extra_warmup
+from megatron_envpipe.core.schedule import (
+    ClampedWarmup,
+    Schedule,
+    ScheduleError,
+    clamp_extra_warmup,
+    clamp_extra_warmup_explained,
+    raw_extra_warmup,
+)
 from megatron_envpipe.core.sizes import check_plan_size
 from megatron_envpipe.planning.basis import (
     SLOWDOWN_WARNING,
@@ -95,6 +102,7 @@ class OptimalSetup(PlanningBasis):
     """The basis of every optimal plan of one (profile, M, config), and the schedules worth trying."""
 
     schedules: list[tuple[str, Schedule]]  # (label, schedule)
+    warmup_clamp: ClampedWarmup | None = None  # a given --extra-warmup, clamped (PlanResult.warmup_clamp)
 
     def model(self, schedule: Schedule, profile: Profile, config: PlannerConfig) -> TimeEnergyModel:
         """The time-energy model of one candidate schedule."""
@@ -111,11 +119,13 @@ def optimal_setup(
                     config.virtual_stages)
     basis = planning_basis(profile, num_microbatches, config, num_stages)
     p = basis.num_stages
+    given: ClampedWarmup | None = None
     if scheduling_kind(config.scheduling).extra_warmup:
         try:
             if config.extra_warmup is not None:
-                warmups = [("given", clamp_extra_warmup(p, num_microbatches, list(config.extra_warmup),
-                                                        config.max_inflight))]
+                given = clamp_extra_warmup_explained(p, num_microbatches, list(config.extra_warmup),
+                                                     config.max_inflight)
+                warmups = [("given", given.clamped)]
             else:
                 warmups = extra_warmup_candidates(profile, num_microbatches, basis.f_max_mhz, basis.valley_mhz,
                                                   config.max_inflight,
@@ -125,7 +135,7 @@ def optimal_setup(
         schedules = [(label, build_schedule("ours", p, num_microbatches, r)) for label, r in warmups]
     else:
         schedules = [("1f1b", basis.baseline_plan.schedule)]
-    return OptimalSetup(**vars(basis), schedules=schedules)
+    return OptimalSetup(**vars(basis), schedules=schedules, warmup_clamp=given)
 
 
 class RankedSchedule(NamedTuple):
@@ -305,6 +315,7 @@ def plan_optimal(
         deadline_s=deadline,
         lower_bound_j=sol.lp_bound_j,
         details=details,
+        warmup_clamp=setup.warmup_clamp,
     )
     account_optimal(result)
     if result.slowdown > SLOWDOWN_WARNING:
