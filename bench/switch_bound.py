@@ -29,19 +29,21 @@ weaker; a cell whose relaxation did not converge says so).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
-from switch_costs import CELLS, cell_config  # bench/ is the script's directory: the cells are switch_costs.py's
+from switch_costs import (  # bench/ is the script's directory: the cells are switch_costs.py's
+    CELLS,
+    bench_switch_cost_j,
+    cell_config,
+    read_cells,
+    walk_cells,
+)
 
 from megatron_envpipe.core.atomic import write_json_atomic
-from megatron_envpipe.core.gpu_specs import get_gpu_spec
 from megatron_envpipe.core.profile import Profile
-from megatron_envpipe.core.resources import shipped_profile
 from megatron_envpipe.planning.basis import planning_profile
 from megatron_envpipe.planning.optimal.entry import optimal_setup
 from megatron_envpipe.planning.planner import plan_envpipe
-from megatron_envpipe.planning.switching import default_switch_cost_j
 from megatron_envpipe.testing.switch_bound import switch_bound
 
 
@@ -105,35 +107,23 @@ def main() -> int:
         ap.error(f"--cells: choose from {','.join(CELLS)}")
     if not 0 < args.max_cpu_s < 1e6:
         ap.error(f"--max-cpu-s must be a positive number of seconds, got {args.max_cpu_s}")
-    ref = {}
-    if args.reference:
-        with open(args.reference, encoding="utf-8") as f:
-            ref = json.load(f)
-    a40 = get_gpu_spec("a40")
-    cost = default_switch_cost_j(a40.known_p2p_power_w(), a40.clock_latency)
+    ref = read_cells(args.reference)
+    cost = bench_switch_cost_j()
     print(f"switch cost {cost:.3f} J per change, zero slowdown; savings vs the f_max baseline (%, simulated); "
           "bound: no plan of the cell's schedule(s) saves more with its changes counted\n")
     print("| profile | x | M | cell | switch-free | counted | LP bound | bound (changes) | max recoverable "
           "(this) | max recoverable (ref) | converged | bound CPU s (plan) |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")
     out: dict[str, dict] = {}
-    for name in args.profiles.split(","):
-        base = Profile.from_csv(shipped_profile(f"a40/{name}"))
-        for scale in [float(x) for x in args.scales.split(",")]:
-            profile = base if scale == 1 else base.scaled(scale, scale)
-            for m in [int(x) for x in args.microbatches.split(",")]:
-                for cell in cells:
-                    if cell == "interleaved2" and m % profile.num_stages:
-                        continue  # as switch_costs.py: Megatron-core needs M a multiple of P
-                    key = f"{name}|{scale:g}|{m}|{cell}"
-                    r = out[key] = bound_cell(profile, m, cell, cost, args.max_cpu_s)
-                    old = ref.get(key)
-                    mine = share(r["bound"] - r["optimal"], r["free"] - r["optimal"])
-                    theirs = share(r["bound"] - old["optimal"], old["free"] - old["optimal"]) if old else "—"
-                    print(f"| {name} | {scale:g} | {m} | {cell} | {r['free']:.2f} | {r['optimal']:.2f} | "
-                          f"{r['lp_bound']:.2f} | {r['bound']:.2f} | {mine} | {theirs} | "
-                          f"{'yes' if r['converged'] else 'no'} | {r['bound_cpu_s']:.1f} ({r['plan_cpu_s']:.1f}) |",
-                          flush=True)
+    for key, name, scale, m, cell, profile in walk_cells(args.profiles, args.scales, args.microbatches, cells):
+        r = out[key] = bound_cell(profile, m, cell, cost, args.max_cpu_s)
+        old = ref.get(key)
+        mine = share(r["bound"] - r["optimal"], r["free"] - r["optimal"])
+        theirs = share(r["bound"] - old["optimal"], old["free"] - old["optimal"]) if old else "—"
+        print(f"| {name} | {scale:g} | {m} | {cell} | {r['free']:.2f} | {r['optimal']:.2f} | "
+              f"{r['lp_bound']:.2f} | {r['bound']:.2f} | {mine} | {theirs} | "
+              f"{'yes' if r['converged'] else 'no'} | {r['bound_cpu_s']:.1f} ({r['plan_cpu_s']:.1f}) |",
+              flush=True)
     if args.json:
         write_json_atomic(args.json, out, sort_keys=True)
     above = [k for k, r in out.items() if r["optimal"] > r["bound"] + 1e-6]

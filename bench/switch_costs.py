@@ -83,6 +83,34 @@ def run_cell(profile: Profile, m: int, cell: str, cost: float) -> dict:
     }
 
 
+def bench_switch_cost_j() -> float:
+    """The default switch cost on the A40 (the shipped profiles' GPU): what every cell charges per change."""
+    a40 = get_gpu_spec("a40")
+    return default_switch_cost_j(a40.known_p2p_power_w(), a40.clock_latency)
+
+
+def read_cells(path: str | None) -> dict:
+    """Cells written by ``--json`` (this bench's, or the pre-issue code's run of it); {} without a path."""
+    if not path:
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def walk_cells(profiles: str, scales: str, microbatches: str, cells: list[str]):
+    """Every (key, profile name, scale, M, cell, profile) of the grid, in table order; interleaved only where
+    Megatron-core runs it (M a multiple of P, groups of P)."""
+    for name in profiles.split(","):
+        base = Profile.from_csv(shipped_profile(f"a40/{name}"))
+        for scale in [float(x) for x in scales.split(",")]:
+            profile = base if scale == 1 else base.scaled(scale, scale)
+            for m in [int(x) for x in microbatches.split(",")]:
+                for cell in cells:
+                    if cell == "interleaved2" and m % profile.num_stages:
+                        continue
+                    yield f"{name}|{scale:g}|{m}|{cell}", name, scale, m, cell, profile
+
+
 def timer(cell: dict) -> str:
     """The time compared with a reference: CPU seconds of this process where the reference has them (the
     machine may be shared: wall time then measures the other load as much as the planner), else wall."""
@@ -103,45 +131,30 @@ def main() -> int:
     cells = args.cells.split(",")
     if any(c not in CELLS for c in cells):
         ap.error(f"--cells: choose from {','.join(CELLS)}")
-    ref = {}
-    if args.reference:
-        with open(args.reference, encoding="utf-8") as f:
-            ref = json.load(f)
-    a40 = get_gpu_spec("a40")
-    cost = default_switch_cost_j(a40.known_p2p_power_w(), a40.clock_latency)
+    ref = read_cells(args.reference)
+    cost = bench_switch_cost_j()
     out: dict[str, dict] = {}
-    recorded = None
-    if args.from_json:
-        with open(args.from_json, encoding="utf-8") as f:
-            recorded = json.load(f)
+    recorded = read_cells(args.from_json) if args.from_json else None
     t_start = time.perf_counter()
     print(f"switch cost {cost:.3f} J per change, zero slowdown; savings vs the schedule's f_max baseline (%)\n")
     print("| profile | x | M | cell | optimal (counted) | envelope | opt - env | switch-free | loss | "
           "recovered | changes (env) | kept | time s (ratio) |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-    for name in args.profiles.split(","):
-        base = Profile.from_csv(shipped_profile(f"a40/{name}"))
-        for scale in [float(x) for x in args.scales.split(",")]:
-            profile = base if scale == 1 else base.scaled(scale, scale)
-            for m in [int(x) for x in args.microbatches.split(",")]:
-                for cell in cells:
-                    if cell == "interleaved2" and m % profile.num_stages:
-                        continue  # Megatron-core needs M a multiple of P for interleaved (groups of P)
-                    key = f"{name}|{scale:g}|{m}|{cell}"
-                    if recorded is not None and key not in recorded:
-                        continue
-                    r = out[key] = recorded[key] if recorded is not None else run_cell(profile, m, cell, cost)
-                    old = ref.get(key)
-                    recovered = ratio = "—"
-                    if old is not None:
-                        old_loss = old["free"] - old["optimal"]
-                        if old_loss > 1e-9:
-                            recovered = f"{100 * (r['optimal'] - old['optimal']) / old_loss:.0f} %"
-                        ratio = f"{r[timer(old)] / old[timer(old)]:.2f}"
-                    print(f"| {name} | {scale:g} | {m} | {cell} | {r['optimal']:.2f} | {r['envelope']:.2f} "
-                          f"| {r['optimal'] - r['envelope']:+.2f} | {r['free']:.2f} | {r['free'] - r['optimal']:.2f} "
-                          f"| {recovered} | {r['changes']} ({r['envelope_changes']}) | {r['kept']} "
-                          f"| {r['seconds']:.2f} ({ratio}) |", flush=True)
+    for key, name, scale, m, cell, profile in walk_cells(args.profiles, args.scales, args.microbatches, cells):
+        if recorded is not None and key not in recorded:
+            continue
+        r = out[key] = recorded[key] if recorded is not None else run_cell(profile, m, cell, cost)
+        old = ref.get(key)
+        recovered = ratio = "—"
+        if old is not None:
+            old_loss = old["free"] - old["optimal"]
+            if old_loss > 1e-9:
+                recovered = f"{100 * (r['optimal'] - old['optimal']) / old_loss:.0f} %"
+            ratio = f"{r[timer(old)] / old[timer(old)]:.2f}"
+        print(f"| {name} | {scale:g} | {m} | {cell} | {r['optimal']:.2f} | {r['envelope']:.2f} "
+              f"| {r['optimal'] - r['envelope']:+.2f} | {r['free']:.2f} | {r['free'] - r['optimal']:.2f} "
+              f"| {recovered} | {r['changes']} ({r['envelope_changes']}) | {r['kept']} "
+              f"| {r['seconds']:.2f} ({ratio}) |", flush=True)
     worse = [k for k, r in out.items() if r["optimal"] < r["envelope"] - 1e-9]
     print(f"\ncells: {len(out)}; optimal below envelope in {len(worse)}" + "".join(f"\n  {k}" for k in worse))
     loss = sum(r["free"] - r["optimal"] for r in out.values()) / max(1, len(out))
