@@ -13,7 +13,8 @@ before and after a change is two runs:
     python3 bench/mutations.py --tree /tmp/before --json before.json
     python3 bench/mutations.py --json after.json  # this checkout
 
-A mutation whose snippet a checkout lacks is reported as ``n/a`` (the code moved: update its snippet).
+A mutation whose snippet a checkout lacks is reported as ``n/a`` (the code moved: update its snippet, and keep
+the old place in ``moved`` so older checkouts still get the same bug).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class Mutation:
     old: str  # snippet replaced (must occur exactly once)
     new: str
     tests: tuple[str, ...]  # test files or node ids run under it (missing paths are skipped)
+    # (path, old, new) where older checkouts hold the same code; the first place found once is mutated
+    moved: tuple[tuple[str, str, str], ...] = ()
+
+    def places(self) -> tuple[tuple[str, str, str], ...]:
+        return ((self.path, self.old, self.new), *self.moved)
 
 
 M = Mutation
@@ -51,10 +57,14 @@ MUTATIONS: tuple[Mutation, ...] = (
       ("tests/core/test_schedule.py", "tests/core/test_instructions.py")),
     M("deadlock-never-reported", "the deadlock check never raises", "megatron_envpipe/core/deadlock.py",
       'raise DeadlockError("deadlock: " + "; ".join(parts))', "return",
-      ("tests/core/test_instructions.py", "tests/core/test_lazy_comm.py")),
+      ("tests/core/test_instructions.py", "tests/core/test_lazy_comm.py"),
+      moved=(("megatron_envpipe/core/instructions.py", 'raise DeadlockError("deadlock: " + "; ".join(parts))',
+              "return"),)),
     M("profile-takes-nan", "a profile CSV value of nan is read", "megatron_envpipe/core/profile_format.py",
       "    if not math.isfinite(number):\n        raise ProfileError(", "    if False:\n        raise ProfileError(",
-      ("tests/core/test_profile.py", "tests/core/test_input_file_hardening.py", "tests/core/test_input_files.py")),
+      ("tests/core/test_profile.py", "tests/core/test_input_file_hardening.py", "tests/core/test_input_files.py"),
+      moved=(("megatron_envpipe/core/profile.py", "    if not math.isfinite(number):\n        raise ProfileError(",
+              "    if False:\n        raise ProfileError("),)),
     M("comm-timeout-unbounded", "--envpipe-comm-timeout has no upper bound (1e14 s reaches timedelta)",
       "megatron_envpipe/core/flag_ranges.py",
       '"comm_timeout_s": FlagRange("float", 0.0, 1e6,', '"comm_timeout_s": FlagRange("float", 0.0, 1e300,',
@@ -84,8 +94,9 @@ MUTATIONS: tuple[Mutation, ...] = (
        "tests/megatron/test_training_flag_hardening.py", "tests/megatron/test_training_flags.py")),
     M("comm-timeout-default", "the --envpipe-comm-timeout default changed (300 s -> 30 s)",
       "megatron_envpipe/config/settings.py", "comm_timeout_s: float = 300.0", "comm_timeout_s: float = 30.0",
-      ("tests/megatron/test_config.py", "tests/megatron/test_training_flag_hardening.py",
-       "tests/megatron/test_training_flags.py", "tests/apps/test_docs_commands.py")),
+      ("tests/megatron/test_flag_defaults_documented.py", "tests/megatron/test_config.py",
+       "tests/megatron/test_training_flag_hardening.py", "tests/megatron/test_training_flags.py",
+       "tests/apps/test_docs_commands.py")),
     M("usage-error-exits-1", "a usage error exits 1, not 2", "megatron_envpipe/apps/cli/__init__.py",
       "return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE", "return EXIT_FAILURE",
       ("tests/apps/test_cli_errors.py", "tests/apps/test_flag_hardening.py", "tests/apps/test_cli_flags.py")),
@@ -106,40 +117,44 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("unknown-profile-column-accepted", "a profile with an unknown column is read", "megatron_envpipe/core/profile_format.py",
       "    if unknown:\n", "    if False:\n",
       ("tests/core/test_input_file_hardening.py", "tests/core/test_input_files.py",
-       "tests/apps/test_file_hardening_cli.py", "tests/apps/test_cli_input_files.py")),
+       "tests/apps/test_file_hardening_cli.py", "tests/apps/test_cli_input_files.py"),
+      moved=(("megatron_envpipe/core/profile.py", "    if unknown:\n", "    if False:\n"),)),
     M("duplicate-nvml-name-accepted", "a GPU table naming one NVML device twice is read",
       "megatron_envpipe/core/gpu_specs.py", "        if name in owners:\n", "        if False:\n",
       ("tests/core/test_input_file_hardening.py", "tests/core/test_input_files.py",
        "tests/apps/test_file_hardening_cli.py", "tests/apps/test_cli_input_files.py")),
     M("demo-blames-the-lost-peer", "a failed demo blames the rank that lost its peer, not the one with the error",
       "megatron_envpipe/apps/demo_errors.py", "key=lambda r: (bool(_PEER_GONE.search(errors[r][0])), ",
-      "key=lambda r: (False, ", ("tests/apps/test_demo_hardening.py", "tests/apps/test_demo_checks.py")),
+      "key=lambda r: (False, ", ("tests/apps/test_demo_hardening.py", "tests/apps/test_demo_checks.py"),
+      moved=(("megatron_envpipe/apps/demo.py", "key=lambda r: (bool(_PEER_GONE.search(errors[r][0])), ",
+              "key=lambda r: (False, "),)),
     M("demo-config-unknown-key", "a demo config's unknown key is not refused", "megatron_envpipe/apps/demo.py",
       "            if key not in known:\n", "            if False:\n",
       ("tests/apps/test_demo_config.py", "tests/apps/test_demo_hardening.py", "tests/apps/test_demo_checks.py")),
     M("held-activations-leak", "the executor never frees a micro-batch's held activations",
-      "megatron_envpipe/megatron/stage_iteration.py",  # megatron/executor.py before the split of issue 38
+      "megatron_envpipe/megatron/stage_iteration.py",
       "        self.inputs.pop(key, None)\n        self.outputs.pop(key, None)\n        self.grads_out.pop(key, None)\n",
       "        pass\n",
       ("tests/megatron/test_executor.py::test_held_activations_are_freed_over_20_iterations",
-       "tests/megatron/test_executor.py::test_held_activations_are_freed_over_6_iterations")),
+       "tests/megatron/test_executor.py::test_held_activations_are_freed_over_6_iterations"),
+      moved=(("megatron_envpipe/megatron/executor.py",  # before the split of issue 38
+              "        self.inputs.pop(key, None)\n        self.outputs.pop(key, None)\n"
+              "        self.grads_out.pop(key, None)\n", "        pass\n"),)),
     M("cli-parser-loads-torch", "the CLI's parser (a pure module) imports torch at load",
       "megatron_envpipe/apps/cli/parser.py", "from __future__ import annotations\n",
       "from __future__ import annotations\nimport torch  # noqa\n", ("tests/test_architecture.py",)),
 )
 
 
-def apply(tree: Path, mutation: Mutation) -> str | None:
-    """Plants the bug in ``tree``; the original text (to put back), None when the snippet is not there once."""
-    path = tree / mutation.path
-    if not path.is_file():
-        return None
-    text = path.read_text()
-    count = text.count(mutation.old)
-    if count != 1:
-        return None
-    path.write_text(text.replace(mutation.old, mutation.new, 1))
-    return text
+def apply(tree: Path, mutation: Mutation) -> tuple[Path, str] | None:
+    """Plants the bug in ``tree`` at the first of its places whose snippet occurs once there; the file and its
+    original text (to put back), None when no place has it."""
+    for rel, old, new in mutation.places():
+        path = tree / rel
+        if path.is_file() and (text := path.read_text()).count(old) == 1:
+            path.write_text(text.replace(old, new, 1))
+            return path, text
+    return None
 
 
 def failed_tests(tree: Path, tests: list[str], deselect: set[str], timeout_s: float,
@@ -199,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
             start = time.monotonic()
             if not tests:
                 results[m.name] = {"result": "n/a", "why": "none of its tests is in this checkout", "tests": []}
-            elif (original := apply(tree, m)) is None:
-                results[m.name] = {"result": "n/a", "why": f"snippet not found once in {m.path}", "tests": tests}
+            elif (planted := apply(tree, m)) is None:
+                where = " or ".join(p for p, _, _ in m.places())
+                results[m.name] = {"result": "n/a", "why": f"snippet not found once in {where}", "tests": tests}
             else:
+                mutated, original = planted
                 try:
                     known: set[str] = set()  # tests that fail unmutated too: run without them
                     while True:
@@ -209,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                         ids = {t for t in failed if not t.startswith("<")}
                         new = sorted(t for t in ids if t not in checked)
                         if new:  # a failure counts when the test passes unmutated: run just those, unmutated
-                            (tree / m.path).write_text(original)
+                            mutated.write_text(original)
                             already, _ = failed_tests(tree, new, set(), args.timeout, first=False)
                             apply(tree, m)
                             checked.update({t: t in already for t in new})
@@ -219,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                             break
                         known |= ids
                 finally:
-                    (tree / m.path).write_text(original)
+                    mutated.write_text(original)
                 results[m.name] = {"result": "caught" if failed else "MISSED", "by": sorted(failed), "tests": tests,
+                                   "file": str(mutated.relative_to(tree)),
                                    "failing_unmutated": sorted(known), **({} if failed else {"tail": tail})}
             results[m.name]["seconds"] = round(time.monotonic() - start, 1)
             print(f"{m.name:32} {results[m.name]['result']:7} {', '.join(results[m.name].get('by', []))[:150]}",

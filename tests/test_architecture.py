@@ -188,9 +188,27 @@ HEAVY = ("torch", "numpy", "matplotlib", "scipy", "highspy", "megatron")
 # One interpreter checks the modules one by one, each imported with no package module loaded (the package's
 # entries are dropped from sys.modules first), as a fresh interpreter would: while no heavy library is loaded,
 # the cached third-party modules loaded none either. It stops at the first module that loads one (later
-# results would be blurred); the next test then starts a fresh interpreter from there.
+# results would be blurred); the next test then starts a fresh interpreter from there. Each source file, and
+# each method text the dataclass decorator writes, is compiled once per interpreter (as a bytecode cache
+# would; this environment writes none): a module's body still runs afresh at every import, its dataclasses'
+# methods are made afresh; only compiling the same text again is skipped.
 PURITY_CHILD = """
-import importlib, json, sys
+import builtins, dataclasses, importlib, importlib.machinery, json, sys
+compiled = {}
+plain_source_to_code = importlib.machinery.SourceFileLoader.source_to_code
+def source_to_code(loader, data, path, *args, **kwargs):
+    key = (path, bytes(data), args, tuple(sorted(kwargs.items())))
+    if key not in compiled:
+        compiled[key] = plain_source_to_code(loader, data, path, *args, **kwargs)
+    return compiled[key]
+importlib.machinery.SourceFileLoader.source_to_code = source_to_code
+def exec_once_compiled(text, globals=None, locals=None):
+    if not isinstance(text, str):
+        return builtins.exec(text, globals, locals)
+    if text not in compiled:
+        compiled[text] = compile(text, "<string>", "exec")
+    return builtins.exec(compiled[text], globals, locals)
+dataclasses.exec = exec_once_compiled  # what dataclasses' _create_fn calls
 results = {}
 for module in sys.argv[1:]:
     for name in [n for n in sys.modules if n == "megatron_envpipe" or n.startswith("megatron_envpipe.")]:

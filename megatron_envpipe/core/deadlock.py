@@ -82,37 +82,13 @@ def check_deadlock(
     wpcs = [0] * num
     pcs = [0] * num
     queues: dict[tuple, dict[int, deque]] = {}
+    # Per stream, its two stages in order with their queues: (sa, qa, sb, qb), sa < sb.
+    pairs: dict[tuple, tuple[int, deque, int, deque]] = {}
     completed: set[tuple[int, int]] = set()  # (stage, instruction index)
-    op_index: dict[tuple[int, int], tuple] = {}
-    sent: dict[tuple, list[int]] = {}
-    received: dict[tuple, list[int]] = {}
+    op_index: dict[tuple, tuple[int, int]] = {}
+    sent: dict[tuple, list[tuple[int, int]]] = {}
+    received: dict[tuple, list[tuple[int, int]]] = {}
     steps = 0
-
-    def settle(key: tuple) -> None:
-        qs = queues[key]
-        if len(qs) == 2:  # always: a stream joins one stage and its peer (the loop below is the general form)
-            (sa, qa), (sb, qb) = sorted(qs.items())
-            while qa and qb:
-                ia, a = qa[0][1:]
-                ib, b = qb[0][1:]
-                if a.is_send == b.is_send or a.message(sa, num) != b.message(sb, num):
-                    return  # heads do not match: this stream is stuck for now
-                qa.popleft()
-                qb.popleft()
-                completed.add((sa, ia))
-                completed.add((sb, ib))
-            return
-        while True:
-            ends = [q for q in qs.values() if q]
-            if len(ends) < 2:
-                return
-            (sa, ia, a), (sb, ib, b) = (qs[s][0] for s in sorted(qs) if qs[s])
-            if not (a.is_send != b.is_send and a.message(sa, num) == b.message(sb, num)):
-                return  # heads do not match: this stream is stuck for now
-            qs[sa].popleft()
-            qs[sb].popleft()
-            completed.add((sa, ia))
-            completed.add((sb, ib))
 
     def create(s: int, key: tuple, peer: int) -> bool:
         """Stage ``s`` needs communicator ``key`` (shared with ``peer``): True once it exists."""
@@ -127,6 +103,11 @@ def check_deadlock(
         joining[s] = key
         return False
 
+    # The hot loop reads each instruction's class once (_comm_info) and inlines CommInstruction's peer,
+    # channel and message; queue entries carry (stage, index, instruction, is_send, message) so that
+    # matching two heads compares precomputed messages. Same model and results as the plain form
+    # (tests/core/test_program_specs.py runs both).
+    known_info = _COMM_INFO.get
     progress = True
     while progress:
         progress = False
@@ -140,33 +121,63 @@ def check_deadlock(
                 progress = True
             if wpcs[s] < len(warm[s]):
                 continue  # blocked in its warm-up
-            while pcs[s] < len(prog.instructions):
-                ins = prog.instructions[pcs[s]]
-                if isinstance(ins, CommInstruction):
+            instructions = prog.instructions
+            size = len(instructions)
+            pc = start_pc = pcs[s]
+            while pc < size:
+                ins = instructions[pc]
+                info = known_info(type(ins), _UNSEEN)
+                if info is _UNSEEN:
+                    info = _comm_info(type(ins))
+                if info is not None:
+                    kind, is_send, is_start, downstream = info
+                    chunk = ins.chunk
                     # Virtual stage 0 has no previous one: nothing to receive activations from or send grads to.
-                    if num < 2 or (ins.chunk == 0 and s == 0 and (ins.kind in DOWNSTREAM) != ins.is_send):
+                    if num < 2 or (chunk == 0 and s == 0 and downstream != is_send):
+                        pcs[s] = pc
+                        steps += pc - start_pc
                         raise DeadlockError(f"stage {s}: {ins} has no peer stage {ins.peer(s)}")
-                    if ins.is_start:
-                        peer = ins.peer(s, num)
-                        channel = ins.channel(s, num)
+                    microbatch = ins.microbatch
+                    if is_start:
+                        peer = (s + (1 if downstream == is_send else -1)) % num
+                        channel = (s, peer, kind) if is_send else (peer, s, kind)
                         key = comm(*channel)  # the stream (communicator) of this op
                         if lazy_communicators and not create(s, key, peer):
                             break  # blocked creating the communicator
-                        qs = queues.setdefault(key, {})
-                        qs.setdefault(s, deque()).append((s, pcs[s], ins))
-                        qs.setdefault(peer, deque())
-                        op_index[(s, ins.kind, ins.is_send, ins.microbatch, ins.chunk)] = (s, pcs[s])
-                        (sent if ins.is_send else received).setdefault(channel, []).append(
-                            ins.message(s, num)[1:])
-                        settle(key)
+                        virtual = chunk * num + s
+                        if not is_send:
+                            virtual += -1 if downstream else 1
+                        message = (kind, microbatch, virtual)
+                        qs = queues.get(key)
+                        if qs is None:
+                            qs = queues[key] = {s: deque(), peer: deque()}
+                            pairs[key] = (s, qs[s], peer, qs[peer]) if s < peer else (peer, qs[peer], s, qs[s])
+                        qs[s].append((s, pc, ins, is_send, message))
+                        op_index[(s, kind, is_send, microbatch, chunk)] = (s, pc)
+                        (sent if is_send else received).setdefault(channel, []).append((microbatch, virtual))
+                        # Settle the stream: complete matching heads (a send and its receive) in FIFO order.
+                        sa, qa, sb, qb = pairs[key]
+                        while qa and qb:
+                            a = qa[0]
+                            b = qb[0]
+                            if a[3] == b[3] or a[4] != b[4]:
+                                break  # heads do not match: this stream is stuck for now
+                            qa.popleft()
+                            qb.popleft()
+                            completed.add((sa, a[1]))
+                            completed.add((sb, b[1]))
                     else:
-                        start = op_index.get((s, ins.kind, ins.is_send, ins.microbatch, ins.chunk))
+                        start = op_index.get((s, kind, is_send, microbatch, chunk))
                         if start is None:
+                            pcs[s] = pc
+                            steps += pc - start_pc
                             raise DeadlockError(f"stage {s}: {ins} finishes an op that was never started")
                         if start not in completed:
                             break  # blocked
-                pcs[s] += 1
-                steps += 1
+                pc += 1
+            if pc != start_pc:
+                pcs[s] = pc
+                steps += pc - start_pc
                 progress = True
     stuck = [s for s, prog in enumerate(programs) if wpcs[s] < len(warm[s]) or pcs[s] < len(prog.instructions)]
     if stuck:
@@ -195,10 +206,26 @@ def check_deadlock(
     return steps
 
 
+def _comm_info(cls: type) -> tuple[str, bool, bool, bool] | None:
+    """(kind, is_send, is_start, downstream) of a communication instruction class; None for the others."""
+    try:
+        return _COMM_INFO[cls]
+    except KeyError:
+        info = (cls.kind, cls.is_send, cls.is_start, cls.kind in DOWNSTREAM) if issubclass(cls, CommInstruction) \
+            else None
+        _COMM_INFO[cls] = info
+        return info
+
+
+_COMM_INFO: dict[type, tuple[str, bool, bool, bool] | None] = {}
+_UNSEEN = ("", False, False, False)  # a class _comm_info has not read yet
+
+
 def _check_shapes_known(programs: Sequence[StageProgram]) -> None:
     """With shape messages anywhere: every data receive is posted after its shape's wait."""
     shape_kinds = set(SHAPE_KIND.values())
-    if not any(isinstance(i, CommInstruction) and i.kind in shape_kinds for p in programs for i in p.instructions):
+    classes = set().union(*(map(type, p.instructions) for p in programs))
+    if not any(info is not None and info[0] in shape_kinds for info in map(_comm_info, classes)):
         return
     for prog in programs:
         known = set()

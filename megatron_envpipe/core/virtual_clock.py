@@ -62,7 +62,10 @@ class VirtualClock:
             self.sleeps += 1
         while True:
             with self._lock:
-                due = min((t for t in self._tickers if t[0] <= target), key=lambda t: t[0], default=None)
+                due = None  # the earliest tick due by the target (the first registered, on a tie)
+                for ticker in self._tickers:  # (a loop: a poller ticks every few ms, min() costs more)
+                    if ticker[0] <= target and (due is None or ticker[0] < due[0]):
+                        due = ticker
                 if due is None:
                     self._now_s = target
                     return

@@ -19,6 +19,15 @@ torchrun; this is for tests of what the ranks train and print (tests/launching.p
 for CPU ranks: ranks of a dead launcher are killed outright (no clock reset on a real GPU), and CUDA
 must not be initialised before a fork; on GPUs use torchrun. Left out of torchrun's environment: the
 ``TORCHELASTIC_*`` variables of its agent (nothing here reads them).
+
+    python -m megatron_envpipe.testing.forked_ranks --serve [--preload MODULES]
+
+imports once for many launches (a test session's): each JSON line on stdin (``argv``: the launcher's
+arguments as above, ``cwd``, ``env``: the whole environment, ``stdout``/``stderr``: files) forks a launcher
+that runs them in that folder and environment, writing to those files, as ``python -m ...forked_ranks ARGV``
+would; the server answers the launcher's pid, then its exit code, one line each, and exits at the end of
+stdin. What the preload read from the environment is the server's: a caller sends only launches whose
+``OMP_NUM_THREADS`` and ``PYTHONPATH`` are the server's (tests/launching.py).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import os
 import runpy
 import signal
@@ -81,11 +91,7 @@ def _preload(modules: Sequence[str]) -> None:
 
 def _run_rank(ns: argparse.Namespace, rank: int, parent: int) -> None:
     """In the child: become rank ``rank`` and run the target as ``__main__``; never returns normally."""
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux; elsewhere ranks may outlive us
-    if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
+    _die_with_parent(parent)  # a launcher that dies takes its ranks with it
     size = ns.nproc_per_node
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       ROLE_NAME="default", WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size), GROUP_WORLD_SIZE="1",
@@ -146,8 +152,79 @@ def _wait(ranks: dict[int, int]) -> int:
     return 0
 
 
+def _die_with_parent(parent: int) -> None:
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux; elsewhere we may outlive it
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _launch(request: dict, server: int) -> None:
+    """In a child of the server: ``python -m ...forked_ranks ARGV`` in the request's folder, environment and
+    output files; never returns in the launcher (a rank it forks returns as ranks do: through SystemExit)."""
+    _die_with_parent(server)
+    launcher = os.getpid()
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.chdir(request["cwd"])
+    sys.path[0] = os.getcwd()  # python -m: the folder it started in
+    os.environ.clear()
+    os.environ.update(request["env"])
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = [sys.argv[0], *request["argv"]]
+    try:
+        code: object = main(request["argv"])
+    except SystemExit as exc:
+        if os.getpid() != launcher:
+            raise  # a rank's normal exit: through the interpreter's shutdown, as in a fresh launcher
+        code = exc.code
+    except BaseException:
+        if os.getpid() != launcher:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):  # as the interpreter exits on SystemExit("text")
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def _serve(argv: Sequence[str]) -> int:
+    """``--serve``: preload once, then one launch per JSON line on stdin (module docstring)."""
+    parser = argparse.ArgumentParser(prog="forked_ranks --serve", allow_abbrev=False)
+    parser.add_argument("--preload", default=",".join(TINY_GPT_PRELOAD))
+    ns = parser.parse_args(argv)
+    _die_with_parent(os.getppid())
+    _preload([name for name in ns.preload.split(",") if name])
+    gc.freeze()
+    server = os.getpid()
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _launch(request, server)  # a rank's SystemExit (or error) comes up here: out of the loop
+        print(pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = _parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:
+        return _serve(argv[1:])
+    ns = _parse(argv)
     if ns.nproc_per_node > 1:  # as torchrun: one OpenMP thread per rank unless the caller says otherwise
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     _preload([name for name in ns.preload.split(",") if name])

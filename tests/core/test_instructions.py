@@ -31,9 +31,9 @@ from megatron_envpipe.core.schedule import Schedule, _stage_order, envpipe_sched
 from megatron_envpipe.planning.envpipe import initial_plan
 
 
-def random_schedule(rng: random.Random) -> Schedule:
-    p = rng.randint(1, 16)
-    m = rng.randint(1, 64)
+def random_schedule(rng: random.Random, max_stages: int = 16, max_microbatches: int = 64) -> Schedule:
+    p = rng.randint(1, max_stages)
+    m = rng.randint(1, max_microbatches)
     if rng.random() < 0.2:
         return one_f_one_b(p, m)
     # Any non-increasing r within M-(P-s), saturated stages included.

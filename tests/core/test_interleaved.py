@@ -87,19 +87,23 @@ def test_every_valid_size_validates_and_has_megatrons_warmup():
     checked = 0
     for p, v, m, n in valid_sizes():
         case = (p, v, m, n)
-        sched = interleaved_schedule(p, m, v, n).validate()
+        # Validated by the parse below: the parsed schedule has the same orders and sizes (both checked).
+        sched = interleaved_schedule(p, m, v, n)
+        assert sched.num_microbatches == m and sched.num_chunks == v, case
         total = m * v
+        warmup_counts = _interleaved_warmup_counts(p, m, v, n)
         for s in range(p):
             w = min(total, 2 * (p - s - 1) + (v - 1) * n)
             # W warm-up forwards, then the first steady pair's forward (unless all forwards come first).
             assert sched.forwards_before_first_backward(s) == (w + 1 if w < total else total), case
-            assert _interleaved_warmup_counts(p, m, v, n)[s] == w, case
+            assert warmup_counts[s] == w, case
             assert sched.orders[s] == _interleaved_order(s, p, m, v, n), case
             # Forwards of each chunk run in micro-batch order, backwards too (Megatron's FIFO per chunk).
-            for c in range(v):
-                assert [u.microbatch for u in sched.orders[s] if u.chunk == c and u.is_forward] == list(range(m))
-                assert [u.microbatch for u in sched.orders[s] if u.chunk == c and not u.is_forward] == list(range(m))
-        parsed = Schedule.parse(str(sched), name="interleaved")  # (the name is only a label: parsed once)
+            seen = {(c, forward): [] for c in range(v) for forward in (True, False)}
+            for u in sched.orders[s]:
+                seen[(u.chunk, u.is_forward)].append(u.microbatch)
+            assert all(mbs == list(range(m)) for mbs in seen.values()), case
+        parsed = Schedule.parse(str(sched), name="interleaved")  # validates; (the name is only a label)
         assert parsed.orders == sched.orders, case
         assert parsed.num_chunks == v, case
         checked += 1

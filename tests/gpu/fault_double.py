@@ -154,7 +154,10 @@ def install_from_env() -> list[dict[str, Any]]:
         mine = [dict(f) for f in faults if f["stage"] == stage]
         if not mine:
             return device
-        gpu = FaultyGpu(device)
+        # Fault windows on the device's own clock: a simulated GPU in virtual time counts them in
+        # simulated seconds, so what they cover does not depend on how fast the host runs the ranks.
+        timebase = getattr(device, "timebase", None)
+        gpu = FaultyGpu(device) if timebase is None else FaultyGpu(device, clock=timebase[0])
         for f in mine:
             del f["stage"]
             gpu.inject(f.pop("fault"), **f)

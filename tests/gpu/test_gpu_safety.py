@@ -323,7 +323,16 @@ def test_close_raises_when_a_reset_fails(double, tmp_path):
 
 CHILD = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import faulthandler, os, signal, sys, time
+    # A training process as a user starts it: Ctrl-C raises KeyboardInterrupt, whatever the test
+    # process's own disposition and mask were when it started this one (a disposition of SIG_IGN is
+    # inherited, and the guard rightly leaves an ignored signal ignored). Stacks on SIGUSR1: a stuck
+    # child says where it is.
+    print(f"SIGINT at start: {{signal.getsignal(signal.SIGINT)!r}}, blocked: "
+          f"{{sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}}", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+    faulthandler.register(signal.SIGUSR1)
     sys.path.insert(0, {tests!r})
     import nvml_double
     nvml_double.install_from_env()
@@ -402,8 +411,11 @@ class Child:
         try:
             _, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # its stacks, then it goes
+            time.sleep(1.0)
             self.proc.kill()
-            raise
+            _, err = self.proc.communicate()
+            raise AssertionError(f"child still running {timeout:.0f} s after the signal; its stderr:\n{err}") from None
         return self.proc.returncode, err
 
     def state_files(self) -> list[Path]:

@@ -2,7 +2,8 @@
 saving measured against a baseline run of the same length, on the tiny GPT (PP = 4) driven by the A40
 GPT-3 profile with unit times x0.15 (17/42 ms), realistic dynamics (100 ms counter, 15 ms clock latency,
 3 % heat), in virtual time. Before the baseline was measured again at the plan's GPU age the summary
-said 12.7 % where the same-length baseline run measured 15.7 %."""
+said 12.7 % where the same-length baseline run measured 15.7 %. The same runs check issue 34's acceptance:
+measured saving within 1.5 points of the plan's, iteration time within +1 % of the plan's."""
 
 from __future__ import annotations
 
@@ -19,11 +20,16 @@ FLAGS = ["--pipeline-model-parallel-size", 4, "--device", "cpu", "--train-iters"
          "--envpipe-gpu", "simulated:a40/gpt3-175b", "--envpipe-sim-unit-scale", 0.15,
          "--envpipe-sim-dynamics", "realistic", "--envpipe-profile-cache", "off"]
 LINE = re.compile(r"EnvPipe energy.*\| iteration (\d+) \| ([\d.]+) J over the pipeline in ([\d.]+) s")
+PLAN = re.compile(r"EnvPipe plan optimal/.*?predicted energy saving ([\d.]+)%.*?iteration time ([-+][\d.]+)%")
 SUMMARY = re.compile(r"EnvPipe summary \(simulated\) \| iterations (\d+)-(\d+) .*\| energy ([-+][\d.]+)%.*$", re.M)
 
 
 def _energies(log: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in LINE.finditer(log)}
+
+
+def _times(log: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(3)) for m in LINE.finditer(log)}
 
 
 def test_the_logged_saving_is_what_a_same_length_baseline_run_measures(tmp_path):
@@ -47,3 +53,11 @@ def test_the_logged_saving_is_what_a_same_length_baseline_run_measures(tmp_path)
           f"(iterations {first}-{last})")
     assert abs(logged - measured) < 1.0
     assert measured > 12  # and it is a saving (the plan from the start-up profile predicts ~16 %)
+    # Issue 34's acceptance, same runs: measured saving within 1.5 points of the plan's, iteration time
+    # within +1 % of the plan's (both against their baselines: the plan's deadline, the baseline run).
+    plan = PLAN.search(envpipe.log)
+    assert plan, envpipe.log[-3000:]
+    time_ran = statistics.fmean(_times(envpipe.log)[i] for i in window)
+    time_stock = statistics.fmean(_times(base.log)[i] for i in window)
+    assert abs(measured - float(plan.group(1))) <= 1.5
+    assert (time_ran / time_stock) / (1 + float(plan.group(2)) / 100) <= 1.01

@@ -19,16 +19,22 @@ stamped at the last fitted tick inside it (the value read is the counter at that
 bracket is wide the fit is what it was without this rule, bit for bit. :meth:`TickGrid.stamp_bound_s`
 states how far a stamp can be off: the hard bounds every recent bracket puts on that tick.
 
-Pure Python on the monitor's clock; the caller holds its own lock.
+Pure Python on the monitor's clock; the caller holds its own lock. The simulated GPU's monitor adds a
+bracket every poll, so per bracket the grid does little: the period bounds slide with the brackets
+(:mod:`~megatron_envpipe.gpu.energy.pair_bounds`) and the brackets' widths stay sorted for their median,
+each with the same IEEE operations on the same operands as the plain comprehensions, hence the same
+floats (tests/gpu/test_counter_ticks_exact.py holds the grid to the plain version it replaced, bit for bit).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
 
 from megatron_envpipe.errors import InvalidValueError
+from megatron_envpipe.gpu.energy.pair_bounds import SlidingPairBounds
 
 __all__ = ["TickGrid"]
 
@@ -38,6 +44,8 @@ _MIN_UPDATES = 4
 _PHASE_BRACKETS = 64
 # The newest of them pin the phase (few periods: the period's own error cannot add up).
 _PHASE_FROM = 12
+# The oldest and the newest this many bound the period (every pair of one old and one new bracket).
+_PERIOD_FROM = 16
 # A bracket is wide (a starved poll) when it spans a period (before a fit: this many times the first
 # estimate) and this many times the poller's usual bracket: polls aliased near the period are not starved.
 _WIDE = 1.5
@@ -65,6 +73,9 @@ class TickGrid:
         self._period_s: float | None = getattr(self, "_period_s", None)
         self._phase_s = 0.0
         self._recent: deque[tuple[int, float, float]] = deque(maxlen=_PHASE_BRACKETS)  # (n, lo, hi)
+        self._widths: list[float] = []  # hi - lo of each recent bracket, sorted (their median, at no sort)
+        self._pairs: SlidingPairBounds | None = None  # the period bounds, while the window is full
+        self._unfit_left = 0  # brackets to come before a non-finite or out-of-order one has left the window
         self._period_bounds: tuple[float, float] | None = None  # periods all recent brackets allow
         self._after_wide = False  # a wide bracket was left out since the last one fitted
 
@@ -117,10 +128,10 @@ class TickGrid:
             self._m0 = mids[0]
             self._n_last, self._m_last = 0, mids[0]
             self._put(0, mids[0])
-            self._recent.append((0, *self._first[0]))
+            self._remember(0, *self._first[0])
             for m, (lo, hi) in zip(mids[1:], self._first[1:]):
                 self._advance(m, period)
-                self._recent.append((self._n_last, lo, hi))
+                self._remember(self._n_last, lo, hi)
             self._first, self._first_cut = [], []
             self._fit()
             return
@@ -138,7 +149,7 @@ class TickGrid:
             self._first, self._first_cut = [(lo_s, hi_s)], [False]
             return
         self._advance(mid, self._period_s or 0.0)
-        self._recent.append((self._n_last, lo_s, hi_s))
+        self._remember(self._n_last, lo_s, hi_s)
         self._after_wide = False
         self._fit()
 
@@ -146,8 +157,36 @@ class TickGrid:
         """Whether a bracket may hold several updates and is a starved poll, not the poller's usual."""
         if width_s < period_s:
             return False
-        usual = statistics.median(hi - lo for _, lo, hi in self._recent) if self._recent else 0.0
-        return width_s >= _WIDE * usual
+        return width_s >= _WIDE * self._usual_width_s()
+
+    def _remember(self, n: int, lo_s: float, hi_s: float) -> None:
+        """Append a fitted bracket to the recent ones (the oldest drops out), widths sorted, bounds slid."""
+        recent, widths = self._recent, self._widths
+        was_full = len(recent) == recent.maxlen
+        if was_full:
+            _, lo, hi = recent[0]
+            del widths[bisect.bisect_left(widths, hi - lo)]  # that very float is there: no rounding
+        # SlidingPairBounds wants finite brackets in increasing n (always so: numbers only grow in a fit)
+        fits = (not recent or n > recent[-1][0]) and math.isfinite(lo_s) and math.isfinite(hi_s)
+        self._unfit_left = max(0, self._unfit_left - 1) if fits else _PHASE_BRACKETS
+        recent.append((n, lo_s, hi_s))
+        bisect.insort(widths, hi_s - lo_s)
+        if len(recent) < _PHASE_BRACKETS or self._unfit_left:
+            self._pairs = None
+        elif was_full and self._pairs is not None:
+            self._pairs.slide(list(recent))
+        else:
+            self._pairs = SlidingPairBounds(list(recent), _PERIOD_FROM)
+
+    def _usual_width_s(self) -> float:
+        """The median width of the recent brackets (0 without any): statistics.median's arithmetic."""
+        widths = self._widths
+        k = len(widths)
+        if k == 0:
+            return 0.0
+        if k % 2 == 1:
+            return widths[k // 2]
+        return (widths[k // 2 - 1] + widths[k // 2]) / 2
 
     def _advance(self, mid: float, period: float) -> None:
         # Local rounding: a gap of a few periods rounds safely even with a rough period.
@@ -177,18 +216,25 @@ class TickGrid:
         # if they agree, pin both far tighter than the middles' average (polls not locked to the
         # period sweep the phase; a period is bounded by the oldest and newest brackets' spans).
         recent = list(self._recent)
-        old, new = recent[:16], recent[-16:]
-        pairs = [(n1 - n0, lo1 - hi0, hi1 - lo0) for n0, lo0, hi0 in old for n1, lo1, hi1 in new if n1 > n0]
-        if pairs:
-            t_low = max(a / dn for dn, a, _ in pairs)
-            t_high = min(b / dn for dn, _, b in pairs)
+        bounds = self._pairs.bounds() if self._pairs is not None else None
+        if bounds is None:
+            bounds = _period_bounds(recent[:_PERIOD_FROM], recent[-_PERIOD_FROM:])
+        if bounds is not None:
+            t_low, t_high = bounds
             if t_low <= t_high:
                 period = min(max(period, t_low), t_high)
-        self._period_bounds = (t_low, t_high) if pairs and t_low <= t_high else None
+        self._period_bounds = bounds if bounds is not None and bounds[0] <= bounds[1] else None
         self._period_s = period
         newest = recent[-_PHASE_FROM:]
-        low = max(lo - n * period for n, lo, _ in newest)
-        high = min(hi - n * period for n, _, hi in newest)
+        # max(lo - n * period) and min(hi - n * period) over the newest, as max()/min() pick (first wins)
+        n, lo, hi = newest[0]
+        low, high = lo - n * period, hi - n * period
+        for n, lo, hi in newest[1:]:
+            shift = n * period
+            if lo - shift > low:
+                low = lo - shift
+            if hi - shift < high:
+                high = hi - shift
         if low <= high:
             self._phase_s = 0.5 * (low + high)
         else:  # brackets that disagree (jitter): the middles' average, over a few periods only
@@ -253,3 +299,13 @@ class TickGrid:
             if low <= high:
                 bound = max(bound, stamp - low, high - stamp)
         return width if bound < 0 else bound
+
+
+def _period_bounds(old: list[tuple[int, float, float]],
+                   new: list[tuple[int, float, float]]) -> tuple[float, float] | None:
+    """The least and the most period every pair of an old bracket and a later new one allows (None
+    without such a pair): the plain way, for a window that is not full (or a zero bound)."""
+    pairs = [(n1 - n0, lo1 - hi0, hi1 - lo0) for n0, lo0, hi0 in old for n1, lo1, hi1 in new if n1 > n0]
+    if not pairs:
+        return None
+    return max(a / dn for dn, a, _ in pairs), min(b / dn for dn, _, b in pairs)
