@@ -143,7 +143,7 @@ class EnergyLedger:
         result = phases.last_result if phases.is_planned_iteration(iteration - 1) else None
         predicted = result.baseline_energy_j if result is not None else None
         planned_time = None
-        if result is not None:
+        if result is not None and phases.last_plan_predicts_time:  # no stand-in profile's times
             planned_time = result.deadline_s if result.deadline_s is not None else result.score.iteration_time_s
             if pace_time_s is not None:  # following a straggler: its pace's plan
                 planned_time = pace_time_s

@@ -42,6 +42,8 @@ _Key = tuple[int, int]  # (stages, micro-batches): one pipeline size
 # 1F1B iterations whose memory the activation budget is derived from. CUDA: two, because
 # optimizer state (Adam's moments) is allocated by the first optimizer step, after iteration 1.
 MEMORY_ITERATIONS = {"cuda": 2, "model": 1}
+# The source of the stand-in profile a stock run plans its schedule from when it measured nothing.
+_UNIFORM_PROFILE_SOURCE = "<uniform>"
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,12 @@ class MadePlan:
     planned_with: tuple[Profile, int, PlannerConfig]  # profile, micro-batches, planner config
     planned_at: int  # the iteration count when the plan took over
     deadline: DeadlineFrom | None  # --envpipe-deadline-from 1f1b: the deadline and 1F1B at f_max it came from
+
+    @property
+    def predicts_time(self) -> bool:
+        """Whether the plan's iteration time is a prediction: not when it was made from the stand-in profile of
+        a stock run that measured nothing (unit times of 1 s: its schedule is right, its times say nothing)."""
+        return self.planned_with[0].source != _UNIFORM_PROFILE_SOURCE
 
 
 class MeasuredRuns:
@@ -128,7 +136,7 @@ class MeasuredRuns:
         if not runs:
             points = {(s, i): [ProfilePoint(clock_mhz, 1.0, 0.0)] for s in range(num_stages)
                       for i in ("forward", "backward")}
-            return Profile(points, source="<uniform>")
+            return Profile(points, source=_UNIFORM_PROFILE_SOURCE)
         points = {}
         for s in range(num_stages):
             for kind, ins in (("F", "forward"), ("B", "backward")):

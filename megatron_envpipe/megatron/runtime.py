@@ -136,6 +136,11 @@ class EnvPipeRuntime:
         return self.made.result if self.made is not None else None
 
     @property
+    def last_plan_predicts_time(self) -> bool:
+        """Whether the last plan's iteration time is a prediction (phase_parts.MadePlan.predicts_time)."""
+        return self.made is not None and self.made.predicts_time
+
+    @property
     def planned_with(self) -> tuple[Profile, int, PlannerConfig] | None:
         """What the last plan was made from (profile, micro-batches, planner config)."""
         return self.made.planned_with if self.made is not None else None

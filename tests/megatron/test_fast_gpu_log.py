@@ -43,6 +43,12 @@ def test_the_logged_saving_is_what_a_same_length_baseline_run_measures(tmp_path)
                     forked=True)
     summary = SUMMARY.search(envpipe.log)
     assert summary, envpipe.log[-3000:]
+    # The stock run measured no profile: it plans its schedule from a stand-in (unit times of 1 s), whose time is
+    # no prediction, so its energy lines compare with none (they read "time -97.01% vs the plan's 22.000 s").
+    # The EnvPipe run's lines, planned from its start-up profile, do.
+    stock_lines = [line for line in base.log.splitlines() if LINE.search(line)]
+    assert stock_lines and not any("vs the plan's" in line for line in stock_lines), stock_lines[:2]
+    assert any("vs the plan's" in line for line in envpipe.log.splitlines() if LINE.search(line)), envpipe.log[-3000:]
     first, last, logged = int(summary.group(1)), int(summary.group(2)), -float(summary.group(3))
     assert last == ITERS and "measured again up to iteration" in summary.group(0)
     # The same iterations, at the same GPU age, in both runs.
