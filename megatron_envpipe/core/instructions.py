@@ -46,11 +46,10 @@ docs/executor.md, "Variable sequence lengths".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import ClassVar
 
 from megatron_envpipe.core.plan import FrequencyPlan
-from megatron_envpipe.core.schedule import BACKWARD, FORWARD, B, F, Schedule, ScheduleError, Unit
+from megatron_envpipe.core.schedule import B, F, Schedule, ScheduleError, Unit
 from megatron_envpipe.core.timeline import Dependency
 from megatron_envpipe.errors import EnvPipeError
 
@@ -268,24 +267,11 @@ class StageProgram:
         """The compute units in program order (must equal the schedule's order)."""
         out = []
         for ins in self.instructions:
-            unit = _unit_maker(type(ins))  # by class, read once per class: this runs on every program built
-            if unit is not None:
-                out.append(unit(ins.microbatch, ins.chunk))
+            if isinstance(ins, Forward):
+                out.append(F(ins.microbatch, ins.chunk))
+            elif isinstance(ins, Backward):
+                out.append(B(ins.microbatch, ins.chunk))
         return out
-
-
-def _unit_maker(cls: type) -> object:
-    """``F`` for a forward instruction class, ``B`` for a backward one (as partials of Unit), None for the others."""
-    try:
-        return _UNIT_MAKERS[cls]
-    except KeyError:
-        maker = partial(Unit, FORWARD) if issubclass(cls, Forward) else partial(Unit, BACKWARD) \
-            if issubclass(cls, Backward) else None
-        _UNIT_MAKERS[cls] = maker
-        return maker
-
-
-_UNIT_MAKERS: dict[type, object] = {}
 
 
 def with_shape_messages(program: StageProgram) -> StageProgram:
@@ -351,70 +337,58 @@ def build_programs(
     programs = []
     for s, order in enumerate(schedule.orders):
         out: list[Instruction] = []
-        append = out.append
-        # Per channel (activations, gradients): the messages in channel order, each one's position, and how many
-        # receives are posted so far. A receive is posted ahead (``prefetch``) or, at the latest, right before
-        # its wait; messages are consumed in channel order, so most are already posted. (Inlined: this loop
-        # builds every program of every plan; tests/core/test_program_specs.py holds the plain form.)
-        act_seq, grad_seq = incoming[s][ACT], incoming[s][GRAD]
-        act_at = {msg: i for i, msg in enumerate(act_seq)}
-        grad_at = {msg: i for i, msg in enumerate(grad_seq)}
-        act_posted = grad_posted = 0
-        stop = min(len(act_seq), prefetch)
-        while act_posted < stop:
-            append(RecvActivationStart(*act_seq[act_posted]))
-            act_posted += 1
-        stop = min(len(grad_seq), prefetch)
-        while grad_posted < stop:
-            append(RecvGradStart(*grad_seq[grad_posted]))
-            grad_posted += 1
+        seqs = incoming[s]
+        position = {kind: {msg: i for i, msg in enumerate(seq)} for kind, seq in seqs.items()}
+        posted = {ACT: 0, GRAD: 0}  # receives posted so far, per channel
+        starts = {ACT: RecvActivationStart, GRAD: RecvGradStart}
+
+        # Bound per stage (defaults): the closure never outlives this iteration.
+        def post(kind: str, upto: int, out: list[Instruction] = out, seqs: dict = seqs, posted: dict = posted,
+                 starts: dict = starts) -> None:
+            seq = seqs[kind]
+            stop = min(len(seq), upto)
+            while posted[kind] < stop:
+                out.append(starts[kind](*seq[posted[kind]]))
+                posted[kind] += 1
+
+        def consume(kind: str, msg: tuple[int, int], finish: type, out: list[Instruction] = out,
+                    position: dict = position, posted: dict = posted) -> None:
+            i = position[kind][msg]
+            if posted[kind] <= i:  # otherwise consumed in channel order: already prefetched
+                post(kind, i + 1)
+            out.append(finish(*msg))
+            post(kind, i + 1 + prefetch)
+
+        post(ACT, prefetch)
+        post(GRAD, prefetch)
         grad_sends: list[tuple[int, int]] = []
         current = None
-        freqs = plan.freqs_mhz[s] if plan is not None else None
         for i, unit in enumerate(order):
-            if freqs is not None:
-                f = freqs[i]
+            if plan is not None:
+                f = plan.freqs_mhz[s][i]
                 if f != current:
-                    append(SetFrequency(f))
+                    out.append(SetFrequency(f))
                     current = f
             msg = (unit.microbatch, unit.chunk)
             has_input = not (s == 0 and msg[1] == 0)
             has_output = not (s == p - 1 and msg[1] == v_max)
             if unit.is_forward:
                 if has_input:
-                    at = act_at[msg]
-                    stop = min(len(act_seq), at + 1)  # posted already unless at >= act_posted
-                    while act_posted < stop:
-                        append(RecvActivationStart(*act_seq[act_posted]))
-                        act_posted += 1
-                    append(RecvActivationFinish(*msg))
-                    stop = min(len(act_seq), at + 1 + prefetch)
-                    while act_posted < stop:
-                        append(RecvActivationStart(*act_seq[act_posted]))
-                        act_posted += 1
-                append(Forward(*msg))
+                    consume(ACT, msg, RecvActivationFinish)
+                out.append(Forward(*msg))
                 if has_output:
-                    append(SendActivationStart(*msg))
+                    out.append(SendActivationStart(*msg))
             else:
                 if has_output:
-                    at = grad_at[msg]
-                    stop = min(len(grad_seq), at + 1)
-                    while grad_posted < stop:
-                        append(RecvGradStart(*grad_seq[grad_posted]))
-                        grad_posted += 1
-                    append(RecvGradFinish(*msg))
-                    stop = min(len(grad_seq), at + 1 + prefetch)
-                    while grad_posted < stop:
-                        append(RecvGradStart(*grad_seq[grad_posted]))
-                        grad_posted += 1
+                    consume(GRAD, msg, RecvGradFinish)
                     # Its receiver consumed this activation before producing the
                     # gradient just received, so this wait never blocks.
-                    append(SendActivationFinish(*msg))
-                append(Backward(*msg))
+                    out.append(SendActivationFinish(*msg))
+                out.append(Backward(*msg))
                 if has_input:
-                    append(SendGradStart(*msg))
+                    out.append(SendGradStart(*msg))
                     grad_sends.append(msg)
-                append(Free(*msg))
+                out.append(Free(*msg))
         out.extend(SendGradFinish(*msg) for msg in sorted(grad_sends))
         programs.append(StageProgram(s, tuple(out)))
     for prog, order in zip(programs, schedule.orders):
