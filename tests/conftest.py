@@ -9,6 +9,7 @@ and carry no tier marker, and add ``--fast``.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from tiering import pytest_addoption, pytest_collection_modifyitems, pytest_configure  # noqa: F401  (hooks)
@@ -32,3 +33,20 @@ def gpt3_profile() -> Profile:
 @pytest.fixture(scope="session")
 def bloom_profile() -> Profile:
     return Profile.from_csv(shipped_profile("a40/bloom-176b"))
+
+
+@pytest.fixture(autouse=True)
+def _idle_clock_guards_end_with_their_test():
+    """A clock guard a test made and left open (training code makes the process-wide default one, kept for
+    the process's life) would keep its SIGINT/SIGTERM handlers in pytest for the rest of the session, and a
+    SIGINT a later test raises would release it. Closed when the test is done, if it holds no lock (one that
+    does is its test's business); guards made before the test (by wider fixtures) are left alone."""
+    safety = sys.modules.get("megatron_envpipe.gpu.control.safety")
+    before = {id(guard) for guard in safety._GUARDS} if safety is not None else set()
+    yield
+    safety = sys.modules.get("megatron_envpipe.gpu.control.safety")
+    if safety is None:  # no test so far imported it: no guard exists
+        return
+    for guard in list(safety._GUARDS):
+        if id(guard) not in before and not guard.locked_devices():
+            guard.close()

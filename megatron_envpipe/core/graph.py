@@ -20,19 +20,23 @@ duration from the time the node may start or must finish, call them too).
 A built graph hands out
 its edges as :class:`EdgeLists` (frozen, with their topological order); given
 those, the two walks run over precomputed flat steps instead of nested tuples:
-the same float operations in the same order, about twice as fast.
+the same float operations in the same order, about twice as fast; with every latency +0.0 (the
+planners' default) over pairs ``(v, a, b)`` that skip the additions (:meth:`EdgeLists.pairs`).
 
 Pure Python, no imports from the package.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from itertools import islice
+from operator import itemgetter
 from typing import Protocol
 
 Edges = Sequence[Sequence[tuple[int, float]]]  # per node: (neighbour, latency_s)
 Step = tuple[int, int, float, int, float]  # (v, a, latency_a, b, latency_b): one node of a flat walk (EdgeLists)
+Pair = tuple[int, int, int]  # (v, a, b): a flat step whose two latencies are +0.0 (EdgeLists.pairs)
 
 
 class _Times(Protocol):
@@ -131,6 +135,8 @@ class EdgeLists(tuple):
         self.backward = backward
         self._flat: bool | None = None  # whether the walk fits the flat steps; None: not looked at yet
         self._steps: tuple[Step, ...] = ()
+        self._pairs: tuple[Pair, ...] | None = None  # the zero-latency walk (pairs()), once _paired
+        self._paired = False
         self._successors: EdgeLists | None = None
         return self
 
@@ -150,6 +156,21 @@ class EdgeLists(tuple):
             self._steps = steps or ()
             self._flat = steps is not None  # set last: a planner thread reading it alongside sees whole steps
         return self._steps if self._flat else None
+
+    def pairs(self) -> tuple[Pair, ...] | None:
+        """The flat steps without their latencies when every latency is +0.0 (the planners' default: no P2P
+        latency, no extra dependencies), else None (built on first use). ``x + 0.0`` and ``x - 0.0`` give ``x``
+        back but for ``-0.0 + 0.0``, so the zero-latency walks skip two additions per node and keep the same
+        floats (bit for bit: tests/core/test_graph_speed.py)."""
+        if not self._paired:
+            steps = self.steps()
+            if steps is not None:
+                lats = array("d", map(itemgetter(2), steps))
+                lats.extend(map(itemgetter(4), steps))
+                if not lats.tobytes().strip(b"\0"):  # all bits 0: +0.0 (a -0.0 has its sign bit set)
+                    self._pairs = tuple(zip(*(map(itemgetter(k), steps) for k in (0, 1, 3))))
+            self._paired = True  # set last, like steps()
+        return self._pairs
 
     def successors(self) -> "EdgeLists":
         """The successor lists of these predecessor lists, built once."""
@@ -221,6 +242,9 @@ def earliest_times(order: Sequence[int], preds: Edges, durations_s: Sequence[flo
     """(start, end) of every node when each starts as soon as all its inputs are ready."""
     n = len(preds)
     if isinstance(preds, EdgeLists) and preds.walks(order, backward=False):
+        pairs = preds.pairs()
+        if pairs is not None:
+            return _earliest_pairs(pairs, n, durations_s)
         return _earliest_steps(preds.steps() or (), n, durations_s)
     start = [0.0] * n
     end = [0.0] * n
@@ -239,6 +263,9 @@ def latest_times(
     """
     n = len(succs)
     if isinstance(succs, EdgeLists) and succs.walks(order, backward=True):
+        pairs = succs.pairs()
+        if pairs is not None:
+            return _latest_pairs(pairs, n, durations_s, deadline_s)
         return _latest_steps(succs.steps() or (), n, durations_s, deadline_s)
     latest_start = [deadline_s] * n
     latest_finish = [deadline_s] * n
@@ -277,6 +304,52 @@ def earliest_steps_from(steps: Sequence[Step], first: int, start: list[float], e
             t = ready
         start[v] = t
         end[v] = t + durations_s[v]
+
+
+def _earliest_pairs(pairs: Sequence[Pair], n: int, durations_s: Sequence[float]) -> tuple[list[float], list[float]]:
+    """:func:`_earliest_steps` over zero-latency pairs (:meth:`EdgeLists.pairs`)."""
+    start = [0.0] * n
+    end = [0.0] * (n + 1)
+    earliest_pairs_from(pairs, 0, start, end, durations_s)
+    end.pop()
+    return start, end
+
+
+def earliest_pairs_from(pairs: Sequence[Pair], first: int, start: list[float], end: list[float],
+                        durations_s: Sequence[float]) -> None:
+    """:func:`earliest_steps_from` over zero-latency pairs: the same floats. ``max(0, end_a + 0.0, end_b + 0.0)``
+    with strict ``>`` is ``end_a`` when it is above 0 (else 0.0: this also drops a NaN or a -0.0, as the
+    comparison from 0.0 does), then ``end_b`` where it is above that (``end_b + 0.0`` differs from ``end_b`` only
+    at -0.0, which is above nothing the walk holds)."""
+    for v, a, b in pairs if first == 0 else islice(pairs, first, None):
+        t = end[a]  # ready_pair_s with zero latencies, inlined (see earliest_steps_from)
+        if not t > 0.0:
+            t = 0.0
+        ready = end[b]
+        if ready > t:
+            t = ready
+        start[v] = t
+        end[v] = t + durations_s[v]
+
+
+def _latest_pairs(
+    pairs: Sequence[Pair], n: int, durations_s: Sequence[float], deadline_s: float
+) -> tuple[list[float], list[float]]:
+    """:func:`_latest_steps` over zero-latency pairs: ``x - 0.0`` is ``x`` for every float, so the same floats."""
+    latest_start = [deadline_s] * (n + 1)
+    latest_finish = [deadline_s] * n
+    for v, a, b in pairs:
+        t = deadline_s  # due_pair_s with zero latencies, inlined like _earliest_steps
+        by = latest_start[a]
+        if by < t:
+            t = by
+        by = latest_start[b]
+        if by < t:
+            t = by
+        latest_finish[v] = t
+        latest_start[v] = t - durations_s[v]
+    latest_start.pop()
+    return latest_start, latest_finish
 
 
 def _latest_steps(

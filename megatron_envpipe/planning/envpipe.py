@@ -106,25 +106,56 @@ def plan_reconfigured(
         reason = "no reconfiguration (policy 'default')"
     else:
         # The loop walks node indices: per node its (stage, position in its order) and whether it is on the
-        # outer envelope, looked up once (the same steps as reconf.apply on timeline.critical_units()).
-        # Unit durations are kept up to date where a raise changed a clock (evaluator.simulate's, per unit).
-        nodes = evaluator.graph.nodes
-        index = [{u: i for i, u in enumerate(order)} for order in schedule.orders]
-        position = [(s, index[s][u]) for s, u in nodes]
-        node_at = {pos: v for v, pos in enumerate(position)}
-        on_envelope = [node in reconf.envelope for node in nodes]
+        # outer envelope, set up once (the graph's nodes are the schedule's units stage by stage, in order:
+        # core/units.py unit_dag), and raises as reconf.apply does on timeline.critical_units(). Unit durations
+        # are kept up to date where a raise changed a clock (evaluator.simulate's, per unit; each (cost key,
+        # clock) looked up once); each step's timeline reuses the last one's lists (Resimulator.advance).
+        # tests/planning/test_planning_reuse.py holds the loop to the long way (apply, full simulations).
+        graph = evaluator.graph
+        position = [(s, i) for s, order in enumerate(schedule.orders) for i in range(len(order))]
+        offset = [0] * len(schedule.orders)
+        for s in range(1, len(offset)):
+            offset[s] = offset[s - 1] + len(schedule.orders[s - 1])
+        on_envelope = [False] * len(position)
+        for node in reconf.envelope:
+            v = graph.index.get(node)
+            if v is not None:
+                on_envelope[v] = True
         durations = list(timeline.duration_s)
         resim = Resimulator(evaluator.graph)
+        keys = evaluator.cost_keys
+        key_id: dict[tuple, int] = {}
+        kid = [key_id.setdefault(k, len(key_id)) for k in keys]
+        time_at: dict[int, dict[int, float]] = {}  # clock -> key id -> the unit time there
+        # Balanced without a profile (always so here): the raise itself in node indices, on reconf's rows.
+        balanced = config.reconfig == ReconfigPolicy.BALANCED and reconf.profile is None
+        rows = reconf.freqs
+        flat = [rows[s][i] for s, i in position]
         while True:
             critical = timeline.critical_path()
-            if all(on_envelope[v] for v in critical):
+            if all([on_envelope[v] for v in critical]):
                 converged, reason = True, "critical path is the outer envelope"
                 break
             if iterations >= config.max_iterations:
                 reason = f"stopped after max_iterations={config.max_iterations}"
                 break
-            changes = reconf.raise_off_envelope([position[v] for v in critical])
-            if not changes:
+            if balanced:  # Reconfigurer's balanced raise (no profile): every path unit at the lowest clock, one step
+                f_min = min([flat[v] for v in critical])
+                if f_min >= ladder.f_max:
+                    changed = []
+                else:
+                    new = ladder.raised(f_min, 1)
+                    changed = [v for v in critical if flat[v] == f_min]
+                    for v in changed:
+                        flat[v] = new
+                        s, i = position[v]
+                        rows[s][i] = new
+            else:
+                changes = reconf.raise_off_envelope([position[v] for v in critical])
+                changed = [offset[stage] + i for stage, i, _, _ in changes]
+                for v, (_, _, _, new_mhz) in zip(changed, changes):
+                    durations[v] = evaluator.key_point(keys[v], new_mhz).time_s
+            if not changed:
                 path = timeline.critical_units()
                 if all(f == f_max for f in reconf.freqs_flat()):
                     converged, reason = True, "nothing to reconfigure: every unit runs at f_max"
@@ -139,12 +170,16 @@ def plan_reconfigured(
                 )
                 break
             iterations += 1
-            changed = []
-            for stage, i, _, new_mhz in changes:
-                v = node_at[(stage, i)]
-                durations[v] = evaluator.key_point(evaluator.cost_keys[v], new_mhz).time_s
-                changed.append(v)
-            timeline = resim.simulate(timeline, durations, changed)
+            if balanced:
+                table = time_at.get(new)
+                if table is None:
+                    time_at[new] = table = {}
+                for v in changed:
+                    d = table.get(kid[v])
+                    if d is None:
+                        table[kid[v]] = d = evaluator.key_point(keys[v], new).time_s
+                    durations[v] = d
+            timeline = resim.advance(timeline, durations, changed)
         plan = reconf.plan
     score = evaluator.score(plan.flat(), timeline)
     result = PlanResult(

@@ -75,20 +75,27 @@ def unit_clocks(
 
 
 def schedule_edges(schedule: Schedule, graph: PipelineGraph) -> list[tuple[int, int, float]]:
-    """Every precedence ``(u, v, latency_s)`` of one iteration, from the schedule (node indices of ``graph``)."""
+    """Every precedence ``(u, v, latency_s)`` of one iteration, from the schedule (node indices of ``graph``);
+    model chunks (interleaved schedules) included."""
     idx = graph.index
-    last = schedule.num_stages - 1
+    last, top = schedule.num_stages - 1, schedule.num_chunks - 1
     lat = graph.p2p_latency_s
     edges = []
     for s, order in enumerate(schedule.orders):
         for a, b in zip(order, order[1:]):  # one unit at a time, in schedule order
             edges.append((idx[(s, a)], idx[(s, b)], 0.0))
         for unit in order:
-            m = unit.microbatch
+            m, v = unit.microbatch, unit.chunk
+            # Model chunk v of stage s is virtual stage v * P + s: the last stage's chunk v sends its
+            # activation to the first stage's chunk v + 1, which sends the gradient back.
             if unit.is_forward and s < last:  # activation to the next stage
-                edges.append((idx[(s, unit)], idx[(s + 1, F(m))], lat))
+                edges.append((idx[(s, unit)], idx[(s + 1, F(m, v))], lat))
+            elif unit.is_forward and v < top:  # ... or, from the last stage, to the next chunk
+                edges.append((idx[(s, unit)], idx[(0, F(m, v + 1))], lat))
             if not unit.is_forward and s > 0:  # gradient to the previous stage
-                edges.append((idx[(s, unit)], idx[(s - 1, B(m))], lat))
+                edges.append((idx[(s, unit)], idx[(s - 1, B(m, v))], lat))
+            elif not unit.is_forward and v > 0:  # ... or, from the first stage, to the previous chunk
+                edges.append((idx[(s, unit)], idx[(last, B(m, v - 1))], lat))
     for dep in graph.extra_dependencies:
         edges.append((idx[(dep.src_stage, dep.src)], idx[(dep.dst_stage, dep.dst)], dep.latency_s))
     return edges

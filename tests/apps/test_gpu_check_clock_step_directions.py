@@ -7,6 +7,7 @@ after a lowering; the traces go through the real trace analysis and the step's f
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -52,8 +53,11 @@ def test_raises_and_lowerings_are_reported_at_their_own_speeds(tmp_path, monkeyp
     state = tmp_path / "state"
     ctx = StepContext(out_dir=tmp_path, device="cpu", device_index=0, limit_s=60.0,
                       started_monotonic=time.monotonic(), state_dir=str(state))
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     result = clock_step.run(ctx)
     assert result.status == "ok", result.reason
+    # its clock guard closed: the pytest process keeps no handlers of it
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
     fig = result.figures
     tol = 2 * KERNEL_S  # within a kernel or two of the synthesised landing
     assert fig["sm_settle_raise_s"] == pytest.approx(RAISE_S, abs=tol)

@@ -88,6 +88,25 @@ def test_flat_walks_keep_nan_and_signed_zeros_like_the_loops():
     assert [bits(x) for x in got] == [bits(x) for x in earliest_times(graph.order, plain(graph.preds), d)]
 
 
+@pytest.mark.parametrize("latency", [0.0, -0.0, 0.25, 5e-324])
+def test_zero_latency_pairs_are_taken_only_when_every_latency_is_plus_zero(latency):
+    """The walks skip the latency additions only where they change no float: every latency +0.0 (``x - (-0.0)``
+    turns a -0.0 into +0.0, and any other latency moves the times)."""
+    graph = PipelineGraph(SCHEDULES["interleaved-2"], latency)
+    zero = latency == 0.0 and math.copysign(1.0, latency) > 0
+    assert (graph.preds.pairs() is not None) is zero and (graph.succs.pairs() is not None) is zero
+    if zero:
+        assert graph.preds.pairs() == tuple((v, a, b) for v, a, _, b, _ in graph.preds.steps())
+    d = durations(len(graph.nodes), 11)
+    d[4], d[9] = -0.0, math.nan  # where skipping ``+ 0.0`` could show
+    fast = earliest_times(graph.order, graph.preds, d)
+    assert [bits(x) for x in fast] == [bits(x) for x in earliest_times(graph.order, plain(graph.preds), d)]
+    for deadline in (40.0, -0.0):
+        got = latest_times(graph.order, graph.succs, d, deadline)
+        want = latest_times(graph.order, successors(plain(graph.preds)), d, deadline)
+        assert [bits(x) for x in got] == [bits(x) for x in want]
+
+
 def test_other_orders_and_wider_nodes_take_the_general_loop():
     schedule = SCHEDULES["1f1b"]
     graph = PipelineGraph(schedule)

@@ -3,7 +3,7 @@
 testing/milp.py is what the LP planner is checked against (test_optimal.py), so it
 must be right on its own: here its optimum must equal the minimum energy over all
 clock assignments that meet the deadline, for both schedules, several deadlines,
-P2P latency and extra (paired-hold) dependencies, at the plan's makespan and padded.
+P2P latency, extra (paired-hold) dependencies and model chunks (interleaved), at the plan's makespan and padded.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytest.importorskip("numpy")
 from megatron_envpipe.core.gpu_specs import get_gpu_spec  # noqa: E402
 from megatron_envpipe.core.instructions import paired_hold_dependencies  # noqa: E402
 from megatron_envpipe.core.profile import Profile, ProfilePoint  # noqa: E402
-from megatron_envpipe.core.schedule import envpipe_schedule, one_f_one_b  # noqa: E402
+from megatron_envpipe.core.schedule import envpipe_schedule, interleaved_schedule, one_f_one_b  # noqa: E402
 from megatron_envpipe.core.timeline import PlanEvaluator  # noqa: E402
 from megatron_envpipe.testing import milp  # noqa: E402
 from megatron_envpipe.planning.optimal import TimeEnergyModel  # noqa: E402
@@ -35,6 +35,8 @@ INSTANCES = [
     ("1f1b-P2M3", one_f_one_b(2, 3), 2, 0.004, False),  # 2^12 = 4096
     ("ours-P2M3", envpipe_schedule(2, 3, [1, 0]), 2, 0.0, False),  # stage 0 warms up with 3 forwards
     ("ours-P2M3-paired", envpipe_schedule(2, 3, [1, 0]), 2, 0.004, True),
+    # Two model chunks: the wrap-around messages (last stage's chunk 0 -> first stage's chunk 1 and back)
+    ("interleaved-P2M2V2", interleaved_schedule(2, 2, 2), 2, 0.004, False),  # 2^16 = 65536
 ]
 
 
@@ -129,3 +131,30 @@ def test_oracle_shares_nothing_with_the_planners_model(gpt3_profile, monkeypatch
     monkeypatch.setattr(model, "fastest_time_s", broken)
     exact = milp.solve_milp(model, deadline)
     assert exact.optimal and exact.energy_j == pytest.approx(best, rel=1e-6)
+
+
+@pytest.mark.parametrize(("instance", "share"), [(INSTANCES[1], 0.5), (INSTANCES[-1], 0.2)],
+                         ids=["1f1b-P2M3", "interleaved-P2M2V2"])
+def test_milp_with_switch_cost_equals_brute_force(instance, share, gpt3_profile):
+    """With a switch cost the oracle's optimum is the least energy plus cost x the changes a repeating iteration
+    makes (each rank's consecutive units and its last unit back to its first), over every assignment."""
+    name, sched, n_clocks, latency, _ = instance
+    prof = profiles(gpt3_profile)["gpt3"][n_clocks]
+    ev, scored = brute_force(sched, prof, latency, ())
+    stage_of = [s for s, _ in ev.graph.nodes]
+    cost = share * min(e for _, e, _ in scored) / len(stage_of)  # a share of a unit's energy per change
+
+    def changes(freqs: tuple) -> int:
+        rows = [[f for f, s in zip(freqs, stage_of) if s == st] for st in range(sched.num_stages)]
+        return sum(a != b for row in rows for a, b in zip(row, row[1:] + row[:1]))
+
+    deadline = min(t for t, _, _ in scored) * 1.03
+    feasible = [(e + cost * changes(f), e) for t, e, f in scored if t <= deadline * TIGHT]
+    best = min(feasible)
+    free_best = min(feasible, key=lambda x: x[1])
+    assert best[0] < free_best[0] * (1 - 1e-6)  # the cost moves the optimum: the switch-free best is not it
+    model = TimeEnergyModel(sched, prof, prof.common_frequencies(), P2P, latency)
+    exact = milp.solve_milp(model, deadline, time_limit_s=60, mip_rel_gap=1e-9, switch_cost_j=cost)
+    assert exact.optimal, (name, exact.status)
+    assert exact.energy_j == pytest.approx(best[0], rel=1e-6), name
+    assert exact.energy_j == pytest.approx(exact.score.energy_j + cost * changes(tuple(exact.freqs_mhz)), rel=1e-9)

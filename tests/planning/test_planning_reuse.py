@@ -45,10 +45,11 @@ def test_resumed_simulation_is_the_full_one_to_the_bit(gpt3_profile, scheduling)
         timeline = fast
 
 
-def reconfigured_the_long_way(profile, m, config):
-    """plan_reconfigured's loop as it was: units looked up by (stage, Unit), every iteration simulated in full."""
+def reconfigured_the_long_way(profile, m, config, schedule=None):
+    """plan_reconfigured's loop as it was: units looked up by (stage, Unit), raised by Reconfigurer.apply, every
+    iteration simulated in full (``schedule``: the one plan_reconfigured built, 1F1B by default)."""
     basis = planning_basis(profile, m, config)
-    schedule = one_f_one_b(basis.num_stages, m)
+    schedule = schedule or one_f_one_b(basis.num_stages, m)
     evaluator = PlanEvaluator(schedule, profile, basis.p2p_power_w)
     reconf = Reconfigurer(initial_plan(schedule, config.plan_type, basis.f_max_mhz, basis.valley_mhz),
                           config.reconfig, ClockLadder(basis.candidates_mhz, config.effective_reconfig_step_mhz))
@@ -69,6 +70,42 @@ def test_reconfiguration_loop_matches_the_long_way(bloom_profile, policy):
     assert iterations > 5  # the loop did run
     assert result.plan.freqs_mhz == plan.freqs_mhz and result.iterations == iterations
     assert result.timeline.end_s == timeline.end_s
+
+
+@pytest.mark.parametrize("scheduling", ["ours", "interleaved"])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_reconfiguration_loop_matches_the_long_way_on_other_schedules(gpt3_profile, scheduling, scale):
+    """The balanced raise in node indices, its cached unit times and the timelines that reuse the last one's
+    lists (planning/envpipe.py, Resimulator.advance): the same plan, iterations and times as the long way."""
+    profile = gpt3_profile if scale == 1.0 else gpt3_profile.scaled(scale, scale)
+    extra = {"virtual_stages": 2} if scheduling == "interleaved" else {}
+    config = PlannerConfig("envelope", scheduling, "balanced", gpu=A40, **extra)
+    result = plan_reconfigured(profile, 16, config)
+    plan, iterations, timeline = reconfigured_the_long_way(profile, 16, config, result.schedule)
+    assert iterations > 5  # the loop did run
+    assert result.plan.freqs_mhz == plan.freqs_mhz and result.iterations == iterations
+    assert result.timeline.start_s == timeline.start_s and result.timeline.end_s == timeline.end_s
+    assert result.timeline.duration_s == timeline.duration_s
+
+
+@pytest.mark.parametrize("latency", [0.0, 1e-4])
+def test_advancing_resimulation_is_the_full_one_to_the_bit(gpt3_profile, latency):
+    schedule = one_f_one_b(gpt3_profile.num_stages, 8)
+    evaluator = PlanEvaluator(schedule, gpt3_profile, A40.p2p_power_w, p2p_latency_s=latency)
+    clocks = sorted(gpt3_profile.common_frequencies())
+    rng = random.Random(5)
+    freqs = [rng.choice(clocks) for _ in range(len(evaluator.graph.nodes))]
+    timeline = evaluator.simulate(freqs)
+    resim = Resimulator(evaluator.graph)
+    assert resim.steps is not None and (resim.pairs is not None) is (latency == 0.0)  # both walks are checked
+    for _ in range(30):
+        changed = rng.sample(range(len(freqs)), rng.randint(1, 3))
+        for v in changed:
+            freqs[v] = rng.choice(clocks)
+        nxt = resim.advance(timeline, evaluator.durations(freqs), changed)
+        full = evaluator.simulate(freqs)
+        assert nxt.start_s == full.start_s and nxt.end_s == full.end_s and nxt.duration_s == full.duration_s
+        timeline = nxt
 
 
 def test_balanced_raise_without_a_profile_moves_the_lowest_units_one_ladder_step(gpt3_profile):

@@ -34,17 +34,32 @@ def _extra_dependency(schedule) -> Dependency:
     return Dependency(0, src, 1, dst, 0.0)
 
 
-@pytest.fixture(scope="module", params=["1f1b-deep-gpt3", "ours-rep-bloom", "1f1b-extra-dep"])
+# Each walk the re-timer has: zero-latency pairs (the first two), flat steps with a P2P latency, the general loop
+# (a unit with three inputs); test_the_fixtures_cover_every_walk holds them to it.
+@pytest.fixture(scope="module", params=["1f1b-deep-gpt3", "ours-rep-bloom", "1f1b-latency", "1f1b-extra-dep"])
 def model(request, gpt3_profile, bloom_profile):
+    latency_s = 0.0
     if request.param == "1f1b-deep-gpt3":
         sched, prof, deps = one_f_one_b(12, 36), deepened(gpt3_profile, 12), ()
     elif request.param == "ours-rep-bloom":
         prof = repeated(bloom_profile, 2)
         sched, deps = build_schedule("ours", 16, 40, [3] * 4 + [2] * 4 + [1] * 4 + [0] * 4), ()
+    elif request.param == "1f1b-latency":
+        sched, prof, deps, latency_s = one_f_one_b(8, 24), gpt3_profile, (), 2e-3
     else:
         sched, prof = one_f_one_b(8, 24), gpt3_profile
         deps = (_extra_dependency(sched),)
-    return TimeEnergyModel(sched, prof, prof.common_frequencies(), A40.p2p_power_w, 0.0, deps)
+    return TimeEnergyModel(sched, prof, prof.common_frequencies(), A40.p2p_power_w, latency_s, deps)
+
+
+def test_the_fixtures_cover_every_walk(model, request):
+    """The comparisons below see the walk each fixture is meant for (else a walk would go untested)."""
+    preds, succs = model.graph.preds, ClockSearch(model).succs
+    # per fixture, forward and backward: "pairs", "steps" or "loop" (the general one)
+    expected = {"1f1b-deep-gpt3": ("pairs", "pairs"), "ours-rep-bloom": ("pairs", "pairs"),
+                "1f1b-latency": ("steps", "steps"), "1f1b-extra-dep": ("loop", "pairs")}  # 3 inputs, 2 outputs
+    walks = tuple("loop" if e.steps() is None else "steps" if e.pairs() is None else "pairs" for e in (preds, succs))
+    assert walks == expected[request.node.callspec.params["model"]]
 
 
 def _random_plan(model, rng) -> list[int]:
@@ -105,6 +120,32 @@ def test_incremental_passes_equal_full_passes(model, forward):
     assert narrow >= 5  # small changes were re-timed on a few units, not the whole graph
 
 
+@pytest.mark.parametrize("forward", [True, False])
+def test_resumed_passes_equal_full_passes(model, forward):
+    """A wide change's pass, resumed where the walks first meet a change (zero-latency graphs; else None: the full
+    pass), is the full pass bit for bit; next_slack_pass answers with it when the heap gives up."""
+    search, rng = ClockSearch(model), random.Random(6 + forward)
+    retimer: Retimer = search.retimer
+    base = _random_plan(model, rng)
+    deadline = model.makespan(base) * 1.01
+    ref = retimer.full_pass(forward, base, deadline)
+    resumed = model.graph.preds.pairs() is not None and search.succs.pairs() is not None
+    for count in [1, 2, 3, 5, model.n // 8, model.n // 2]:
+        inp, diff = _changed(model, base, rng, count)
+        got = retimer.resumed_pass(ref, inp, diff)
+        full = retimer.full_pass(forward, inp, deadline)
+        assert (got is not None) == (resumed and bool(diff))
+        if got is not None:
+            assert got == full  # every list, bit for bit
+            ref = got  # the next change starts from a resumed pass
+            base = inp
+    # next_slack_pass giving up at once (every change too wide for the heap): the same passes.
+    retimer.wide_part = 10**9
+    for count in [1, 2, 4]:
+        inp, diff = _changed(model, base, rng, count)
+        assert retimer.next_slack_pass(ref, inp, diff)[0] == retimer.full_pass(forward, inp, deadline)
+
+
 def test_retime_gives_the_simulations_verdict_and_ends(model):
     search, rng = ClockSearch(model), random.Random(4)
     retimer: Retimer = search.retimer
@@ -132,7 +173,8 @@ class _PlainSearch(ClockSearch):
     """The search as it was: every trial settled with whole passes, every move checked by a whole simulation."""
 
     def _settle_near(self, chain, idx, diff):
-        return self.settle(idx, chain.deadline, first="f", max_passes=self.LOCAL_PASSES)
+        idx = self.settle(idx, chain.deadline, first="f", max_passes=self.LOCAL_PASSES)
+        return idx, self.model.cost(idx)
 
     def _apply_moves(self, cur, cands, limit, max_checks, d, end):
         cands.sort()

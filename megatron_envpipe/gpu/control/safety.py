@@ -11,7 +11,9 @@ process locked. When it first locks a device it
    SIGINT: a handler, installed from the main thread, resets every guarded GPU and
    then chains to the handler that was there before (Python's default SIGINT
    handler raises KeyboardInterrupt; ``SIG_DFL`` is re-raised, so SIGTERM still
-   ends the process with the conventional status).
+   ends the process with the conventional status). When the last guard that
+   handles signals is closed, the handlers it chained to are put back (a
+   long-lived process, a test session, keeps no retired guard's handlers).
 
 Resetting removes the state file. After a termination signal or at exit the
 guard is *released*: it never locks again in this process (a worker thread with
@@ -289,6 +291,7 @@ class ClockGuard:
         with _REGISTRY_LOCK:
             if self in _GUARDS and not self._entries:
                 _GUARDS.remove(self)
+                _restore_signal_handlers_if_unused()
         with self._lock:
             if self._store is not None and not self._entries:
                 self._store.close()
@@ -432,6 +435,22 @@ def _install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.
             signal.signal(sig, _on_signal)
             _INSTALLED.add(sig)
     return True
+
+
+def _restore_signal_handlers_if_unused() -> None:
+    """Put back the handlers ours chained to once no guard that handles signals is left (main thread
+    only; call with ``_REGISTRY_LOCK`` held). A handler set on top of ours since stays, and so does ours
+    under it: that handler may chain to it. A later guard installs again, over what is there then."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if any(guard.handles_signals for guard in _GUARDS):
+        return
+    for sig in sorted(_INSTALLED):
+        previous = _PREVIOUS.get(sig, signal.SIG_DFL)
+        if signal.getsignal(sig) is _on_signal and previous is not None:  # None: set outside Python, no way back
+            signal.signal(sig, previous)
+            _PREVIOUS.pop(sig, None)
+            _INSTALLED.discard(sig)
 
 
 def _after_fork_in_child() -> None:

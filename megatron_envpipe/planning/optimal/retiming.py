@@ -9,7 +9,11 @@ time actually moves. Every unit that is visited is computed by the relaxations
 of :mod:`megatron_envpipe.core.graph` (``ready_s``/``due_s``, reading the times
 moved so far through an ``Overlay`` of the reference pass), and every unit that
 is not keeps its old value, so the answers are bit-identical to full passes;
-plans do not change, only the work.
+plans do not change, only the work. A change that reaches too far for the heap
+still starts at a few units: its pass is walked whole from where the walks first
+meet a change (:meth:`Retimer.resumed_pass`), and a feasibility check's
+simulation from the first changed unit. On zero-latency graphs (the planners'
+default) the walks run over core.graph's pairs (:mod:`.pair_walks`).
 
 Pure Python, like :mod:`megatron_envpipe.core.graph`.
 """
@@ -20,14 +24,19 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
+from itertools import compress, count
+from operator import getitem, ne
 from typing import Any
 
 from megatron_envpipe.core.graph import (
+    EdgeLists,
     Edges,
     Overlay,
+    Pair,
     Step,
     due_pair_s,
     due_s,
+    earliest_pairs_from,
     earliest_times,
     flat_steps,
     latest_times,
@@ -35,6 +44,7 @@ from megatron_envpipe.core.graph import (
     ready_s,
 )
 from megatron_envpipe.errors import EnvPipeError
+from megatron_envpipe.planning.optimal.pair_walks import backward_pairs, forward_pairs, latest_pairs_from
 
 
 @dataclass(frozen=True)
@@ -81,18 +91,23 @@ class Retimer:
             steps = flat_steps(edges, self.order, backward)
             self._flat[backward] = steps or ()
             self._wide[backward] = [] if steps is not None else list(reversed(self.order) if backward else self.order)
+        # With every latency +0.0 (the planners' default), the same walks over core.graph's zero-latency pairs.
+        self._back_order = tuple(reversed(self.order))
+        self._pairs: dict[bool, Sequence[Pair] | None] = {
+            backward: edges.pairs() if isinstance(edges, EdgeLists) and edges.walks(self.order, backward) else None
+            for backward, edges in ((False, preds), (True, succs))
+        }
 
     # -- full passes ---------------------------------------------------------------------
     def full_pass(self, forward: bool, inp: list[int], deadline: float) -> SlackPass:
         """The slack pass of ``ClockSearch.forward_pass`` / ``backward_pass`` (every option), kept whole."""
-        times = self.times
-        d = [times[v][k] for v, k in enumerate(inp)]
+        d = list(map(getitem, self.times, inp))
         if forward:
             ls, lf = latest_times(self.order, self.succs, d, deadline)
-            out, end = self.choose_forward(lf, deadline, times)
+            out, end = self.choose_forward(lf, deadline, self.times)
             return SlackPass(True, deadline, list(inp), d, lf, ls, end, out)
         es, ee = earliest_times(self.order, self.preds, d)
-        out, latest_start = self.choose_backward(es, deadline, times)
+        out, latest_start = self.choose_backward(es, deadline, self.times)
         return SlackPass(False, deadline, list(inp), d, es, ee, latest_start, out)
 
     def choose_forward(self, lf: Sequence[float], deadline: float, option_times: Sequence[Sequence[float]],
@@ -102,7 +117,12 @@ class Retimer:
         n, eps = self.n, self.eps_rtol * deadline
         out = [0] * n
         end = [0.0] * (n + 1)  # slot n: the absent edge of the flat steps (0 s: never wins)
-        for v, a, lat_a, b, lat_b in self._flat[False]:
+        pairs = self._pairs[False]
+        if pairs is not None:
+            forward_pairs(pairs, lf, eps, option_times, out, end)
+            if hull is not None:  # the hull's options mapped after the walk
+                out = list(map(getitem, hull, out))
+        for v, a, lat_a, b, lat_b in self._flat[False] if pairs is None else ():
             t = ready_pair_s(end, a, lat_a, b, lat_b)
             ts = option_times[v]
             k = bisect_right(ts, lf[v] - t + eps) - 1
@@ -130,7 +150,12 @@ class Retimer:
         n, eps = self.n, self.eps_rtol * deadline
         out = [0] * n
         latest_start = [deadline] * (n + 1)  # slot n: the absent edge (the deadline: never wins)
-        for v, a, lat_a, b, lat_b in self._flat[True]:
+        pairs = self._pairs[True]
+        if pairs is not None:
+            backward_pairs(pairs, es, deadline, eps, option_times, out, latest_start)
+            if hull is not None:
+                out = list(map(getitem, hull, out))
+        for v, a, lat_a, b, lat_b in self._flat[True] if pairs is None else ():
             t = due_pair_s(latest_start, deadline, a, lat_a, b, lat_b)
             ts = option_times[v]
             k = bisect_right(ts, t - es[v] + eps) - 1
@@ -150,6 +175,49 @@ class Retimer:
                 latest_start[v] = t - ts[k]
         latest_start.pop()
         return out, latest_start
+
+    def resumed_pass(self, ref: SlackPass, inp: list[int], diff: Sequence[int]) -> SlackPass | None:
+        """``full_pass(ref.forward, inp, ref.deadline)`` where ``inp`` differs from ``ref.inp`` only at ``diff``: the
+        walks resumed where they first meet a change (the units before it keep ``ref``'s times and choices), the
+        same floats; None where the graph has no zero-latency pairs (the caller runs the full pass).
+
+        Changes that reach far still start at a few units, so this is the wide change's answer: a forward pass
+        walks its latest times back from the last changed unit and chooses from the first unit whose latest
+        finish moved; a backward pass the mirror image.
+        """
+        fwd, bwd = self._pairs[False], self._pairs[True]
+        if fwd is None or bwd is None or not diff:
+            return None
+        n, pos, order, deadline = self.n, self.pos, self.order, ref.deadline
+        eps = self.eps_rtol * deadline
+        d = list(map(getitem, self.times, inp))
+        out = list(ref.out)
+        if ref.forward:
+            ls = list(ref.bound_at)
+            ls.append(deadline)  # the absent edge's slot
+            lf = list(ref.bound)
+            latest_pairs_from(bwd, n - 1 - max(pos[v] for v in diff), d, deadline, ls, lf)
+            ls.pop()
+            # the first unit (in order) whose latest finish moved: the choices before it are ref's
+            first = next(compress(count(), map(ne, map(lf.__getitem__, order), map(ref.bound.__getitem__, order))), n)
+            end = list(ref.at)
+            end.append(0.0)
+            forward_pairs(fwd, lf, eps, self.times, out, end, first)
+            end.pop()
+            return SlackPass(True, deadline, list(inp), d, lf, ls, end, out)
+        es = list(ref.bound)
+        ee = list(ref.bound_at)
+        ee.append(0.0)
+        earliest_pairs_from(fwd, min(pos[v] for v in diff), es, ee, d)
+        ee.pop()
+        # the backward walk's first unit whose earliest start moved: the choices before it are ref's
+        back = self._back_order
+        first = next(compress(count(), map(ne, map(es.__getitem__, back), map(ref.bound.__getitem__, back))), n)
+        latest_start = list(ref.at)
+        latest_start.append(deadline)
+        backward_pairs(bwd, es, deadline, eps, self.times, out, latest_start, first)
+        latest_start.pop()
+        return SlackPass(False, deadline, list(inp), d, es, ee, latest_start, out)
 
     # -- incremental passes -------------------------------------------------------------
     def next_pass(self, ref: SlackPass, inp: list[int], diff: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -177,8 +245,8 @@ class Retimer:
                 bound, bound_at = self._earliest(ref, d_new)
                 changed, at = self._choose_backward(ref, bound, deadline)
         except _TooWide:
-            sp = self.full_pass(ref.forward, inp, deadline)
-            return sp, [v for v in range(self.n) if sp.out[v] != ref.out[v]]
+            sp = self.resumed_pass(ref, inp, diff) or self.full_pass(ref.forward, inp, deadline)
+            return sp, list(compress(range(self.n), map(ne, sp.out, ref.out)))
         out = list(ref.out)
         moved = []
         for v, k in changed.items():
@@ -309,7 +377,7 @@ class Retimer:
     def retime(self, d: Sequence[float], end: Sequence[float], changed: dict[int, float], limit: float,
                on_time: bool | None = None) -> dict[int, float] | None:
         """New ends of the units whose end moves when the units in ``changed`` take those durations
-        (``d``, ``end``: the durations and simulated ends before), or None if one would end after ``limit``.
+        (``d``, ``end``: the durations and their simulated ends, exactly), or None if one would end after ``limit``.
         ``on_time``: whether every old end is within ``limit``, when the caller knows (None: looked up here,
         a pass over every unit).
 
@@ -330,8 +398,20 @@ class Retimer:
         trial = list(d)
         for v, t in changed.items():
             trial[v] = t
-        new = earliest_times(self.order, self.preds, trial)[1]
-        return None if max(new) > limit else {v: e for v, e in enumerate(new) if e != end[v]}
+        pairs = self._pairs[False]
+        if pairs is not None:
+            # The zero-latency walk resumed at the first changed unit (in order): the units before it keep their
+            # ends (``end``: the simulation's), so the same floats as the whole simulation (planning/resimulation.py).
+            new = list(end)
+            new.append(0.0)  # the absent edge's slot
+            pos = self.pos
+            earliest_pairs_from(pairs, min((pos[v] for v in changed), default=self.n), [0.0] * self.n, new, trial)
+            new.pop()
+        else:
+            new = earliest_times(self.order, self.preds, trial)[1]
+        if max(new) > limit:
+            return None
+        return {v: new[v] for v in compress(range(self.n), map(ne, new, end))}
 
     def _retime_near(self, d: Sequence[float], end: Sequence[float], changed: dict[int, float], limit: float
                      ) -> Any:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from itertools import compress, count
+from operator import ne
 from typing import Protocol
 
 from megatron_envpipe.core.graph import earliest_times, latest_times, successors
@@ -62,10 +64,12 @@ class ClockSearch:
         self.retimer = Retimer(self.order, self.preds, self.succs, self.times, FEASIBILITY_RTOL)
         # Per unit, as tuples shared by units of one option list (hashable: the dithering's keys).
         shared: dict[int, tuple[float, ...]] = {}
-        self.hull_times = [
-            shared.setdefault(id(model.times[v]), tuple(model.times[v][i] for i in self.hulls[v]))
-            for v in range(self.n)
-        ]
+        self.hull_times = []
+        for ts, hull in zip(model.times, self.hulls):
+            key = id(ts)
+            if key not in shared:  # built once per option list (the keys hold their lists alive: model.times)
+                shared[key] = tuple(ts[i] for i in hull)
+            self.hull_times.append(shared[key])
         self._nbrs: list[list[int]] = []
         self._nbrs_window: int | None = None
 
@@ -98,30 +102,32 @@ class ClockSearch:
     def settle(self, idx: list[int], deadline: float, first: str = "f", max_passes: int = 6) -> list[int]:
         """Alternate forward/backward slow-down passes until the cost stops falling."""
 
-        def one_pass(i: int, cur: list[int]) -> list[int]:
+        def one_pass(i: int, cur: list[int]) -> tuple[list[int], None]:
             d = self.model.durations(cur)
             if (i % 2 == 0) == (first == "f"):
-                return self.forward_pass(cur, d, deadline)
-            return self.backward_pass(cur, d, deadline)
+                return self.forward_pass(cur, d, deadline), None
+            return self.backward_pass(cur, d, deadline), None
 
-        return self._cheapest_of_passes(idx, one_pass, max_passes)
+        return self._cheapest_of_passes(idx, one_pass, max_passes)[0]
 
-    def _cheapest_of_passes(self, idx: list[int], one_pass: Callable[[int, list[int]], list[int]],
-                            max_passes: int) -> list[int]:
+    def _cheapest_of_passes(self, idx: list[int], one_pass: Callable[[int, list[int]], tuple[list[int], float | None]],
+                            max_passes: int) -> tuple[list[int], float]:
         """The settle rule, shared by :meth:`settle` and :meth:`_settle_near`: apply ``one_pass(i, cur)``
         up to ``max_passes`` times, keep the cheapest plan, stop at the first pass after the second
-        that does not lower the cost."""
+        that does not lower the cost; (that plan, its cost). ``one_pass`` gives its plan and, when it
+        knows it (the plan of a pass already costed), that plan's cost, else None."""
         cost = self.model.cost
         best_idx, best = idx, cost(idx)
         cur = idx
         for i in range(max_passes):
-            cur = one_pass(i, cur)
-            c = cost(cur)
+            cur, c = one_pass(i, cur)
+            if c is None:
+                c = cost(cur)
             if c < best - 1e-12 * abs(best):
                 best_idx, best = cur, c
             elif i >= 1:
                 break
-        return best_idx
+        return best_idx, best
 
     # -- rounding ----------------------------------------------------------------------
     def dithered(self, d_lp: Sequence[float], deadline: float) -> list[float]:
@@ -216,8 +222,7 @@ class ClockSearch:
                 trials += 1
                 trial = list(cur)
                 trial[v] -= steps
-                trial = self._settle_near(chain, trial, [v])
-                c = cost(trial)
+                trial, c = self._settle_near(chain, trial, [v])
                 if c < cur_cost - 1e-9 * abs(cur_cost):
                     chain = self._moved_chain(chain, trial)
                     cur, cur_cost = trial, c
@@ -237,15 +242,18 @@ class ClockSearch:
         """The chain of ``idx``, its passes re-timed from ``chain``'s (another plan's) as they are asked for."""
         return _PassChain(self.retimer, idx, chain.deadline, chain)
 
-    def _settle_near(self, chain: "_PassChain", idx: list[int], diff: list[int]) -> list[int]:
+    def _settle_near(self, chain: "_PassChain", idx: list[int], diff: list[int]) -> tuple[list[int], float]:
         """:meth:`settle` (forward first, :attr:`LOCAL_PASSES` passes at most) of ``idx``, which differs
-        from ``chain.idx`` only at ``diff``: each pass re-times only what moves against ``chain``'s."""
+        from ``chain.idx`` only at ``diff``: each pass re-times only what moves against ``chain``'s;
+        (the plan, its cost)."""
         moved = diff
+        cost = self.model.cost
 
-        def one_pass(i: int, cur: list[int]) -> list[int]:
+        def one_pass(i: int, cur: list[int]) -> tuple[list[int], float | None]:
             nonlocal moved
             cur, moved = self.retimer.next_pass(chain.get(i), cur, moved)
-            return cur
+            # A pass that ends on the chain's own plan (most do) costs what that plan costs, summed once per chain.
+            return cur, None if moved else chain.out_cost(i, cost)
 
         return self._cheapest_of_passes(idx, one_pass, self.LOCAL_PASSES)
 
@@ -406,6 +414,7 @@ class _PassChain:
     def __init__(self, retimer: Retimer, idx: list[int], deadline: float, prev: "_PassChain | None" = None) -> None:
         self.retimer, self.idx, self.deadline = retimer, idx, deadline
         self.passes: list[SlackPass] = []
+        self.out_costs: dict[int, float] = {}  # pass -> the cost of its plan, once asked for
         self.prev = prev
         if prev is not None:
             prev.prev = None  # only prev's passes are read from here on: no chain of chains kept alive
@@ -419,7 +428,14 @@ class _PassChain:
                 self.passes.append(self.retimer.full_pass(j % 2 == 0, inp, self.deadline))
             else:
                 ref_inp = old.inp
-                diff = [v for v in range(len(inp)) if inp[v] != ref_inp[v]]
+                diff = list(compress(count(), map(ne, inp, ref_inp)))
                 self.passes.append(self.retimer.next_slack_pass(old, inp, diff)[0])
         return self.passes[i]
+
+    def out_cost(self, i: int, cost: Callable[[Sequence[int]], float]) -> float:
+        """``cost`` of pass ``i``'s plan (the same list, so the same sum), computed once."""
+        c = self.out_costs.get(i)
+        if c is None:
+            c = self.out_costs[i] = cost(self.get(i).out)
+        return c
 
