@@ -38,7 +38,7 @@ from megatron_envpipe.planning.switching import (
     reduce_clock_changes_remembered,
     steady_clock_changes,
 )
-from megatron_envpipe.planning.switching_dp import plan_segments, short_segments
+from megatron_envpipe.planning.switching_dp import PAIR_MAX_RANK_UNITS, PAIR_TRIALS, plan_segments, short_segments
 
 
 def plan_envpipe(
@@ -206,9 +206,11 @@ def _with_segments(result: PlanResult, profile: Profile) -> PlanResult:
     deadline = result.deadline_s if padded and result.deadline_s is not None else result.score.iteration_time_s
     latency = cfg.clock_latency_s
     before = _latency_summary(result, profile) if latency > 0 else None
-    dp = plan_segments(result.plan, evaluator, deadline, cost, min_segment_s=latency)
+    # Moves of two ranks at once where the ranks are short enough for them to be cheap (switching_dp.PAIR_*).
+    pairs = PAIR_TRIALS if max(map(len, result.schedule.orders)) <= PAIR_MAX_RANK_UNITS else 0
+    dp = plan_segments(result.plan, evaluator, deadline, cost, min_segment_s=latency, pair_trials=pairs)
     # The same DP without the latency bound says how many changes the latency removed.
-    free = plan_segments(result.plan, evaluator, deadline, cost) if latency > 0 else dp
+    free = plan_segments(result.plan, evaluator, deadline, cost, pair_trials=pairs) if latency > 0 else dp
     if dp.ranks_improved:
         result.plan, result.score, result.timeline = dp.plan, dp.score, dp.timeline
         if cost > 0 or cfg.max_clock_changes is not None:  # merges the DP's bounds did not reach
