@@ -338,7 +338,18 @@ def _latest_pairs(
     """:func:`_latest_steps` over zero-latency pairs: ``x - 0.0`` is ``x`` for every float, so the same floats."""
     latest_start = [deadline_s] * (n + 1)
     latest_finish = [deadline_s] * n
-    for v, a, b in pairs:
+    latest_pairs_from(pairs, 0, durations_s, deadline_s, latest_start, latest_finish)
+    latest_start.pop()
+    return latest_start, latest_finish
+
+
+def latest_pairs_from(pairs: Sequence[Pair], first: int, durations_s: Sequence[float], deadline_s: float,
+                      latest_start: list[float], latest_finish: list[float]) -> None:
+    """The zero-latency walk of :func:`latest_times` from ``pairs[first]`` on (``pairs`` of the successor lists),
+    in place: the lists hold the times of the nodes walked before (``latest_start`` with the absent edge's slot,
+    the deadline, at its end), as a walk resumed after a few durations changed needs (planning/optimal/retiming.py).
+    ``x - 0.0`` is ``x`` for every float, so the same floats as :func:`_latest_steps`."""
+    for v, a, b in pairs if first == 0 else islice(pairs, first, None):
         t = deadline_s  # due_pair_s with zero latencies, inlined like _earliest_steps
         by = latest_start[a]
         if by < t:
@@ -348,8 +359,6 @@ def _latest_pairs(
             t = by
         latest_finish[v] = t
         latest_start[v] = t - durations_s[v]
-    latest_start.pop()
-    return latest_start, latest_finish
 
 
 def _latest_steps(

@@ -107,9 +107,10 @@ def plan_reconfigured(
     else:
         # The loop walks node indices: per node its (stage, position in its order) and whether it is on the
         # outer envelope, set up once (the graph's nodes are the schedule's units stage by stage, in order:
-        # core/units.py unit_dag), and raises as reconf.apply does on timeline.critical_units(). Unit durations
-        # are kept up to date where a raise changed a clock (evaluator.simulate's, per unit; each (cost key,
-        # clock) looked up once); each step's timeline reuses the last one's lists (Resimulator.advance).
+        # core/units.py unit_dag); the policy raises (reconf.raise_off_envelope, as reconf.apply does on
+        # timeline.critical_units()). Unit durations are kept up to date where a raise changed a clock
+        # (evaluator.simulate's, per unit; each (cost key, clock) looked up once); each step's timeline reuses
+        # the last one's lists (Resimulator.advance).
         # tests/planning/test_planning_reuse.py holds the loop to the long way (apply, full simulations).
         graph = evaluator.graph
         position = [(s, i) for s, order in enumerate(schedule.orders) for i in range(len(order))]
@@ -127,10 +128,6 @@ def plan_reconfigured(
         key_id: dict[tuple, int] = {}
         kid = [key_id.setdefault(k, len(key_id)) for k in keys]
         time_at: dict[int, dict[int, float]] = {}  # clock -> key id -> the unit time there
-        # Balanced without a profile (always so here): the raise itself in node indices, on reconf's rows.
-        balanced = config.reconfig == ReconfigPolicy.BALANCED and reconf.profile is None
-        rows = reconf.freqs
-        flat = [rows[s][i] for s, i in position]
         while True:
             critical = timeline.critical_path()
             if all([on_envelope[v] for v in critical]):
@@ -139,23 +136,8 @@ def plan_reconfigured(
             if iterations >= config.max_iterations:
                 reason = f"stopped after max_iterations={config.max_iterations}"
                 break
-            if balanced:  # Reconfigurer's balanced raise (no profile): every path unit at the lowest clock, one step
-                f_min = min([flat[v] for v in critical])
-                if f_min >= ladder.f_max:
-                    changed = []
-                else:
-                    new = ladder.raised(f_min, 1)
-                    changed = [v for v in critical if flat[v] == f_min]
-                    for v in changed:
-                        flat[v] = new
-                        s, i = position[v]
-                        rows[s][i] = new
-            else:
-                changes = reconf.raise_off_envelope([position[v] for v in critical])
-                changed = [offset[stage] + i for stage, i, _, _ in changes]
-                for v, (_, _, _, new_mhz) in zip(changed, changes):
-                    durations[v] = evaluator.key_point(keys[v], new_mhz).time_s
-            if not changed:
+            changes = reconf.raise_off_envelope([position[v] for v in critical])
+            if not changes:
                 path = timeline.critical_units()
                 if all(f == f_max for f in reconf.freqs_flat()):
                     converged, reason = True, "nothing to reconfigure: every unit runs at f_max"
@@ -170,15 +152,17 @@ def plan_reconfigured(
                 )
                 break
             iterations += 1
-            if balanced:
-                table = time_at.get(new)
+            changed = []
+            for stage, i, _, new_mhz in changes:
+                v = offset[stage] + i
+                table = time_at.get(new_mhz)
                 if table is None:
-                    time_at[new] = table = {}
-                for v in changed:
-                    d = table.get(kid[v])
-                    if d is None:
-                        table[kid[v]] = d = evaluator.key_point(keys[v], new).time_s
-                    durations[v] = d
+                    time_at[new_mhz] = table = {}
+                d = table.get(kid[v])
+                if d is None:
+                    table[kid[v]] = d = evaluator.key_point(keys[v], new_mhz).time_s
+                durations[v] = d
+                changed.append(v)
             timeline = resim.advance(timeline, durations, changed)
         plan = reconf.plan
     score = evaluator.score(plan.flat(), timeline)

@@ -7,7 +7,8 @@ at slot n). These walks run over them in place from ``pairs[first]`` on: the
 arrays hold the times and choices of the units walked before (with the absent
 edge's slot at the end), so a walk resumed after a few durations changed gives
 the floats of a whole one. ``ready_pair_s`` / ``due_pair_s`` are inlined as
-core.graph's own pair walks inline them (``earliest_pairs_from``, ``_latest_pairs``):
+core.graph's own pair walks inline them (``earliest_pairs_from``, ``latest_pairs_from``, which the
+re-timing resumes directly):
 ``x + 0.0`` is ``x`` but for -0.0, which wins no comparison from 0.0, and
 ``x - 0.0`` is ``x``: the same floats as the kernel's calls, without a call per
 unit (tests/planning/test_search_scale.py holds them to the kernel's walks).
@@ -62,18 +63,3 @@ def backward_pairs(pairs: Sequence[Pair], es: Sequence[float], deadline: float, 
             k = 0
         out[v] = k
         latest_start[v] = t - ts[k]
-
-
-def latest_pairs_from(pairs: Sequence[Pair], first: int, d: Sequence[float], deadline: float,
-                      latest_start: list[float], latest_finish: list[float]) -> None:
-    """core.graph.latest_times' walk over zero-latency pairs, resumed at ``pairs[first]``."""
-    for v, a, b in islice(pairs, first, None):
-        t = deadline
-        by = latest_start[a]
-        if by < t:
-            t = by
-        by = latest_start[b]
-        if by < t:
-            t = by
-        latest_finish[v] = t
-        latest_start[v] = t - d[v]

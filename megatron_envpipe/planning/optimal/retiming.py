@@ -39,12 +39,13 @@ from megatron_envpipe.core.graph import (
     earliest_pairs_from,
     earliest_times,
     flat_steps,
+    latest_pairs_from,
     latest_times,
     ready_pair_s,
     ready_s,
 )
 from megatron_envpipe.errors import EnvPipeError
-from megatron_envpipe.planning.optimal.pair_walks import backward_pairs, forward_pairs, latest_pairs_from
+from megatron_envpipe.planning.optimal.pair_walks import backward_pairs, forward_pairs
 
 
 @dataclass(frozen=True)
